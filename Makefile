@@ -1,0 +1,22 @@
+# Two commands do all set-up on a fresh machine (they create .venv on first use):
+#   make train   # scripts/train_vit.py's default job
+#   make test    # the test suite (what .ci/run runs)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: train test clean
+train: $(VENV)/.installed
+	$(BIN)/python scripts/train_vit.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -n 2 --dist loadfile README.md invact_jax pallas_kernels models tests $(ARGS)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,122 @@
+"""Memory figures: what autodiff keeps, what XLA allocates, what the device peaked at.
+
+Example:
+  >>> import jax, jax.numpy as jnp, invact_jax
+  >>> from invact_jax import memory
+  >>> w = jnp.ones((16, 64)); x = jnp.ones((4, 16))
+  >>> loss = lambda x, w: invact_jax.gelu(x @ w).sum()
+  >>> [r.shape for r in memory.residuals(loss, x, w) if r.source.startswith("output")]
+  [(4, 64), (4, 8)]
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+__all__ = ["Residual", "residuals", "residual_table", "CompiledMemory", "compiled",
+           "device_peak"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """One array that reverse-mode autodiff keeps for the backward pass."""
+  shape: tuple[int, ...]
+  dtype: str
+  bytes: int
+  source: str  # "from the argument x", "output of mul from file:line (fn)", ...
+
+  @property
+  def is_argument(self) -> bool:
+    return self.source.startswith("from the argument")
+
+
+def _saved_residuals():
+  try:
+    from jax.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  return saved_residuals
+
+
+def residuals(fn: Callable[..., Any], *args, **kwargs) -> list[Residual]:
+  """The residuals JAX saves when differentiating ``fn`` (scalar output) w.r.t. ``args``.
+
+  Constants (literals) are left out; arguments are included and marked.
+  """
+  out = []
+  for aval, source in _saved_residuals()(fn, *args, **kwargs):
+    if source.startswith("from a literal") or source.startswith("from a constant"):
+      continue
+    shape = tuple(int(d) for d in aval.shape)
+    nbytes = math.prod(shape) * np.dtype(aval.dtype).itemsize
+    out.append(Residual(shape, str(np.dtype(aval.dtype)), nbytes, source))
+  return out
+
+
+def residual_table(rows: list[Residual]) -> str:
+  """Markdown table of residuals, with a total over non-argument rows."""
+  lines = ["| shape | dtype | bytes | source |", "|---|---|---:|---|"]
+  for r in rows:
+    lines.append(f"| {r.shape} | {r.dtype} | {r.bytes} | {r.source} |")
+  kept = sum(r.bytes for r in rows if not r.is_argument)
+  lines.append(f"| **saved (non-argument)** | | **{kept}** | |")
+  return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """XLA's ``memory_analysis()`` of the compiled function, in bytes."""
+  temp: int
+  argument: int
+  output: int
+  alias: int
+  generated_code: int
+
+  @property
+  def total(self) -> int:
+    return self.temp + self.argument + self.output - self.alias
+
+
+def compiled(fn: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
+  """Compile ``fn`` with ``jax.jit`` for ``args`` and report its memory analysis.
+
+  ``fn`` may already be jitted.  On CPU, unrolled layers are fused and reordered
+  freely, so temp figures follow residuals most faithfully with ``lax.scan``.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  m = jitted.lower(*args, **kwargs).compile().memory_analysis()
+  if m is None:
+    raise RuntimeError(f"XLA's memory_analysis() is not available on backend {jax.default_backend()!r}")
+  return CompiledMemory(temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes),
+                        output=int(m.output_size_in_bytes), alias=int(m.alias_size_in_bytes),
+                        generated_code=int(m.generated_code_size_in_bytes))
+
+
+def device_peak(fn: Callable[..., Any], *args, device=None, **kwargs) -> dict[str, int]:
+  """Run ``fn`` once (compiled beforehand) and read ``Device.memory_stats()``.
+
+  Returns ``{"peak_bytes_in_use", "bytes_in_use_before", "peak_increase"}``.  The
+  allocator's peak is process-wide and never resets: ``peak_bytes_in_use`` is this
+  run's peak only if it exceeds every earlier one, so measure one configuration per
+  process (``scripts/benchmark_memory.py`` does).
+
+  Raises:
+    RuntimeError: the platform keeps no memory statistics (e.g. CPU).
+  """
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats()
+  if not stats or "peak_bytes_in_use" not in stats:
+    raise RuntimeError(f"device {device} ({device.platform}) reports no memory_stats(); "
+                       "use invact_jax.memory.compiled() for XLA's static figures instead")
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  exe = jitted.lower(*args, **kwargs).compile()
+  before = device.memory_stats()
+  jax.block_until_ready(exe(*args, **kwargs))
+  after = device.memory_stats()
+  return {"peak_bytes_in_use": int(after["peak_bytes_in_use"]),
+          "bytes_in_use_before": int(before["bytes_in_use"]),
+          "peak_increase": int(after["peak_bytes_in_use"] - before["bytes_in_use"])}

@@ -1,0 +1,1 @@
+"""Flax NNX transformer models built on invact_jax's public API."""

@@ -1,0 +1,1 @@
+"""Pallas (and jax-triton) GPU kernels for invact_jax; math-agnostic (see ARCHITECTURE)."""
