@@ -1,0 +1,95 @@
+"""Image-classification datasets for the training job: the embedded default and ``.npz`` files."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import zipfile
+
+import numpy as np
+
+
+class DataError(ValueError):
+  """A dataset is missing, unreadable or malformed (message names the problem)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  x_train: np.ndarray  # [n, H, W, C] float32
+  y_train: np.ndarray  # [n] int32 in [0, num_classes)
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+  name: str
+
+  @property
+  def image_size(self) -> int:
+    return self.x_train.shape[1]
+
+  @property
+  def channels(self) -> int:
+    return self.x_train.shape[3]
+
+
+def load_digits(seed: int = 0) -> Dataset:
+  """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package).
+
+  Stratified 80/20 split fixed by ``seed``; pixels scaled from [0, 16] to [0, 1].
+  """
+  from sklearn.datasets import load_digits as _load  # pylint: disable=import-outside-toplevel
+  from sklearn.model_selection import train_test_split  # pylint: disable=import-outside-toplevel
+  d = _load()
+  x = (d.images.astype(np.float32) / 16.0)[..., None]
+  y = d.target.astype(np.int32)
+  xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+  return Dataset(xtr, ytr, xte, yte, 10, "digits")
+
+
+def load_npz(path: str | pathlib.Path) -> Dataset:
+  """Arrays ``x_train, y_train, x_test, y_test``; images [n,H,W] or [n,H,W,C], square.
+
+  uint8 images are scaled to [0, 1]; labels must be integers in [0, num_classes).
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise DataError(f"data file not found: {path}")
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      arrays = {k: f[k] for k in f.files}
+  except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    raise DataError(f"cannot read {path} as .npz: {e}") from None
+  missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
+  if missing:
+    raise DataError(f"{path} lacks arrays {missing} (has {sorted(arrays)})")
+  xs = {}
+  for split in ("train", "test"):
+    x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+    if x.ndim == 3:
+      x = x[..., None]
+    if x.ndim != 4 or x.shape[1] != x.shape[2]:
+      raise DataError(f"x_{split} must have shape [n, H, W] or [n, H, W, C] with H == W, "
+                      f"got {x.shape}")
+    if y.ndim != 1 or y.shape[0] != x.shape[0]:
+      raise DataError(f"y_{split} must have shape [{x.shape[0]}] to match x_{split}, got {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+      raise DataError(f"y_{split} must hold integer labels, got dtype {y.dtype}")
+    if x.shape[0] == 0:
+      raise DataError(f"x_{split} is empty")
+    xs[split] = (x, y)
+  if xs["train"][0].shape[1:] != xs["test"][0].shape[1:]:
+    raise DataError(f"x_train images {xs['train'][0].shape[1:]} and x_test images "
+                    f"{xs['test'][0].shape[1:]} differ in shape")
+  num_classes = int(max(xs["train"][1].max(), xs["test"][1].max())) + 1
+  for split, (_, y) in xs.items():
+    if y.min() < 0:
+      raise DataError(f"y_{split} has negative labels (min {y.min()})")
+  if xs["test"][1].max() > xs["train"][1].max():
+    raise DataError(f"y_test has label {xs['test'][1].max()} but y_train's labels stop at "
+                    f"{xs['train'][1].max()}")
+  def scale(x):
+    if x.dtype == np.uint8:
+      return x.astype(np.float32) / 255.0
+    if not np.issubdtype(x.dtype, np.floating):
+      raise DataError(f"images must be uint8 or floating point, got {x.dtype}")
+    return x.astype(np.float32)
+  return Dataset(scale(xs["train"][0]), xs["train"][1].astype(np.int32), scale(xs["test"][0]),
+                 xs["test"][1].astype(np.int32), num_classes, path.stem)

@@ -1,0 +1,181 @@
+"""Shared transformer layers (Flax NNX): attention, MLP, encoder stack, dropout, options.
+
+Every memory option is a config field read here, so scripts and benchmarks sweep
+configs and never edit model code:
+
+* ``activation_impl``: ``"standard"`` (``jax.nn``), ``"checkpointed"`` (``jax.checkpoint``
+  around the activation: keeps its input, as PyTorch does by default) or ``"inverted"``
+  (``invact_jax``: keeps its output + a bit mask);
+* ``scan_layers``: layers stacked and run under ``nnx.scan`` (one compiled layer);
+* ``remat``: a ``jax.checkpoint`` policy name around each layer (see ``REMAT_POLICIES``);
+* ``attention``: ``"xla"`` (einsum + softmax) or ``"dot_product"``
+  (``jax.nn.dot_product_attention``; cuDNN on GPU).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import invact_jax
+
+ACTIVATION_IMPLS = ("standard", "checkpointed", "inverted")
+ATTENTION_IMPLS = ("xla", "dot_product")
+
+_STANDARD = {
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_erf": functools.partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
+_INVERTED = {
+    "gelu_tanh": functools.partial(invact_jax.gelu, approximate=True),
+    "gelu_erf": functools.partial(invact_jax.gelu, approximate=False),
+    "silu": invact_jax.silu,
+    "relu": invact_jax.relu,
+}
+
+REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def activation_fn(name: str, impl: str) -> Callable[[jax.Array], jax.Array]:
+  """The activation ``name`` in implementation ``impl`` (see module doc)."""
+  if name not in _STANDARD:
+    raise ValueError(f"unknown activation {name!r}; choose from {sorted(_STANDARD)}")
+  if impl == "standard":
+    return _STANDARD[name]
+  if impl == "checkpointed":
+    return jax.checkpoint(_STANDARD[name])
+  if impl == "inverted":
+    return _INVERTED[name]
+  raise ValueError(f"unknown activation_impl {impl!r}; choose from {ACTIVATION_IMPLS}")
+
+
+def validate_common(cfg) -> None:
+  """Raise ValueError for option values no layer understands."""
+  if cfg.activation_impl not in ACTIVATION_IMPLS:
+    raise ValueError(f"activation_impl must be one of {ACTIVATION_IMPLS}, got {cfg.activation_impl!r}")
+  if cfg.attention not in ATTENTION_IMPLS:
+    raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {cfg.attention!r}")
+  if cfg.remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {cfg.remat!r}")
+  if cfg.hidden % cfg.heads:
+    raise ValueError(f"hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads})")
+  activation_fn(cfg.activation, cfg.activation_impl)
+
+
+def dropout(x, rate: float, key) -> jax.Array:
+  """Inverted-scaling dropout with an explicit key; identity when ``key`` is None."""
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def dot_product_attention(q, k, v, *, causal: bool, impl: str):
+  """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim]."""
+  if impl == "dot_product":
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+  if causal:
+    n = q.shape[1]
+    logits = jnp.where(jnp.tril(jnp.ones((n, n), bool)), logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with Flax-standard ``nnx.Linear`` projections."""
+
+  def __init__(self, cfg, *, causal: bool = False, rngs: nnx.Rngs):
+    d, dt = cfg.hidden, cfg.dtype
+    self.heads, self.causal, self.impl = cfg.heads, causal, cfg.attention
+    self.query = nnx.Linear(d, d, dtype=dt, rngs=rngs)
+    self.key = nnx.Linear(d, d, dtype=dt, rngs=rngs)
+    self.value = nnx.Linear(d, d, dtype=dt, rngs=rngs)
+    self.out = nnx.Linear(d, d, dtype=dt, rngs=rngs)
+
+  def __call__(self, x):
+    b, n, d = x.shape
+    split = lambda t: t.reshape(b, n, self.heads, d // self.heads)
+    o = dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
+                              causal=self.causal, impl=self.impl)
+    return self.out(o.reshape(b, n, d))
+
+
+class Mlp(nnx.Module):
+  """Dense -> activation -> dense (the activation chosen by the config)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.fc1 = nnx.Linear(cfg.hidden, cfg.mlp_dim, dtype=cfg.dtype, rngs=rngs)
+    self.fc2 = nnx.Linear(cfg.mlp_dim, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
+    self.act = activation_fn(cfg.activation, cfg.activation_impl)
+
+  def __call__(self, x):
+    return self.fc2(self.act(self.fc1(x)))
+
+
+class PreNormBlock(nnx.Module):
+  """x + Attn(LN(x)); x + MLP(LN(x)) — ViT and GPT-2 blocks."""
+
+  def __init__(self, cfg, *, causal: bool = False, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    self.attn = Attention(cfg, causal=causal, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    self.mlp = Mlp(cfg, rngs=rngs)
+    self.rate = cfg.dropout
+
+  def __call__(self, x, key=None):
+    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
+    x = x + dropout(self.attn(self.ln1(x)), self.rate, k1)
+    return x + dropout(self.mlp(self.ln2(x)), self.rate, k2)
+
+
+class Stack(nnx.Module):
+  """``depth`` blocks, unrolled or stacked under ``nnx.scan``, each under ``remat``."""
+
+  def __init__(self, cfg, make_block: Callable[[nnx.Rngs], nnx.Module], *, rngs: nnx.Rngs):
+    self.scan, self.depth = cfg.scan_layers, cfg.depth
+    self.policy_name = cfg.remat
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.depth)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make_stacked(rngs):
+        return make_block(rngs)
+      self.blocks = make_stacked(rngs)
+    else:
+      self.blocks = nnx.List([make_block(rngs) for _ in range(cfg.depth)])
+
+  def _apply_block(self):
+    apply = lambda block, x, key: block(x, key)
+    if self.policy_name == "none":
+      return apply
+    return nnx.remat(apply, policy=REMAT_POLICIES[self.policy_name])
+
+  def __call__(self, x, key=None):
+    keys = None if key is None else jax.random.split(key, self.depth)
+    apply = self._apply_block()
+    if not self.scan:
+      for i, block in enumerate(self.blocks):
+        x = apply(block, x, None if keys is None else keys[i])
+      return x
+    if keys is None:
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, block):
+        return apply(block, x, None)
+      return body(x, self.blocks)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+    def body_with_keys(x, block, k):
+      return apply(block, x, k)
+    return body_with_keys(x, self.blocks, keys)

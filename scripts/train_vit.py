@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Train a ViT with standard or inverted activations (or both, side by side).
+
+With no arguments: a small ViT on scikit-learn's 8x8 digits (shipped with the package,
+nothing downloaded), inverted activations, on every local device.
+
+  python scripts/train_vit.py                       # default job
+  python scripts/train_vit.py --compare             # standard vs inverted, same seed
+  python scripts/train_vit.py --data cifar10.npz --preset ti16 --dtype bfloat16
+  python scripts/train_vit.py --resume              # continue the latest run
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse(argv=None):
+  from models import training  # pylint: disable=import-outside-toplevel
+  d = training.TrainConfig()
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--data", type=pathlib.Path, help=".npz with x_train, y_train, x_test, y_test "
+                 "(default: scikit-learn's digits)")
+  p.add_argument("--preset", default=d.preset, help="model preset: digits, ti16, s16, b16")
+  p.add_argument("--activations", default=d.activations, choices=["standard", "inverted"])
+  p.add_argument("--compare", action="store_true", help="run both activations from the same seed")
+  p.add_argument("--batch-size", type=int, default=d.batch_size)
+  p.add_argument("--epochs", type=int, default=d.epochs)
+  p.add_argument("--steps", type=int, default=None, help="total steps (overrides --epochs)")
+  p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+  p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+  p.add_argument("--schedule", default=d.schedule, choices=["cosine", "constant"])
+  p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+  p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+  p.add_argument("--seed", type=int, default=d.seed)
+  p.add_argument("--scan-layers", action="store_true")
+  p.add_argument("--remat", default=d.remat)
+  p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+  p.add_argument("--workdir", type=pathlib.Path, help="run directory (default: runs/<preset>-<time>)")
+  p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  p.add_argument("--no-progress", action="store_true")
+  return p.parse_args(argv)
+
+
+def _latest_run(preset: str) -> pathlib.Path | None:
+  runs = sorted((ROOT / "runs").glob(f"{preset}-*"), key=lambda p: p.stat().st_mtime)
+  return runs[-1] if runs else None
+
+
+def main(argv=None) -> int:
+  args = parse(argv)
+  from models import data as data_lib  # pylint: disable=import-outside-toplevel
+  from models import training  # pylint: disable=import-outside-toplevel
+  from models import compare  # pylint: disable=import-outside-toplevel
+  try:
+    dataset = data_lib.load_npz(args.data) if args.data else data_lib.load_digits(args.seed)
+    workdir = args.workdir
+    if workdir is None:
+      workdir = _latest_run(args.preset) if args.resume else (
+          ROOT / "runs" / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+      if workdir is None:
+        raise training.ConfigError(f"--resume: no earlier run of preset {args.preset!r} under runs/")
+    cfg = training.TrainConfig(
+        preset=args.preset, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
+        lr=args.lr, warmup_steps=args.warmup_steps, schedule=args.schedule,
+        weight_decay=args.weight_decay, dtype=args.dtype, seed=args.seed,
+        activations=args.activations, scan_layers=args.scan_layers, remat=args.remat,
+        checkpoint_every=args.checkpoint_every)
+    progress = not args.no_progress
+    if args.compare:
+      result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress)
+      print(result["table"])
+      print(f"\nwrote {result['json']}\nwrote {result['png']}")
+      return 0
+    summary = training.train(cfg, dataset, workdir / cfg.activations, resume=args.resume,
+                             progress=progress)
+  except (data_lib.DataError, training.ConfigError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
+  print(json.dumps(shown, indent=1))
+  print(f"run directory: {workdir}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
