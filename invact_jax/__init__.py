@@ -11,3 +11,4 @@ from invact_jax._activations import (  # noqa: F401
 from invact_jax._bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
 
 __version__ = "0.1.0"
+from invact_jax._convert import ConversionReport, invert, inverted  # noqa: F401,E402

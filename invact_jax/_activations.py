@@ -34,23 +34,28 @@ __all__ = [
 
 ACCEPTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
+# jax.nn's functions, captured at import: ``invact_jax.inverted()`` swaps the module
+# attributes, and the forward/reference must keep calling the originals.
+_NN = {name: getattr(jax.nn, name) for name in (
+    "gelu", "silu", "mish", "sigmoid", "softplus", "elu", "leaky_relu", "relu")}
+
 
 # ----------------------------------------------------------------------------- references
 def gelu_reference(x, approximate: bool = True):
   """``jax.nn.gelu`` (JAX autodiff keeps x and several intermediates)."""
-  return jax.nn.gelu(x, approximate=approximate)
+  return _NN["gelu"](x, approximate=approximate)
 
 
 def silu_reference(x):
-  return jax.nn.silu(x)
+  return _NN["silu"](x)
 
 
 def mish_reference(x):
-  return jax.nn.mish(x)
+  return _NN["mish"](x)
 
 
 def sigmoid_reference(x):
-  return jax.nn.sigmoid(x)
+  return _NN["sigmoid"](x)
 
 
 def tanh_reference(x):
@@ -58,19 +63,19 @@ def tanh_reference(x):
 
 
 def softplus_reference(x):
-  return jax.nn.softplus(x)
+  return _NN["softplus"](x)
 
 
 def elu_reference(x, alpha=1.0):
-  return jax.nn.elu(x, alpha)
+  return _NN["elu"](x, alpha)
 
 
 def leaky_relu_reference(x, negative_slope=1e-2):
-  return jax.nn.leaky_relu(x, negative_slope)
+  return _NN["leaky_relu"](x, negative_slope)
 
 
 def relu_reference(x):
-  return jax.nn.relu(x)
+  return _NN["relu"](x)
 
 
 # ------------------------------------------------------------- backward math, from output
@@ -196,27 +201,27 @@ def _branch_bit(name):
   return bit
 
 
-GELU_TANH = ActivationSpec("gelu_tanh", lambda x: jax.nn.gelu(x, approximate=True),
+GELU_TANH = ActivationSpec("gelu_tanh", lambda x: _NN["gelu"](x, approximate=True),
                            gelu_tanh_grad_from_output, _branch_bit("gelu_tanh"))
-GELU_ERF = ActivationSpec("gelu_erf", lambda x: jax.nn.gelu(x, approximate=False),
+GELU_ERF = ActivationSpec("gelu_erf", lambda x: _NN["gelu"](x, approximate=False),
                           gelu_erf_grad_from_output, _branch_bit("gelu_erf"))
-SILU = ActivationSpec("silu", jax.nn.silu, silu_grad_from_output, _branch_bit("silu"))
-MISH = ActivationSpec("mish", jax.nn.mish, mish_grad_from_output, _branch_bit("mish"))
-SIGMOID = ActivationSpec("sigmoid", jax.nn.sigmoid, sigmoid_grad_from_output)
+SILU = ActivationSpec("silu", _NN["silu"], silu_grad_from_output, _branch_bit("silu"))
+MISH = ActivationSpec("mish", _NN["mish"], mish_grad_from_output, _branch_bit("mish"))
+SIGMOID = ActivationSpec("sigmoid", _NN["sigmoid"], sigmoid_grad_from_output)
 TANH = ActivationSpec("tanh", jnp.tanh, tanh_grad_from_output)
-SOFTPLUS = ActivationSpec("softplus", jax.nn.softplus, softplus_grad_from_output)
-RELU = ActivationSpec("relu", jax.nn.relu, relu_grad_from_output)
+SOFTPLUS = ActivationSpec("softplus", _NN["softplus"], softplus_grad_from_output)
+RELU = ActivationSpec("relu", _NN["relu"], relu_grad_from_output)
 
 
 def _elu_spec(alpha: float) -> ActivationSpec:
   bit = (lambda x, alpha: x > 0) if alpha < 0 else None
-  return ActivationSpec("elu", lambda x, alpha: jax.nn.elu(x, alpha), elu_grad_from_output,
+  return ActivationSpec("elu", lambda x, alpha: _NN["elu"](x, alpha), elu_grad_from_output,
                         bit, (("alpha", alpha),))
 
 
 def _leaky_relu_spec(negative_slope: float) -> ActivationSpec:
   bit = (lambda x, negative_slope: x >= 0) if negative_slope <= 0 else None
-  return ActivationSpec("leaky_relu", lambda x, negative_slope: jax.nn.leaky_relu(x, negative_slope),
+  return ActivationSpec("leaky_relu", lambda x, negative_slope: _NN["leaky_relu"](x, negative_slope),
                         leaky_relu_grad_from_output, bit, (("negative_slope", negative_slope),))
 
 

@@ -179,3 +179,79 @@ class Stack(nnx.Module):
     def body_with_keys(x, block, k):
       return apply(block, x, k)
     return body_with_keys(x, self.blocks, keys)
+
+
+def rotary(x, positions, base: float = 10000.0):
+  """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half convention)."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  ang = positions[:, None].astype(jnp.float32) * inv_freq[None, :]  # [seq, d/2]
+  cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RotaryAttention(Attention):
+  """Causal attention with rotary embeddings and no biases (Llama)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, dt = cfg.hidden, cfg.dtype
+    self.heads, self.causal, self.impl = cfg.heads, True, cfg.attention
+    self.query = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
+    self.key = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
+    self.value = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
+    self.out = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
+
+  def __call__(self, x):
+    b, n, d = x.shape
+    split = lambda t: t.reshape(b, n, self.heads, d // self.heads)
+    pos = jnp.arange(n)
+    q, k = rotary(split(self.query(x)), pos), rotary(split(self.key(x)), pos)
+    o = dot_product_attention(q, k, split(self.value(x)), causal=True, impl=self.impl)
+    return self.out(o.reshape(b, n, d))
+
+
+class GluMlp(nnx.Module):
+  """SwiGLU: down(act(gate(x)) * up(x)), no biases (Llama)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    kw = dict(use_bias=False, dtype=cfg.dtype, rngs=rngs)
+    self.gate = nnx.Linear(cfg.hidden, cfg.mlp_dim, **kw)
+    self.up = nnx.Linear(cfg.hidden, cfg.mlp_dim, **kw)
+    self.down = nnx.Linear(cfg.mlp_dim, cfg.hidden, **kw)
+    self.act = activation_fn(cfg.activation, cfg.activation_impl)
+
+  def __call__(self, x):
+    return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class PostNormBlock(nnx.Module):
+  """LN(x + Attn(x)); LN(x + MLP(x)) — BERT blocks."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    self.mlp = Mlp(cfg, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    self.rate = cfg.dropout
+
+  def __call__(self, x, key=None):
+    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
+    x = self.ln1(x + dropout(self.attn(x), self.rate, k1))
+    return self.ln2(x + dropout(self.mlp(x), self.rate, k2))
+
+
+class LlamaBlock(nnx.Module):
+  """x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.attention_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    self.attn = RotaryAttention(cfg, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    self.mlp = GluMlp(cfg, rngs=rngs)
+    self.rate = cfg.dropout
+
+  def __call__(self, x, key=None):
+    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
+    x = x + dropout(self.attn(self.attention_norm(x)), self.rate, k1)
+    return x + dropout(self.mlp(self.mlp_norm(x)), self.rate, k2)

@@ -1,0 +1,145 @@
+"""Make unmodified JAX/Flax code use the inverted activations.
+
+``with invact_jax.inverted() as report:`` swaps, for the duration of the block, the
+activation functions that model code reaches *by attribute* — ``jax.nn.gelu(x)``,
+``nn.gelu(x)`` (``flax.linen``), ``nnx.gelu(x)``, ``jax.nn.silu(x)``, ... — for their
+``invact_jax`` namesakes.  Forward outputs and parameter trees are unchanged (the
+forward is ``jax.nn``'s, bit for bit); only what the backward keeps changes.
+
+What it cannot catch: a function captured *before* the block, e.g. a dataclass field
+default ``activation: Callable = nn.gelu`` evaluated at class definition, a
+``from jax.nn import gelu`` at the top of the user's module, or a function already
+traced and cached by ``jax.jit`` outside the block.  Those calls keep ``jax.nn``'s
+version; the ``report`` counts every replaced call made while tracing, and
+``report.replaced`` is empty (with a warning at exit, unless ``warn=False``) when nothing
+was caught, so the uncaught case is detectable.  Wrap *before* jitting:
+``jax.jit(invact_jax.invert(loss_fn))``.
+
+The swap is process-wide while the block runs (not thread-local).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import importlib
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+import jax
+
+from invact_jax import _activations
+
+__all__ = ["inverted", "invert", "ConversionReport", "REPLACEABLE"]
+
+# jax.nn name -> invact_jax function
+REPLACEABLE: dict[str, Callable[..., Any]] = {
+    "gelu": _activations.gelu, "silu": _activations.silu, "swish": _activations.silu,
+    "mish": _activations.mish, "sigmoid": _activations.sigmoid, "softplus": _activations.softplus,
+    "elu": _activations.elu, "leaky_relu": _activations.leaky_relu, "relu": _activations.relu,
+}
+
+# Modules whose attributes model code commonly calls.
+_MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
+            "flax.nnx.nn.activations")
+
+_LOCK = threading.RLock()
+
+
+@dataclasses.dataclass
+class ConversionReport:
+  """What an ``inverted()`` block replaced: call counts by qualified name."""
+  calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  patched: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def replaced(self) -> dict[str, int]:
+    return dict(self.calls)
+
+  def __str__(self) -> str:
+    if not self.calls:
+      return ("invact_jax.inverted: no activation call was replaced (activations captured "
+              "before the block, imported by name, or traced by jax.jit outside it?)")
+    return "invact_jax.inverted replaced: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.calls.items()))
+
+
+def _originals() -> dict[str, Callable[..., Any]]:
+  import jax.nn  # pylint: disable=import-outside-toplevel
+  return {name: getattr(jax.nn, name) for name in REPLACEABLE}
+
+
+def _wrap(qualname: str, fn: Callable[..., Any], report: ConversionReport):
+  @functools.wraps(fn)
+  def replaced(*args, **kwargs):
+    report.calls[qualname] += 1
+    return fn(*args, **kwargs)
+  replaced.__invact_original__ = qualname
+  return replaced
+
+
+@contextlib.contextmanager
+def inverted(only: tuple[str, ...] | None = None, *, warn: bool = True
+             ) -> Iterator[ConversionReport]:
+  """Context manager: ``jax.nn``/Flax activations called in the block are the inverted ones.
+
+  Args:
+    only: ``jax.nn`` names to replace (default: all of ``REPLACEABLE``).
+    warn: warn at exit if nothing was replaced.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, invact_jax
+    >>> def mlp(x, w):               # unmodified code calling jax.nn.gelu
+    ...   return jnp.sum(jax.nn.gelu(x @ w))
+    >>> with invact_jax.inverted() as report:
+    ...   g = jax.grad(mlp, argnums=1)(jnp.ones((2, 4)), jnp.ones((4, 8)))
+    >>> report.replaced
+    {'jax.nn.gelu': 1}
+  """
+  names = tuple(REPLACEABLE) if only is None else tuple(only)
+  unknown = [n for n in names if n not in REPLACEABLE]
+  if unknown:
+    raise ValueError(f"argument `only`: cannot replace {unknown}; choose from {sorted(REPLACEABLE)}")
+  report = ConversionReport()
+  with _LOCK:
+    originals = _originals()
+    by_id = {id(originals[n]): n for n in names}
+    undo = []
+    for modname in _MODULES:
+      try:
+        mod = importlib.import_module(modname)
+      except ImportError:
+        continue
+      for attr, value in list(vars(mod).items()):
+        name = by_id.get(id(value))
+        if name is None:
+          continue
+        qual = f"{modname}.{attr}"
+        setattr(mod, attr, _wrap(qual, REPLACEABLE[name], report))
+        undo.append((mod, attr, value))
+        report.patched.append(qual)
+    try:
+      yield report
+    finally:
+      for mod, attr, value in reversed(undo):
+        setattr(mod, attr, value)
+  if warn and not report.calls:
+    warnings.warn(str(report), stacklevel=3)
+
+
+def invert(fn: Callable[..., Any], *, only: tuple[str, ...] | None = None,
+           warn: bool = True) -> Callable[..., Any]:
+  """Function transform: call ``fn`` with the inverted activations (see :func:`inverted`).
+
+  Apply it before ``jax.jit`` so that tracing happens inside: ``jax.jit(invert(loss))``.
+  The last call's report is ``wrapped.last_report``.
+  """
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with inverted(only, warn=warn) as report:
+      out = fn(*args, **kwargs)
+    wrapped.last_report = report
+    return out
+  wrapped.last_report = None
+  return wrapped

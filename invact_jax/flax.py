@@ -1,0 +1,59 @@
+"""Flax glue: activation modules for ``flax.linen`` and ``flax.nnx``.
+
+The functions themselves work wherever Flax takes a callable (``activation=``,
+``nnx.Sequential``, ``nn.Sequential``).  These modules are for places that want a
+Module, and carry the activation's options as attributes.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from invact_jax.flax import NnxActivation
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), NnxActivation("gelu"))
+  >>> model(jnp.ones((2, 4))).shape
+  (2, 8)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+
+from invact_jax import _activations
+
+__all__ = ["activation", "LinenActivation", "NnxActivation"]
+
+_FUNCTIONS = {
+    "gelu": _activations.gelu, "silu": _activations.silu, "swish": _activations.silu,
+    "mish": _activations.mish, "sigmoid": _activations.sigmoid, "tanh": _activations.tanh,
+    "softplus": _activations.softplus, "elu": _activations.elu,
+    "leaky_relu": _activations.leaky_relu, "relu": _activations.relu,
+}
+
+
+def activation(name: str, **options: Any):
+  """The inverted activation ``name`` with keyword ``options`` bound (e.g. approximate=False)."""
+  if name not in _FUNCTIONS:
+    raise ValueError(f"argument `name`: unknown activation {name!r}; choose from {sorted(_FUNCTIONS)}")
+  return functools.partial(_FUNCTIONS[name], **options)
+
+
+class LinenActivation(nn.Module):
+  """``flax.linen`` module applying an inverted activation (no parameters)."""
+  name_: str = "gelu"
+  options: tuple[tuple[str, Any], ...] = ()
+
+  @nn.compact
+  def __call__(self, x):
+    return activation(self.name_, **dict(self.options))(x)
+
+
+class NnxActivation(nnx.Module):
+  """``flax.nnx`` module applying an inverted activation (no parameters)."""
+
+  def __init__(self, name: str = "gelu", **options: Any):
+    self.fn = activation(name, **options)
+
+  def __call__(self, x):
+    return self.fn(x)

@@ -1,0 +1,90 @@
+"""Text transformers (Flax NNX): BERT-style encoder, GPT-2-style and Llama-style decoders.
+
+Each takes token ids [batch, seq] and returns logits [batch, seq, vocab] (float32); the
+LM head is tied to the token embedding (``nnx.Embed.attend``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+  """Decoder/encoder hyper-parameters and memory options (see ``models.layers``)."""
+  family: str = "gpt2"   # "bert", "gpt2" or "llama"
+  vocab: int = 50257
+  max_len: int = 1024
+  hidden: int = 768
+  depth: int = 12
+  heads: int = 12
+  mlp_dim: int = 3072
+  dropout: float = 0.0
+  norm_eps: float = 1e-5
+  activation: str = "gelu_tanh"
+  activation_impl: str = "standard"
+  scan_layers: bool = False
+  remat: str = "none"
+  attention: str = "xla"
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.family not in ("bert", "gpt2", "llama"):
+      raise ValueError(f"family must be 'bert', 'gpt2' or 'llama', got {self.family!r}")
+    layers.validate_common(self)
+
+  def replace(self, **kw) -> "TextConfig":
+    return dataclasses.replace(self, **kw)
+
+
+PRESETS = {
+    "bert-base": TextConfig(family="bert", vocab=30522, max_len=512, activation="gelu_erf",
+                            norm_eps=1e-12),
+    "gpt2": TextConfig(family="gpt2"),
+    "llama-small": TextConfig(family="llama", vocab=32000, max_len=2048, hidden=768, depth=12,
+                              heads=12, mlp_dim=2048, activation="silu", norm_eps=1e-6),
+    "llama-1b": TextConfig(family="llama", vocab=32000, max_len=2048, hidden=2048, depth=16,
+                           heads=16, mlp_dim=5632, activation="silu", norm_eps=1e-6),
+}
+
+
+class TextTransformer(nnx.Module):
+  """Embeddings + ``depth`` blocks of the family + final norm + tied LM head."""
+
+  def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.token_embedding = nnx.Embed(cfg.vocab, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
+    if cfg.family != "llama":
+      self.position_embedding = nnx.Embed(cfg.max_len, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
+    if cfg.family == "bert":
+      self.type_embedding = nnx.Embed(2, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
+      self.embedding_norm = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+      make = lambda r: layers.PostNormBlock(cfg, rngs=r)
+    elif cfg.family == "gpt2":
+      make = lambda r: layers.PreNormBlock(cfg, causal=True, rngs=r)
+    else:
+      make = lambda r: layers.LlamaBlock(cfg, rngs=r)
+    self.blocks = layers.Stack(cfg, make, rngs=rngs)
+    if cfg.family == "gpt2":
+      self.final_norm = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+    elif cfg.family == "llama":
+      self.final_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+
+  def __call__(self, tokens, key=None):
+    n = tokens.shape[1]
+    if n > self.cfg.max_len:
+      raise ValueError(f"sequence length {n} exceeds max_len {self.cfg.max_len}")
+    x = self.token_embedding(tokens)
+    if self.cfg.family != "llama":
+      x = x + self.position_embedding(jnp.arange(n))[None]
+    if self.cfg.family == "bert":
+      x = self.embedding_norm(x + self.type_embedding(jnp.zeros_like(tokens)))
+    x = self.blocks(x, key)
+    if self.cfg.family != "bert":
+      x = self.final_norm(x)
+    return self.token_embedding.attend(x).astype(jnp.float32)

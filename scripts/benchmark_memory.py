@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Memory comparison: residual bytes, compiled temp bytes, device peak and step time.
+
+  python scripts/benchmark_memory.py                           # ViT-B/16, BERT-base, GPT-2, Llama
+  python scripts/benchmark_memory.py --models vit-b16 --dtypes bfloat16 --batches 8 --time 3
+
+Prints a markdown table, writes JSON and a bar chart PNG (default: bench/memory.*).
+Compiled figures are XLA's static analysis with layers under ``lax.scan`` (``--unrolled``
+for unrolled layers, which XLA:CPU fuses and reorders, so those can mislead on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+  from models import benchmark  # pylint: disable=import-outside-toplevel
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--models", default="vit-b16,bert-base,gpt2,llama-small")
+  p.add_argument("--dtypes", default="bfloat16,float32")
+  p.add_argument("--batches", default="8")
+  p.add_argument("--seq-len", type=int, default=512, help="text models")
+  p.add_argument("--activations", default="preset",
+                 help="comma list of activations to sweep (gelu_tanh,gelu_erf,silu,relu) or 'preset'")
+  p.add_argument("--configurations", default=",".join(benchmark.CONFIGURATIONS))
+  p.add_argument("--unrolled", action="store_true", help="unrolled layers instead of lax.scan")
+  p.add_argument("--time", type=int, default=0, help="timed steps per row (0: no timing)")
+  p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "memory")
+  args = p.parse_args(argv)
+  for m in args.models.split(","):
+    if m not in benchmark.MODELS:
+      print(f"error: unknown model {m!r}; choose from {sorted(benchmark.MODELS)}", file=sys.stderr)
+      return 2
+  for c in args.configurations.split(","):
+    if c not in benchmark.CONFIGURATIONS:
+      print(f"error: unknown configuration {c!r}; choose from {sorted(benchmark.CONFIGURATIONS)}",
+            file=sys.stderr)
+      return 2
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  acts = args.activations.split(",")
+  jobs = [(m, a, d, int(b), c) for m in args.models.split(",") for a in acts
+          for d in args.dtypes.split(",") for b in args.batches.split(",")
+          for c in args.configurations.split(",")]
+  rows = []
+  for m, a, d, b, c in tqdm(jobs, desc="benchmark", unit="row"):
+    extra = None if a == "preset" else {"activation": a}
+    rows.append(benchmark.measure(m, d, b, c, seq_len=args.seq_len, scan_layers=not args.unrolled,
+                                  time_steps=args.time, extra=extra))
+  md = benchmark.table(rows)
+  print(md)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  meta = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
+  args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  args.out.with_suffix(".md").write_text(md + "\n")
+  _plot(rows, args.out.with_suffix(".png"))
+  print(f"\nwrote {args.out.with_suffix('.json')}, .md, .png")
+  return 0
+
+
+def _plot(rows, path):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  key = lambda r: (r["model"], r["activation"], r["dtype"], r["batch"])
+  groups = sorted({key(r) for r in rows}, key=str)
+  confs = list(dict.fromkeys(r["configuration"] for r in rows))
+  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+  width = 0.8 / len(confs)
+  for i, c in enumerate(confs):
+    vals = []
+    for g in groups:
+      r = next((r for r in rows if key(r) == g and r["configuration"] == c), None)
+      vals.append(0 if r is None else r["compiled_temp_bytes"] / 2**20)
+    ax.bar([j + i * width for j in range(len(groups))], vals, width, label=c)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+  ax.set_xticklabels([f"{m}\n{a}\n{d} b{b}" for m, a, d, b in groups], fontsize=7)
+  ax.set_ylabel("compiled temp (MiB)")
+  ax.set_title(f"gradient-step temp memory ({rows[0]['platform']}, layers scanned)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,116 @@
+"""Flax integration: activation modules and the conversion of unmodified models."""
+import functools
+import warnings
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import invact_jax
+from invact_jax import memory
+from invact_jax.flax import LinenActivation, NnxActivation, activation
+
+
+class LinenMlp(nn.Module):
+  """Written the standard way: calls nn.gelu / jax.nn.silu inline."""
+  @nn.compact
+  def __call__(self, x):
+    x = nn.gelu(nn.Dense(64)(x))
+    x = jax.nn.silu(nn.Dense(64)(x))
+    return nn.Dense(4)(x)
+
+
+class NnxMlp(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(16, 64, rngs=rngs)
+    self.fc2 = nnx.Linear(64, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(nnx.gelu(self.fc1(x), approximate=False))
+
+
+class CapturedDefault(nn.Module):
+  """The activation is captured at class definition: the conversion cannot see it."""
+  act: callable = jax.nn.gelu
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(self.act(nn.Dense(64)(x)))
+
+
+def _hidden_residuals(loss, *args, hidden=64):
+  return [r for r in memory.residuals(loss, *args) if not r.is_argument and r.shape[-1] == hidden]
+
+
+def test_linen_model_converted_same_outputs_params_fewer_residuals():
+  model = LinenMlp()
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  params = model.init(jax.random.key(1), x)
+  loss = lambda p, x: jnp.sum(model.apply(p, x) ** 2)
+  y_ref = model.apply(params, x)
+  g_ref = jax.grad(loss)(params, x)
+  with invact_jax.inverted() as report:
+    params2 = model.init(jax.random.key(1), x)
+    y = model.apply(params, x)
+    g = jax.grad(loss)(params, x)
+    saved = _hidden_residuals(loss, params, x)
+  chex.assert_trees_all_equal_structs(params, params2)
+  chex.assert_trees_all_equal(params, params2)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+  chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
+  assert report.replaced.get("flax.linen.gelu", 0) > 0
+  assert report.replaced.get("jax.nn.silu", 0) > 0
+  assert len(saved) < len(_hidden_residuals(loss, params, x))
+  assert jax.nn.gelu is not report  # restored after the block
+  assert "invact" not in getattr(jax.nn.gelu, "__module__", "")
+
+
+def test_nnx_model_converted_via_invert():
+  model = NnxMlp(nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  x = jax.random.normal(jax.random.key(0), (8, 16))
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+  inv_loss = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv_loss))(state, x)
+  g_ref = jax.grad(loss)(state, x)
+  chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
+  assert inv_loss.last_report.replaced == {"flax.nnx.gelu": 1}
+  np.testing.assert_array_equal(np.asarray(jax.jit(inv_loss)(state, x)), np.asarray(loss(state, x)))
+
+
+def test_captured_default_is_reported_not_silently_missed():
+  model = CapturedDefault()
+  x = jnp.ones((2, 16))
+  params = model.init(jax.random.key(0), x)
+  with pytest.warns(UserWarning, match="no activation call was replaced"):
+    with invact_jax.inverted() as report:
+      model.apply(params, x)
+  assert report.replaced == {}
+
+
+def test_only_and_bad_names():
+  with invact_jax.inverted(only=("silu",), warn=False) as report:
+    jax.nn.gelu(jnp.ones(3))
+    jax.nn.silu(jnp.ones(3))
+  assert report.replaced == {"jax.nn.silu": 1}
+  with pytest.raises(ValueError, match="argument `only`"):
+    with invact_jax.inverted(only=("softmax",)):
+      pass
+
+
+def test_modules_match_functions():
+  x = jnp.linspace(-3, 3, 12).reshape(3, 4)
+  lin = LinenActivation(name_="gelu", options=(("approximate", False),))
+  np.testing.assert_array_equal(lin.apply({}, x), jax.nn.gelu(x, approximate=False))
+  np.testing.assert_array_equal(NnxActivation("silu")(x), jax.nn.silu(x))
+  dense = nn.Dense(4)
+  params = dense.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(activation("elu", alpha=0.5)(dense.apply(params, x)),
+                                jax.nn.elu(dense.apply(params, x), 0.5))
+  with pytest.raises(ValueError, match="argument `name`"):
+    activation("softmax")
