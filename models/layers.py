@@ -13,6 +13,7 @@ configs and never edit model code:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -58,6 +59,29 @@ def activation_fn(name: str, impl: str) -> Callable[[jax.Array], jax.Array]:
   if impl == "inverted":
     return _INVERTED[name]
   raise ValueError(f"unknown activation_impl {impl!r}; choose from {ACTIVATION_IMPLS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+  """Transformer-block sizes and memory options shared by every model config."""
+  hidden: int = 768
+  depth: int = 12
+  heads: int = 12
+  mlp_dim: int = 3072
+  dropout: float = 0.0
+  norm_eps: float = 1e-6
+  activation: str = "gelu_tanh"
+  activation_impl: str = "standard"
+  scan_layers: bool = False
+  remat: str = "none"
+  attention: str = "xla"
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+
+  def __post_init__(self):
+    validate_common(self)
+
+  def replace(self, **kw):
+    return dataclasses.replace(self, **kw)
 
 
 def validate_common(cfg) -> None:

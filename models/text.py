@@ -15,31 +15,17 @@ from models import layers
 
 
 @dataclasses.dataclass(frozen=True)
-class TextConfig:
-  """Decoder/encoder hyper-parameters and memory options (see ``models.layers``)."""
+class TextConfig(layers.BlockOptions):
+  """Decoder/encoder hyper-parameters; block options from ``layers.BlockOptions``."""
   family: str = "gpt2"   # "bert", "gpt2" or "llama"
   vocab: int = 50257
   max_len: int = 1024
-  hidden: int = 768
-  depth: int = 12
-  heads: int = 12
-  mlp_dim: int = 3072
-  dropout: float = 0.0
   norm_eps: float = 1e-5
-  activation: str = "gelu_tanh"
-  activation_impl: str = "standard"
-  scan_layers: bool = False
-  remat: str = "none"
-  attention: str = "xla"
-  dtype: str = "float32"
 
   def __post_init__(self):
     if self.family not in ("bert", "gpt2", "llama"):
       raise ValueError(f"family must be 'bert', 'gpt2' or 'llama', got {self.family!r}")
-    layers.validate_common(self)
-
-  def replace(self, **kw) -> "TextConfig":
-    return dataclasses.replace(self, **kw)
+    super().__post_init__()
 
 
 PRESETS = {

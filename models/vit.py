@@ -11,27 +11,15 @@ from models import layers
 
 
 @dataclasses.dataclass(frozen=True)
-class ViTConfig:
-  """ViT hyper-parameters and memory options (see ``models.layers``)."""
+class ViTConfig(layers.BlockOptions):
+  """ViT hyper-parameters; block sizes and memory options from ``layers.BlockOptions``."""
   image_size: int = 224
   patch_size: int = 16
   channels: int = 3
   num_classes: int = 1000
-  hidden: int = 768
-  depth: int = 12
-  heads: int = 12
-  mlp_dim: int = 3072
-  dropout: float = 0.0
-  norm_eps: float = 1e-6
-  activation: str = "gelu_tanh"
-  activation_impl: str = "standard"
-  scan_layers: bool = False
-  remat: str = "none"
-  attention: str = "xla"
-  dtype: str = "float32"  # compute dtype; parameters stay float32
 
   def __post_init__(self):
-    layers.validate_common(self)
+    super().__post_init__()
     if self.image_size % self.patch_size:
       raise ValueError(f"image_size ({self.image_size}) must be divisible by patch_size "
                        f"({self.patch_size})")
@@ -39,9 +27,6 @@ class ViTConfig:
   @property
   def num_patches(self) -> int:
     return (self.image_size // self.patch_size) ** 2
-
-  def replace(self, **kw) -> "ViTConfig":
-    return dataclasses.replace(self, **kw)
 
 
 PRESETS = {
