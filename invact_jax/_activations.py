@@ -313,7 +313,7 @@ def _static_scalar(fn_name: str, arg: str, value) -> float:
 
 def _apply(fn_name: str, spec: ActivationSpec, x, implementation):
   x = _check_x(fn_name, x)
-  backend = _dispatch.resolve(implementation, spec, x)
+  backend = _dispatch.resolve(implementation)
   return _inverted(_Bound(spec, backend), x)
 
 

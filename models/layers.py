@@ -149,6 +149,14 @@ class Mlp(nnx.Module):
     return self.fc2(self.act(self.fc1(x)))
 
 
+def pre_norm_residuals(x, key, rate, *sublayers):
+  """x + dropout(layer(norm(x))) for each (norm, layer), with one dropout key each."""
+  keys = [None] * len(sublayers) if key is None else list(jax.random.split(key, len(sublayers)))
+  for (norm, layer), k in zip(sublayers, keys):
+    x = x + dropout(layer(norm(x)), rate, k)
+  return x
+
+
 class PreNormBlock(nnx.Module):
   """x + Attn(LN(x)); x + MLP(LN(x)) — ViT and GPT-2 blocks."""
 
@@ -160,9 +168,7 @@ class PreNormBlock(nnx.Module):
     self.rate = cfg.dropout
 
   def __call__(self, x, key=None):
-    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
-    x = x + dropout(self.attn(self.ln1(x)), self.rate, k1)
-    return x + dropout(self.mlp(self.ln2(x)), self.rate, k2)
+    return pre_norm_residuals(x, key, self.rate, (self.ln1, self.attn), (self.ln2, self.mlp))
 
 
 class Stack(nnx.Module):
@@ -276,6 +282,5 @@ class LlamaBlock(nnx.Module):
     self.rate = cfg.dropout
 
   def __call__(self, x, key=None):
-    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
-    x = x + dropout(self.attn(self.attention_norm(x)), self.rate, k1)
-    return x + dropout(self.mlp(self.mlp_norm(x)), self.rate, k2)
+    return pre_norm_residuals(x, key, self.rate, (self.attention_norm, self.attn),
+                              (self.mlp_norm, self.mlp))

@@ -190,11 +190,13 @@ class InputValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "argument `implementation`"):
       invact_jax.gelu(jnp.ones(3), implementation="cuda")
 
-  def test_triton_without_gpu_is_a_clear_error(self):
-    if jax.default_backend() == "gpu":
-      self.skipTest("has a GPU")
-    with self.assertRaisesRegex(RuntimeError, "implementation='triton' cannot run here"):
-      invact_jax.silu(jnp.ones(3), implementation="triton")
+  @parameterized.parameters("pallas", "triton")
+  def test_kernel_backends_are_a_clear_error_until_they_land(self, impl):
+    # On every platform (a GPU with jax-triton installed included): no ImportError, no
+    # silent fallback, a RuntimeError that names the choice and says why.
+    with self.assertRaisesRegex(RuntimeError, f"implementation='{impl}' cannot run here: .*"
+                                "not available yet"):
+      invact_jax.silu(jnp.ones(3), implementation=impl)
 
   def test_traced_parameter_rejected(self):
     with self.assertRaisesRegex(TypeError, "argument `alpha` must be a concrete scalar"):
