@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from invact_jax import _bitpack
 from invact_jax import _dispatch
@@ -164,6 +165,19 @@ class ActivationSpec:
   grad_from_output: Callable[..., Any]
   bit: Callable[..., Any] | None = None
   params: tuple[tuple[str, float], ...] = ()
+  kernel_math: Callable[..., Any] | None = None  # forward for kernel bodies (default: forward)
+
+  @property
+  def kernel_forward(self):
+    """Forward on a kernel tile; 16-bit inputs are computed in float32 and rounded once
+    (Triton lacks several bf16/f16 elementwise lowerings; XLA GPU fuses the same way)."""
+    f = self.forward if self.kernel_math is None else self.kernel_math
+
+    def on_tile(x, **kw):
+      if x.dtype in (jnp.bfloat16, jnp.float16):
+        return f(x.astype(jnp.float32), **kw).astype(x.dtype)
+      return f(x, **kw)
+    return on_tile
 
   @property
   def kwargs(self) -> dict[str, float]:
@@ -203,8 +217,33 @@ def _branch_bit(name):
 
 GELU_TANH = ActivationSpec("gelu_tanh", lambda x: _NN["gelu"](x, approximate=True),
                            gelu_tanh_grad_from_output, _branch_bit("gelu_tanh"))
+def erfc_f32(z):
+  """erfc for kernel bodies (Pallas Triton has no erf/erfc lowering), in float32.
+
+  Press et al.'s Chebyshev fit (fractional error < 1.2e-7 in exact arithmetic); a^2 is
+  split as a_hi^2 + (a - a_hi)(a + a_hi) with a 12-bit a_hi, so exp(-a^2) keeps float32
+  accuracy for large a.
+  """
+  z = z.astype(jnp.float32)
+  a = jnp.abs(z)
+  t = 1.0 / (1.0 + 0.5 * a)
+  poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+      -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+          -0.82215223 + t * 0.17087277))))))))
+  a_hi = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
+  r = t * jnp.exp(-a_hi * a_hi + poly) * jnp.exp(-(a - a_hi) * (a + a_hi))
+  return jnp.where(z >= 0, r, 2.0 - r)
+
+
+def _gelu_erf_kernel_math(x):
+  xf = x.astype(jnp.float32)
+  return (0.5 * xf * erfc_f32(-xf * np.float32(np.sqrt(0.5)))).astype(x.dtype)
+
+
 GELU_ERF = ActivationSpec("gelu_erf", lambda x: _NN["gelu"](x, approximate=False),
-                          gelu_erf_grad_from_output, _branch_bit("gelu_erf"))
+                          gelu_erf_grad_from_output, _branch_bit("gelu_erf"),
+                          kernel_math=_gelu_erf_kernel_math)
 SILU = ActivationSpec("silu", _NN["silu"], silu_grad_from_output, _branch_bit("silu"))
 MISH = ActivationSpec("mish", _NN["mish"], mish_grad_from_output, _branch_bit("mish"))
 SIGMOID = ActivationSpec("sigmoid", _NN["sigmoid"], sigmoid_grad_from_output)
@@ -244,14 +283,6 @@ def derivative_from_packed(spec: ActivationSpec, y, packed):
 
 
 # ---------------------------------------------------------------------- the custom_vjp
-def _first_order_message(name):
-  return (f"invact_jax.{name}: higher-order derivatives are not supported. Its backward pass "
-          "reconstructs f'(x) from the stored output y (that is what saves the memory), and "
-          "the derivative of that reconstruction is not the second derivative of the "
-          f"activation. Use invact_jax.{name}_reference (jax.nn) where you need "
-          "second derivatives (e.g. Hessians); forward-mode jax.jvp is not supported either.")
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _first_order_only(name, g):
   return g
@@ -260,7 +291,7 @@ def _first_order_only(name, g):
 @_first_order_only.defjvp
 def _first_order_only_jvp(name, primals, tangents):
   del primals, tangents
-  raise NotImplementedError(_first_order_message(name))
+  raise NotImplementedError(_dispatch.first_order_message(name))
 
 
 @dataclasses.dataclass(frozen=True)
