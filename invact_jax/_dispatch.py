@@ -9,8 +9,12 @@ interchangeable.
 * ``"pallas"``: the fused kernels of :mod:`pallas_kernels` (Triton on GPU; on
   other platforms they run in Pallas interpret mode, for testing).
 * ``"triton"``: the jax-triton kernels (GPU with the optional ``jax-triton``).
+<<<<<<< HEAD
 * ``None``: XLA for now on every platform (bit-identical to ``jax.nn``); it will pick the
   kernels on GPU once measurements there show them faster.
+=======
+* ``None``: XLA on every platform for now (see ``available``).
+>>>>>>> main
 """
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ def available(name: str) -> tuple[bool, str]:
   if name == "xla":
     return True, ""
   if name == "pallas":
+<<<<<<< HEAD
     if importlib.util.find_spec("pallas_kernels") is None:
       return False, "the pallas_kernels package is not installed"
     # The kernels pass their kernel-level tests (tests/test_pallas_kernels.py), but the
@@ -96,6 +101,12 @@ def available(name: str) -> tuple[bool, str]:
     # backend is not offered rather than half-working.
     return False, ("the Pallas backend is not wired into autodiff yet (kernels are tested "
                    "standalone in pallas_kernels.elementwise); use implementation='xla'")
+=======
+    # The fused kernels are in progress (branch wip/pallas-kernels): not offered until they
+    # match the XLA path and work under autodiff, rather than half-working.
+    return False, ("the Pallas kernels are not available yet (in progress); "
+                   "use implementation='xla' (the default)")
+>>>>>>> main
   if name == "triton":
     if _platform() != "gpu":
       return False, f"jax-triton needs a CUDA GPU, the default backend is {_platform()!r}"
@@ -112,8 +123,12 @@ def resolve(implementation, spec, x, *, block_rows: int | None = None) -> Backen
     raise ValueError(f"argument `implementation` must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
   if implementation is None:
+<<<<<<< HEAD
     # XLA everywhere until GPU measurements show the kernels faster (README, issue 8): the
     # XLA path is bit-identical to jax.nn, and XLA already fuses both passes.
+=======
+    # XLA on every platform until GPU-measured kernels are faster: bit-identical to jax.nn.
+>>>>>>> main
     return Backend("xla")
   ok, why = available(implementation)
   if not ok:

@@ -79,7 +79,12 @@ def evaluate(fit: InverseFit, y, left):
     left: boolean, True where x < x_min.
   """
   dt = y.dtype
-  d = (y - jnp.asarray(fit.y_min_hi, dt)) - jnp.asarray(fit.y_min_lo, dt)
+  # y_min = hi + lo as a float32 pair; y - hi is exact near the minimum.  ``lo`` is made
+  # data-dependent (times exactly 1) so that XLA's simplifier cannot fold (y - hi) - lo
+  # into y - (hi + lo), which would lose lo; unlike an optimization barrier this keeps the
+  # backward in one fusion.
+  one = 1.0 + 0.0 * jnp.minimum(jnp.abs(y), 1.0)
+  d = (y - jnp.asarray(fit.y_min_hi, dt)) - jnp.asarray(fit.y_min_lo, dt) * one
   s = jnp.sqrt(jnp.maximum(d, 0.0))
   tiny = jnp.finfo(dt).tiny
   w = jnp.sqrt(-jnp.log(jnp.clip(-y, tiny, 1.0)))
