@@ -9,12 +9,8 @@ interchangeable.
 * ``"pallas"``: the fused kernels of :mod:`pallas_kernels` (Triton on GPU; on
   other platforms they run in Pallas interpret mode, for testing).
 * ``"triton"``: the jax-triton kernels (GPU with the optional ``jax-triton``).
-<<<<<<< HEAD
 * ``None``: XLA for now on every platform (bit-identical to ``jax.nn``); it will pick the
   kernels on GPU once measurements there show them faster.
-=======
-* ``None``: XLA on every platform for now (see ``available``).
->>>>>>> main
 """
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ class Backend:
   def forward(self, spec, x):
     if self.name == "xla":
       return spec.forward_and_mask(x)
-    return _kernels(self.name).forward(spec, x, interpret=self.interpret,
-                                       block_rows=self.block_rows)
+    return _kernel_forward(self, spec, x)
 
   def backward(self, spec, y, packed, dy, *, guard):
     if self.name == "xla":
@@ -59,6 +54,20 @@ def first_order_message(name: str) -> str:
           "the derivative of that reconstruction is not the second derivative of the "
           f"activation. Use invact_jax.{name}_reference (jax.nn) where you need "
           "second derivatives (e.g. Hessians); forward-mode jax.jvp is not supported either.")
+
+
+# Kernels are not differentiable; only higher-order differentiation reaches them (the
+# custom_vjp never differentiates its fwd/bwd at first order), so say why it is refused.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_forward(backend, spec, x):
+  return _kernels(backend.name).forward(spec, x, interpret=backend.interpret,
+                                        block_rows=backend.block_rows)
+
+
+@_kernel_forward.defjvp
+def _kernel_forward_jvp(backend, spec, primals, tangents):
+  del backend, primals, tangents
+  raise NotImplementedError(first_order_message(spec.name))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -93,20 +102,9 @@ def available(name: str) -> tuple[bool, str]:
   if name == "xla":
     return True, ""
   if name == "pallas":
-<<<<<<< HEAD
     if importlib.util.find_spec("pallas_kernels") is None:
       return False, "the pallas_kernels package is not installed"
-    # The kernels pass their kernel-level tests (tests/test_pallas_kernels.py), but the
-    # custom_vjp wiring fails JAX's linearization under jax.grad; until that is fixed the
-    # backend is not offered rather than half-working.
-    return False, ("the Pallas backend is not wired into autodiff yet (kernels are tested "
-                   "standalone in pallas_kernels.elementwise); use implementation='xla'")
-=======
-    # The fused kernels are in progress (branch wip/pallas-kernels): not offered until they
-    # match the XLA path and work under autodiff, rather than half-working.
-    return False, ("the Pallas kernels are not available yet (in progress); "
-                   "use implementation='xla' (the default)")
->>>>>>> main
+    return True, "" if _platform() == "gpu" else "interpret mode (no GPU)"
   if name == "triton":
     if _platform() != "gpu":
       return False, f"jax-triton needs a CUDA GPU, the default backend is {_platform()!r}"
@@ -123,12 +121,8 @@ def resolve(implementation, spec, x, *, block_rows: int | None = None) -> Backen
     raise ValueError(f"argument `implementation` must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
   if implementation is None:
-<<<<<<< HEAD
     # XLA everywhere until GPU measurements show the kernels faster (README, issue 8): the
     # XLA path is bit-identical to jax.nn, and XLA already fuses both passes.
-=======
-    # XLA on every platform until GPU-measured kernels are faster: bit-identical to jax.nn.
->>>>>>> main
     return Backend("xla")
   ok, why = available(implementation)
   if not ok:

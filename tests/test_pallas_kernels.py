@@ -69,10 +69,16 @@ class KernelTest(parameterized.TestCase):
         spec, y, m, dy, block_rows=block_rows, interpret=self.INTERPRET))(y_ref, m_ref, dy)
     self.assertLessEqual(float(np.max(_ulp_diff(dx, dx_ref, dtype), initial=0)), 1.0)
 
-  def test_public_pallas_choice_is_a_clear_error_until_wired(self):
+  def test_public_api_with_pallas_implementation(self):
     import invact_jax
-    with self.assertRaisesRegex(RuntimeError, "not wired into autodiff yet"):
-      invact_jax.gelu(jnp.ones(3), implementation="pallas")
+    x = jnp.linspace(-4, 4, 96).reshape(4, 24)
+    for f in (invact_jax.gelu, invact_jax.silu, invact_jax.mish, invact_jax.tanh):
+      g_k = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x, implementation="pallas")))))(x)
+      g_x = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x, implementation="xla")))))(x)
+      np.testing.assert_allclose(g_k, g_x, rtol=0, atol=1e-6)
+    with self.assertRaisesRegex(NotImplementedError, "higher-order"):
+      jax.grad(lambda x: jax.grad(
+          lambda x: invact_jax.gelu(x, implementation="pallas").sum())(x).sum())(x)
 
 
 class KernelInterpretTest(KernelTest):
