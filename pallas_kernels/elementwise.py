@@ -77,7 +77,7 @@ def _grid(m, block_rows):
   return m_pad, m_pad // block_rows
 
 
-def _fwd_kernel(f, bit_fn, compute_dtype, x_ref, *out_refs):
+def _fwd_kernel(f, bit_fn, compute_dtype, n, n8, x_ref, *out_refs):
   x = x_ref[...]
   y_ref = out_refs[0]
   y_ref[...] = f(x).astype(y_ref.dtype)
@@ -85,6 +85,10 @@ def _fwd_kernel(f, bit_fn, compute_dtype, x_ref, *out_refs):
     m_ref = out_refs[1]
     bits = bit_fn(x.astype(compute_dtype)).astype(jnp.int32)
     shifts = jax.lax.broadcasted_iota(jnp.int32, bits.shape, 1)
+    if n != n8:  # a ragged last axis was padded: padding bits are 0, as in the XLA layout
+      rows = pl.program_id(0) * bits.shape[0] + jax.lax.broadcasted_iota(jnp.int32, bits.shape, 0)
+      col = (rows % (n8 // 8)) * 8 + shifts
+      bits = jnp.where(col < n, bits, 0)
     m_ref[...] = jnp.sum(jnp.left_shift(bits, shifts), axis=1).astype(jnp.uint8)
 
 
@@ -105,7 +109,8 @@ def forward(f: TileFn, bit_fn: TileFn | None, x: jax.Array, *, compute_dtype=jnp
     out_shape.append(jax.ShapeDtypeStruct((m_pad,), jnp.uint8))
     out_specs.append(pl.BlockSpec((block_rows,), lambda i: (i,)))
   outs = pl.pallas_call(
-      functools.partial(_fwd_kernel, f, bit_fn, compute_dtype),
+      functools.partial(_fwd_kernel, f, bit_fn, compute_dtype,
+                        1 if len(shape) == 0 else shape[-1], n8),
       out_shape=out_shape, grid=(steps,),
       in_specs=[pl.BlockSpec((block_rows, 8), lambda i: (i, 0))], out_specs=out_specs,
       compiler_params=compiler_params(num_warps), interpret=interpret,
