@@ -8,6 +8,7 @@ from invact_jax._activations import (  # noqa: F401
     mish_reference, relu, relu_reference, sigmoid, sigmoid_reference, silu, silu_reference,
     softplus, softplus_reference, swish, tanh, tanh_reference,
 )
+from invact_jax._dispatch import Implementation, available  # noqa: F401
 from invact_jax._bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
 
 __version__ = "0.1.0"

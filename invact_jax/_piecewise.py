@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from invact_jax import _inverse_fits
 
-__all__ = ["InverseFit", "FIT", "evaluate"]
+__all__ = ["InverseFit", "FIT", "ERFCX", "evaluate", "clenshaw", "chebyshev_pieces", "piece_index"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +61,45 @@ FIT = {
 }
 
 
-def _clenshaw(t, coeffs):
+def clenshaw(t, coeffs):
+  """Chebyshev series sum_k coeffs[k] T_k(t) by the Clenshaw recurrence, in the dtype of t."""
   b1 = jnp.zeros_like(t)
   b2 = jnp.zeros_like(t)
   t2 = 2.0 * t
   for c in reversed(coeffs[1:]):
     b1, b2 = t2 * b1 - b2 + c, b1
   return t * b1 - b2 + coeffs[0]
+
+
+def chebyshev_pieces(var, idx, pieces):
+  """sum_k c_k T_k((var - mid) / half) with the piece ``pieces[idx]`` chosen per element.
+
+  Coefficients are selected by a chain of ``where`` (no gathers: it runs in kernel bodies).
+  """
+  dt = var.dtype
+
+  def pick(values):
+    out = jnp.full(var.shape, values[0], dt)
+    for i, v in enumerate(values[1:], start=1):
+      out = jnp.where(idx == i, jnp.asarray(v, dt), out)
+    return out
+
+  mid = pick([p.mid for p in pieces])
+  inv_half = pick([p.inv_half for p in pieces])
+  t = jnp.clip((var - mid) * inv_half, -1.0, 1.0)
+  ncoef = len(pieces[0].coeffs)
+  return clenshaw(t, [pick([p.coeffs[k] for p in pieces]) for k in range(ncoef)])
+
+
+def piece_index(var, pieces):
+  """Index of the piece containing ``var`` (clamped to the first/last piece)."""
+  idx = jnp.zeros(var.shape, jnp.int32)
+  for p in pieces[1:]:
+    idx = idx + (var >= jnp.asarray(p.lo, var.dtype)).astype(jnp.int32)
+  return idx
+
+
+ERFCX = _pieces(_inverse_fits.ERFCX)
 
 
 def evaluate(fit: InverseFit, y, left):
@@ -103,18 +135,7 @@ def evaluate(fit: InverseFit, y, left):
     idx = jnp.where(member, offset + local, idx)
     offset += len(group)
 
-  def pick(values):
-    out = jnp.full(y.shape, values[0], dt)
-    for i, v in enumerate(values[1:], start=1):
-      out = jnp.where(idx == i, jnp.asarray(v, dt), out)
-    return out
-
-  mid = pick([p.mid for p in pieces])
-  inv_half = pick([p.inv_half for p in pieces])
-  t = jnp.clip((var - mid) * inv_half, -1.0, 1.0)
-  ncoef = len(pieces[0].coeffs)
-  coeffs = [pick([p.coeffs[k] for p in pieces]) for k in range(ncoef)]
-  val = _clenshaw(t, coeffs)
+  val = chebyshev_pieces(var, idx, pieces)
   g = jnp.where(tail, y * val, val)
   g = jnp.where(~left & (s >= jnp.asarray(fit.sigma_right_end, dt)), jnp.ones_like(g), g)
   # y = NaN: from x = NaN (bit 0) -> NaN; from x = -inf (bit 1; jax.nn gives -inf * 0 = NaN)

@@ -190,13 +190,26 @@ class InputValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "argument `implementation`"):
       invact_jax.gelu(jnp.ones(3), implementation="cuda")
 
-  @parameterized.parameters("pallas", "triton")
-  def test_kernel_backends_are_a_clear_error_until_they_land(self, impl):
+  def test_triton_backend_is_a_clear_error(self):
     # On every platform (a GPU with jax-triton installed included): no ImportError, no
     # silent fallback, a RuntimeError that names the choice and says why.
-    with self.assertRaisesRegex(RuntimeError, f"implementation='{impl}' cannot run here: .*"
-                                "not available yet"):
-      invact_jax.silu(jnp.ones(3), implementation=impl)
+    with self.assertRaisesRegex(RuntimeError, "implementation='triton' cannot run here: .*"
+                                "not written yet"):
+      invact_jax.silu(jnp.ones(3), implementation="triton")
+    self.assertFalse(invact_jax.available("triton")[0])
+
+  def test_implementation_options(self):
+    x = jnp.linspace(-3, 3, 64 * 40).reshape(40, 64)
+    for block_rows in (1, 4, 256):
+      impl = invact_jax.Implementation(name="pallas", block_rows=block_rows)
+      w = jnp.cos(3.0 * x)  # dy, independent of y
+      g = jax.grad(lambda x: jnp.vdot(invact_jax.gelu(x, implementation=impl), w))(x)
+      g_ref = jax.grad(lambda x: jnp.vdot(invact_jax.gelu(x, implementation="xla"), w))(x)
+      np.testing.assert_allclose(g, g_ref, rtol=0, atol=1e-6)
+    with self.assertRaisesRegex(ValueError, "argument `block_rows` must be a positive power"):
+      invact_jax.Implementation(name="pallas", block_rows=3)
+    with self.assertRaisesRegex(ValueError, "argument `name`"):
+      invact_jax.Implementation(name="cuda")
 
   def test_traced_parameter_rejected(self):
     with self.assertRaisesRegex(TypeError, "argument `alpha` must be a concrete scalar"):
