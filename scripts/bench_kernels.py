@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Kernel timing: forward, backward, fwd+bwd times and GB/s, jax.nn vs invact_jax backends.
+
+  python scripts/bench_kernels.py                                  # 2^20..2^28, f32 + bf16
+  python scripts/bench_kernels.py --min-log2 20 --max-log2 22 --implementations xla
+
+On a GPU this compares the XLA path, the Pallas kernels and jax.nn against the device copy
+bandwidth; without one, Pallas runs in interpret mode (correctness only, its timings mean
+nothing) and is left out unless named.  Prints a markdown table and writes JSON
+(default bench/kernels.json) with the device, JAX version and date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+  import jax  # pylint: disable=import-outside-toplevel
+  from invact_jax import kernel_bench  # pylint: disable=import-outside-toplevel
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu")
+  p.add_argument("--min-log2", type=int, default=20)
+  p.add_argument("--max-log2", type=int, default=28)
+  p.add_argument("--dtypes", default="float32,bfloat16")
+  p.add_argument("--implementations", default=None,
+                 help="comma list of xla,pallas (default: xla, plus pallas on a GPU)")
+  p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "kernels.json")
+  args = p.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  impls = (args.implementations.split(",") if args.implementations
+           else ["xla", "pallas"] if on_gpu else ["xla"])
+  for a in args.activations.split(","):
+    if a not in kernel_bench.ACTIVATIONS:
+      print(f"error: unknown activation {a!r}; choose from {sorted(kernel_bench.ACTIVATIONS)}",
+            file=sys.stderr)
+      return 2
+  if not 3 <= args.min_log2 <= args.max_log2:
+    print("error: need 3 <= --min-log2 <= --max-log2", file=sys.stderr)
+    return 2
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  sizes = [1 << k for k in range(args.min_log2, args.max_log2 + 1)]
+  rows = []
+  with tqdm(desc="bench", unit="row") as bar:
+    def progress(msg):
+      bar.set_postfix_str(msg)
+      bar.update()
+    for a in args.activations.split(","):
+      rows += kernel_bench.measure(activation=a, sizes=sizes, dtypes=args.dtypes.split(","),
+                                   implementations=impls, repeats=args.repeats,
+                                   progress=progress)
+  print(kernel_bench.table(rows))
+  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+          "command": " ".join(sys.argv)}
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
