@@ -8,6 +8,11 @@ from invact_jax._activations import (  # noqa: F401
     mish_reference, relu, relu_reference, sigmoid, sigmoid_reference, silu, silu_reference,
     softplus, softplus_reference, swish, tanh, tanh_reference,
 )
+from invact_jax._norms import (  # noqa: F401
+    layer_norm, layer_norm_dense, layer_norm_reference, norm_dense_reference, rms_norm,
+    rms_norm_dense, rms_norm_reference,
+)
+from invact_jax._softmax import dropout, dropout_reference, softmax, softmax_reference  # noqa: F401
 from invact_jax._dispatch import Implementation, available  # noqa: F401
 from invact_jax._bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
 

@@ -52,9 +52,18 @@ def residuals(fn: Callable[..., Any], *args, **kwargs) -> list[Residual]:
     if source.startswith("from a literal") or source.startswith("from a constant"):
       continue
     shape = tuple(int(d) for d in aval.shape)
-    nbytes = math.prod(shape) * np.dtype(aval.dtype).itemsize
-    out.append(Residual(shape, str(np.dtype(aval.dtype)), nbytes, source))
+    itemsize, name = _itemsize(aval.dtype)
+    out.append(Residual(shape, name, math.prod(shape) * itemsize, source))
   return out
+
+
+def _itemsize(dtype) -> tuple[int, str]:
+  """Bytes per element and a name; PRNG keys count their key data (threefry: 2 x uint32)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    impl = getattr(dtype, "_impl", None)
+    key_shape = getattr(impl, "key_shape", (2,))
+    return math.prod(key_shape) * 4, str(dtype)
+  return np.dtype(dtype).itemsize, str(np.dtype(dtype))
 
 
 def residual_table(rows: list[Residual]) -> str:

@@ -29,6 +29,9 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "jax-default": {"activation_impl": "standard"},
     "checkpoint-activation": {"activation_impl": "checkpointed"},
     "inverted": {"activation_impl": "inverted"},
+    # Issue 6: every op of the block keeps its output (or bits, or nothing).
+    "inverted-all": {"activation_impl": "inverted", "norm_impl": "fused",
+                     "softmax_impl": "inverted", "dropout_impl": "regenerate"},
 }
 
 MODELS = {
@@ -90,7 +93,8 @@ def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: 
       jax.block_until_ready(exe(params, x, y))
       times.append(time.perf_counter() - t0)
   return {
-      "model": model, "activation": cfg.activation, "dtype": dtype, "batch": batch,
+      "model": model, "activation": cfg.activation, "dropout": cfg.dropout, "dtype": dtype,
+      "batch": batch,
       "seq_len": None if isinstance(cfg, vit.ViTConfig) else seq_len,
       "configuration": configuration, "scan_layers": scan_layers,
       "residual_bytes_per_layer": per_layer, "compiled_temp_bytes": comp.temp,
@@ -102,17 +106,19 @@ def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: 
 
 def table(rows: list[dict]) -> str:
   """Markdown table with each row's saving vs the jax-default row of its group."""
-  group = lambda r: (r["model"], r["activation"], r["dtype"], r["batch"], r["scan_layers"])
+  group = lambda r: (r["model"], r["activation"], r.get("dropout"), r["dtype"], r["batch"],
+                     r["scan_layers"])
   base = {group(r): r for r in rows if r["configuration"] == "jax-default"}
-  out = ["| model | activation | dtype | batch | configuration | residual MiB/layer | compiled temp MiB "
-         "| vs default | device peak MiB | step time (s) |",
-         "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+  out = ["| model | activation | dropout | dtype | batch | configuration | residual MiB/layer "
+         "| compiled temp MiB | vs default | device peak MiB | step time (s) |",
+         "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|"]
   mib = lambda b: "n/a" if b is None else f"{b / 2**20:,.1f}"
   for r in rows:
     b = base.get(group(r))
     rel = "" if b is None else f"{100 * (r['compiled_temp_bytes'] / b['compiled_temp_bytes'] - 1):+.1f}%"
     st = "n/a" if r["step_time_s"] is None else f"{r['step_time_s']:.3f}"
-    out.append(f"| {r['model']} | {r['activation']} | {r['dtype']} | {r['batch']} | {r['configuration']} | "
+    out.append(f"| {r['model']} | {r['activation']} | {r.get('dropout', 0.0)} | {r['dtype']} | "
+               f"{r['batch']} | {r['configuration']} | "
                f"{mib(r['residual_bytes_per_layer'])} | {mib(r['compiled_temp_bytes'])} | {rel} | "
                f"{mib(r['device_peak_bytes'])} | {st} |")
   return "\n".join(out)

@@ -9,7 +9,16 @@ configs and never edit model code:
 * ``scan_layers``: layers stacked and run under ``nnx.scan`` (one compiled layer);
 * ``remat``: a ``jax.checkpoint`` policy name around each layer (see ``REMAT_POLICIES``);
 * ``attention``: ``"xla"`` (einsum + softmax) or ``"dot_product"``
-  (``jax.nn.dot_product_attention``; cuDNN on GPU).
+  (``jax.nn.dot_product_attention``; cuDNN on GPU);
+* ``norm_impl``: ``"standard"`` (``nnx.LayerNorm``/``nnx.RMSNorm``), ``"inverted"``
+  (``invact_jax.layer_norm``/``rms_norm``: keeps the normalized tensor + float32 rstd) or
+  ``"fused"`` (``invact_jax.layer_norm_dense``: the norm and the projections that read it
+  keep one tensor; post-norm blocks, whose norm feeds the next block, use ``"inverted"``).
+  Parameters are the Flax modules' in every case, so checkpoints are interchangeable;
+* ``softmax_impl``: ``"standard"`` (``jax.nn.softmax``) or ``"inverted"``
+  (``invact_jax.softmax``: keeps only the probabilities the P @ V matmul keeps anyway);
+* ``dropout_impl``: ``"standard"`` (keeps a bool mask), ``"regenerate"`` (keeps only the key)
+  or ``"bits"`` (keeps the mask packed 8 per byte).
 """
 from __future__ import annotations
 
@@ -26,6 +35,9 @@ import invact_jax
 
 ACTIVATION_IMPLS = ("standard", "checkpointed", "inverted")
 ATTENTION_IMPLS = ("xla", "dot_product")
+NORM_IMPLS = ("standard", "inverted", "fused")
+SOFTMAX_IMPLS = ("standard", "inverted")
+DROPOUT_IMPLS = ("standard", "regenerate", "bits")
 
 _STANDARD = {
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
@@ -75,6 +87,9 @@ class BlockOptions:
   scan_layers: bool = False
   remat: str = "none"
   attention: str = "xla"
+  norm_impl: str = "standard"
+  softmax_impl: str = "standard"
+  dropout_impl: str = "standard"
   dtype: str = "float32"  # compute dtype; parameters stay float32
 
   def __post_init__(self):
@@ -90,6 +105,10 @@ def validate_common(cfg) -> None:
     raise ValueError(f"activation_impl must be one of {ACTIVATION_IMPLS}, got {cfg.activation_impl!r}")
   if cfg.attention not in ATTENTION_IMPLS:
     raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {cfg.attention!r}")
+  for field, allowed in (("norm_impl", NORM_IMPLS), ("softmax_impl", SOFTMAX_IMPLS),
+                         ("dropout_impl", DROPOUT_IMPLS)):
+    if getattr(cfg, field) not in allowed:
+      raise ValueError(f"{field} must be one of {allowed}, got {getattr(cfg, field)!r}")
   if cfg.remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {cfg.remat!r}")
   if cfg.hidden % cfg.heads:
@@ -97,15 +116,49 @@ def validate_common(cfg) -> None:
   activation_fn(cfg.activation, cfg.activation_impl)
 
 
-def dropout(x, rate: float, key) -> jax.Array:
-  """Inverted-scaling dropout with an explicit key; identity when ``key`` is None."""
+def dropout(x, rate: float, key, impl: str = "standard") -> jax.Array:
+  """Inverted-scaling dropout with an explicit key; identity when ``key`` is None.
+
+  Every ``impl`` draws the same mask for the same key (see ``dropout_impl``).
+  """
   if key is None or rate == 0.0:
     return x
-  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+  if impl == "standard":
+    return invact_jax.dropout_reference(x, rate, key)
+  return invact_jax.dropout(x, rate, key, mode=impl)
 
 
-def dot_product_attention(q, k, v, *, causal: bool, impl: str):
+def _param(p):
+  return None if p is None else p.value
+
+
+def apply_norm(norm, x, impl: str):
+  """``norm(x)`` for an ``nnx.LayerNorm``/``nnx.RMSNorm``, in implementation ``impl``.
+
+  ``"fused"`` means ``"inverted"`` here: a norm with no projection to fuse with.
+  """
+  if impl == "standard":
+    return norm(x)
+  dtype = norm.dtype or x.dtype
+  if isinstance(norm, nnx.RMSNorm):
+    return invact_jax.rms_norm(x, _param(norm.scale), epsilon=norm.epsilon, dtype=dtype)
+  return invact_jax.layer_norm(x, _param(norm.scale), _param(norm.bias), epsilon=norm.epsilon,
+                               dtype=dtype)
+
+
+def norm_dense(norm, x, linears):
+  """``tuple(linear(norm(x)) for linear in linears)`` as one fused ``invact_jax`` unit."""
+  dtype = norm.dtype or x.dtype
+  kernels = [lin.kernel.value for lin in linears]
+  biases = [_param(lin.bias) for lin in linears]
+  if isinstance(norm, nnx.RMSNorm):
+    return invact_jax.rms_norm_dense(x, _param(norm.scale), kernels, biases,
+                                     epsilon=norm.epsilon, dtype=dtype)
+  return invact_jax.layer_norm_dense(x, _param(norm.scale), _param(norm.bias), kernels, biases,
+                                     epsilon=norm.epsilon, dtype=dtype)
+
+
+def dot_product_attention(q, k, v, *, causal: bool, impl: str, softmax_impl: str = "standard"):
   """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim]."""
   if impl == "dot_product":
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
@@ -114,7 +167,10 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str):
   if causal:
     n = q.shape[1]
     logits = jnp.where(jnp.tril(jnp.ones((n, n), bool)), logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  if softmax_impl == "inverted":
+    probs = invact_jax.softmax(logits, axis=-1, dtype=v.dtype)
+  else:
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
@@ -124,16 +180,25 @@ class Attention(nnx.Module):
   def __init__(self, cfg, *, causal: bool = False, rngs: nnx.Rngs):
     d, dt = cfg.hidden, cfg.dtype
     self.heads, self.causal, self.impl = cfg.heads, causal, cfg.attention
+    self.softmax_impl = cfg.softmax_impl
     self.query = nnx.Linear(d, d, dtype=dt, rngs=rngs)
     self.key = nnx.Linear(d, d, dtype=dt, rngs=rngs)
     self.value = nnx.Linear(d, d, dtype=dt, rngs=rngs)
     self.out = nnx.Linear(d, d, dtype=dt, rngs=rngs)
 
-  def __call__(self, x):
-    b, n, d = x.shape
+  def qkv(self, x, norm=None):
+    """Projections of x, or of norm(x) fused with the norm when ``norm`` is given."""
+    if norm is not None:
+      return norm_dense(norm, x, (self.query, self.key, self.value))
+    return self.query(x), self.key(x), self.value(x)
+
+  def __call__(self, x, norm=None):
+    b, n, _ = x.shape
+    d = self.out.in_features
     split = lambda t: t.reshape(b, n, self.heads, d // self.heads)
-    o = dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
-                              causal=self.causal, impl=self.impl)
+    q, k, v = self.qkv(x, norm)
+    o = dot_product_attention(split(q), split(k), split(v), causal=self.causal, impl=self.impl,
+                              softmax_impl=self.softmax_impl)
     return self.out(o.reshape(b, n, d))
 
 
@@ -145,15 +210,23 @@ class Mlp(nnx.Module):
     self.fc2 = nnx.Linear(cfg.mlp_dim, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
     self.act = activation_fn(cfg.activation, cfg.activation_impl)
 
-  def __call__(self, x):
-    return self.fc2(self.act(self.fc1(x)))
+  def __call__(self, x, norm=None):
+    h = self.fc1(x) if norm is None else norm_dense(norm, x, (self.fc1,))[0]
+    return self.fc2(self.act(h))
 
 
-def pre_norm_residuals(x, key, rate, *sublayers):
-  """x + dropout(layer(norm(x))) for each (norm, layer), with one dropout key each."""
+def pre_norm_residuals(x, key, cfg, *sublayers):
+  """x + dropout(layer(norm(x))) for each (norm, layer), with one dropout key each.
+
+  With ``norm_impl="fused"`` the layer gets the norm and fuses it with its projections.
+  """
   keys = [None] * len(sublayers) if key is None else list(jax.random.split(key, len(sublayers)))
   for (norm, layer), k in zip(sublayers, keys):
-    x = x + dropout(layer(norm(x)), rate, k)
+    if cfg.norm_impl == "fused":
+      h = layer(x, norm=norm)
+    else:
+      h = layer(apply_norm(norm, x, cfg.norm_impl))
+    x = x + dropout(h, cfg.dropout, k, cfg.dropout_impl)
   return x
 
 
@@ -165,10 +238,10 @@ class PreNormBlock(nnx.Module):
     self.attn = Attention(cfg, causal=causal, rngs=rngs)
     self.ln2 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
-    self.rate = cfg.dropout
+    self.cfg = cfg
 
   def __call__(self, x, key=None):
-    return pre_norm_residuals(x, key, self.rate, (self.ln1, self.attn), (self.ln2, self.mlp))
+    return pre_norm_residuals(x, key, self.cfg, (self.ln1, self.attn), (self.ln2, self.mlp))
 
 
 class Stack(nnx.Module):
@@ -227,17 +300,21 @@ class RotaryAttention(Attention):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, dt = cfg.hidden, cfg.dtype
     self.heads, self.causal, self.impl = cfg.heads, True, cfg.attention
+    self.softmax_impl = cfg.softmax_impl
     self.query = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
     self.key = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
     self.value = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
     self.out = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
 
-  def __call__(self, x):
-    b, n, d = x.shape
+  def __call__(self, x, norm=None):
+    b, n, _ = x.shape
+    d = self.out.in_features
     split = lambda t: t.reshape(b, n, self.heads, d // self.heads)
     pos = jnp.arange(n)
-    q, k = rotary(split(self.query(x)), pos), rotary(split(self.key(x)), pos)
-    o = dot_product_attention(q, k, split(self.value(x)), causal=True, impl=self.impl)
+    q, k, v = self.qkv(x, norm)
+    q, k = rotary(split(q), pos), rotary(split(k), pos)
+    o = dot_product_attention(q, k, split(v), causal=True, impl=self.impl,
+                              softmax_impl=self.softmax_impl)
     return self.out(o.reshape(b, n, d))
 
 
@@ -251,8 +328,12 @@ class GluMlp(nnx.Module):
     self.down = nnx.Linear(cfg.mlp_dim, cfg.hidden, **kw)
     self.act = activation_fn(cfg.activation, cfg.activation_impl)
 
-  def __call__(self, x):
-    return self.down(self.act(self.gate(x)) * self.up(x))
+  def __call__(self, x, norm=None):
+    if norm is None:
+      g, u = self.gate(x), self.up(x)
+    else:
+      g, u = norm_dense(norm, x, (self.gate, self.up))
+    return self.down(self.act(g) * u)
 
 
 class PostNormBlock(nnx.Module):
@@ -263,12 +344,14 @@ class PostNormBlock(nnx.Module):
     self.ln1 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
     self.mlp = Mlp(cfg, rngs=rngs)
     self.ln2 = nnx.LayerNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
-    self.rate = cfg.dropout
+    self.cfg = cfg
 
   def __call__(self, x, key=None):
+    c = self.cfg
     k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
-    x = self.ln1(x + dropout(self.attn(x), self.rate, k1))
-    return self.ln2(x + dropout(self.mlp(x), self.rate, k2))
+    impl = c.norm_impl  # "fused" runs as "inverted": these norms feed the next block
+    x = apply_norm(self.ln1, x + dropout(self.attn(x), c.dropout, k1, c.dropout_impl), impl)
+    return apply_norm(self.ln2, x + dropout(self.mlp(x), c.dropout, k2, c.dropout_impl), impl)
 
 
 class LlamaBlock(nnx.Module):
@@ -279,8 +362,8 @@ class LlamaBlock(nnx.Module):
     self.attn = RotaryAttention(cfg, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
     self.mlp = GluMlp(cfg, rngs=rngs)
-    self.rate = cfg.dropout
+    self.cfg = cfg
 
   def __call__(self, x, key=None):
-    return pre_norm_residuals(x, key, self.rate, (self.attention_norm, self.attn),
+    return pre_norm_residuals(x, key, self.cfg, (self.attention_norm, self.attn),
                               (self.mlp_norm, self.mlp))

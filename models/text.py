@@ -69,8 +69,9 @@ class TextTransformer(nnx.Module):
     if self.cfg.family != "llama":
       x = x + self.position_embedding(jnp.arange(n))[None]
     if self.cfg.family == "bert":
-      x = self.embedding_norm(x + self.type_embedding(jnp.zeros_like(tokens)))
+      x = layers.apply_norm(self.embedding_norm, x + self.type_embedding(jnp.zeros_like(tokens)),
+                            self.cfg.norm_impl)
     x = self.blocks(x, key)
     if self.cfg.family != "bert":
-      x = self.final_norm(x)
+      x = layers.apply_norm(self.final_norm, x, self.cfg.norm_impl)
     return self.token_embedding.attend(x).astype(jnp.float32)

@@ -65,5 +65,5 @@ class ViT(nnx.Module):
     cls = jnp.broadcast_to(self.cls[...].astype(x.dtype), (b, 1, self.cfg.hidden))
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embedding[...].astype(x.dtype)
     x = self.encoder(x, key)
-    x = self.encoder_norm(x)
+    x = layers.apply_norm(self.encoder_norm, x, self.cfg.norm_impl)
     return self.head(x[:, 0].astype(jnp.float32))

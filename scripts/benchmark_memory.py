@@ -30,6 +30,8 @@ def main(argv=None) -> int:
   p.add_argument("--activations", default="preset",
                  help="comma list of activations to sweep (gelu_tanh,gelu_erf,silu,relu) or 'preset'")
   p.add_argument("--configurations", default=",".join(benchmark.CONFIGURATIONS))
+  p.add_argument("--dropout", type=float, default=None,
+                 help="override the presets' dropout rate (e.g. 0.1, issue 6's setting)")
   p.add_argument("--unrolled", action="store_true", help="unrolled layers instead of lax.scan")
   p.add_argument("--time", type=int, default=0, help="timed steps per row (0: no timing)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "memory")
@@ -50,9 +52,11 @@ def main(argv=None) -> int:
           for c in args.configurations.split(",")]
   rows = []
   for m, a, d, b, c in tqdm(jobs, desc="benchmark", unit="row"):
-    extra = None if a == "preset" else {"activation": a}
+    extra = {} if a == "preset" else {"activation": a}
+    if args.dropout is not None:
+      extra["dropout"] = args.dropout
     rows.append(benchmark.measure(m, d, b, c, seq_len=args.seq_len, scan_layers=not args.unrolled,
-                                  time_steps=args.time, extra=extra))
+                                  time_steps=args.time, extra=extra or None))
   md = benchmark.table(rows)
   print(md)
   args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,3 +79,57 @@ def test_memory_ordering_small_configs(model, extra):
     return
   assert temp["inverted"] < temp["checkpoint-activation"] < temp["jax-default"]
   assert res["inverted"] < res["checkpoint-activation"] < res["jax-default"]
+
+
+ALL = dict(norm_impl="fused", softmax_impl="inverted", dropout_impl="regenerate")
+
+
+@pytest.mark.parametrize("preset,norm_impl", [("bert-base", "fused"), ("gpt2", "inverted"),
+                                               ("gpt2", "fused"), ("llama-small", "fused")])
+def test_output_saving_options_same_loss_and_gradients(preset, norm_impl):
+  """Issue 6 options: same parameters, same forward (to rounding), same gradients."""
+  cfg = text.PRESETS[preset].replace(**SMALL_TEXT, dropout=0.1, scan_layers=True)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
+  key = jax.random.key(3)
+
+  def grads(c):
+    model = text.TextTransformer(c, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens, key)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    return jax.value_and_grad(loss)(params)
+
+  l0, g0 = grads(cfg)
+  l1, g1 = grads(cfg.replace(activation_impl="inverted", norm_impl=norm_impl,
+                             softmax_impl="inverted", dropout_impl="bits"))
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  flat0, flat1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+  assert len(flat0) == len(flat1)
+  # Relative to the largest gradient: some leaves are mathematically ~0 (rounding noise).
+  scale = max(float(np.max(np.abs(np.asarray(a)))) for a in flat0)
+  for a, b in zip(flat0, flat1):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-5 * scale)
+
+
+def test_vit_fused_options_keep_flax_parameter_names():
+  base = vit.PRESETS["digits"]
+  names = lambda c: jax.tree.map(lambda a: a.shape, nnx.split(vit.ViT(c, rngs=nnx.Rngs(0)),  # noqa: E731
+                                                                nnx.Param)[1])
+  assert names(base) == names(base.replace(**ALL))
+  with pytest.raises(ValueError, match="norm_impl must be one of"):
+    base.replace(norm_impl="fast")
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("vit-b16", SMALL_VIT | {"hidden": 64, "mlp_dim": 256, "dropout": 0.1,
+                             "activation": "gelu_erf"}),
+    ("llama-small", SMALL_TEXT | {"hidden": 64, "mlp_dim": 256, "dropout": 0.1}),
+])
+def test_inverted_all_memory_ordering(model, extra):
+  rows = {c: benchmark.measure(model, "bfloat16", 4, c, seq_len=32, extra=extra)
+          for c in ("jax-default", "inverted", "inverted-all")}
+  temp = {c: r["compiled_temp_bytes"] for c, r in rows.items()}
+  res = {c: r["residual_bytes_per_layer"] for c, r in rows.items()}
+  assert temp["inverted-all"] < temp["inverted"] < temp["jax-default"]
+  assert res["inverted-all"] < res["inverted"] < res["jax-default"]
