@@ -22,6 +22,8 @@ from invact_jax import _bitpack
 __all__ = ["softmax", "softmax_reference", "dropout", "dropout_reference"]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
+# Captured at import: invact_jax.inverted() patches jax.nn.softmax while it runs.
+_NN_SOFTMAX = jax.nn.softmax
 
 
 def _float_dtype(fn, arg, dtype):
@@ -37,7 +39,7 @@ def _compute(dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _softmax(axis, dtype, x):
-  return jax.nn.softmax(x.astype(_compute(x.dtype)), axis=axis).astype(dtype)
+  return _NN_SOFTMAX(x.astype(_compute(x.dtype)), axis=axis).astype(dtype)
 
 
 def _softmax_fwd(axis, dtype, x):
@@ -80,7 +82,7 @@ def softmax(x, axis: int = -1, *, dtype=None):
 def softmax_reference(x, axis: int = -1, *, dtype=None):
   """``jax.nn.softmax`` in float32, cast to ``dtype``: the baseline (keeps f32 + cast)."""
   out = jnp.dtype(x.dtype if dtype is None else dtype)
-  return jax.nn.softmax(x.astype(_compute(x.dtype)), axis=axis).astype(out)
+  return _NN_SOFTMAX(x.astype(_compute(x.dtype)), axis=axis).astype(out)
 
 
 # -------------------------------------------------------------------------------- dropout

@@ -13,7 +13,9 @@ from invact_jax import memory
 from models import data as data_lib
 from models import training
 
-IMPLS = ("standard", "inverted")
+def _impls(cfg) -> tuple[str, str]:
+  """standard vs the configured implementation ("inverted" when that is "standard")."""
+  return ("standard", "inverted" if cfg.activations == "standard" else cfg.activations)
 
 
 def _device_peak(trainer: training.Trainer) -> int | None:
@@ -30,12 +32,13 @@ def compare(cfg: training.TrainConfig, dataset: data_lib.Dataset, workdir: pathl
             resume: bool = False, progress: bool = True) -> dict[str, Any]:
   """Train both implementations; write compare.json and compare.png; return the table."""
   workdir = pathlib.Path(workdir)
-  for impl in IMPLS:  # check both run directories before training either
+  impls = _impls(cfg)
+  for impl in impls:  # check both run directories before training either
     training.validate(dataclasses.replace(cfg, activations=impl), dataset, len(jax.devices()))
     training.prepare_workdir(dataclasses.replace(cfg, activations=impl), workdir / impl,
                              resume=resume)
   runs = {}
-  for impl in IMPLS:
+  for impl in impls:
     c = dataclasses.replace(cfg, activations=impl)
     s = training.train(c, dataset, workdir / impl, resume=resume, progress=progress)
     trainer = s.pop("trainer")
@@ -49,11 +52,11 @@ def compare(cfg: training.TrainConfig, dataset: data_lib.Dataset, workdir: pathl
           ("device peak bytes", "device_peak_bytes", "{:,}"),
           ("median step time (s)", "step_time_s_median", "{:.4f}")]
   lines = [f"| {cfg.preset} ({cfg.dtype}, {runs['standard']['platform']}, "
-           f"{runs['standard']['devices']} device(s)) | standard | inverted |", "|---|---:|---:|"]
+           f"{runs['standard']['devices']} device(s)) | standard | {impls[1]} |", "|---|---:|---:|"]
   for label, key, fmt in rows:
-    vals = [runs[i][key] for i in IMPLS]
+    vals = [runs[i][key] for i in impls]
     lines.append(f"| {label} | " + " | ".join("n/a" if v is None else fmt.format(v) for v in vals) + " |")
-  acc_gap = abs(runs["standard"]["final_test_acc"] - runs["inverted"]["final_test_acc"])
+  acc_gap = abs(runs["standard"]["final_test_acc"] - runs[impls[1]]["final_test_acc"])
   table = "\n".join(lines) + f"\n\naccuracy gap: {100 * acc_gap:.2f} percentage points"
   out_json = workdir / "compare.json"
   out_json.write_text(json.dumps({"table": table, "accuracy_gap": acc_gap,

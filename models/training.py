@@ -31,6 +31,16 @@ class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
 
 
+# --activations choices -> model config fields.  "inverted-all": every op of the block keeps
+# its output (activation, fused LayerNorm -> projections, softmax) and dropout its key only.
+IMPL_OPTIONS = {
+    "standard": dict(activation_impl="standard"),
+    "inverted": dict(activation_impl="inverted"),
+    "inverted-all": dict(activation_impl="inverted", norm_impl="fused", softmax_impl="inverted",
+                         dropout_impl="regenerate"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Options of one training run (see ``scripts/train_vit.py --help``)."""
@@ -44,7 +54,7 @@ class TrainConfig:
   weight_decay: float = 0.05
   dtype: str = "float32"
   seed: int = 0
-  activations: str = "inverted"  # "standard" (jax.nn) or "inverted" (invact_jax)
+  activations: str = "inverted"  # a key of IMPL_OPTIONS
   scan_layers: bool = False
   remat: str = "none"
   checkpoint_every: int = 500
@@ -64,7 +74,7 @@ class TrainConfig:
     try:
       return base.replace(image_size=dataset.image_size, patch_size=patch,
                           channels=dataset.channels, num_classes=dataset.num_classes,
-                          activation_impl=self.activations, dtype=self.dtype,
+                          **IMPL_OPTIONS[self.activations], dtype=self.dtype,
                           scan_layers=self.scan_layers, remat=self.remat)
     except ValueError as e:
       raise ConfigError(str(e)) from None
@@ -75,8 +85,9 @@ class TrainConfig:
 
 def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> None:
   """Raise ConfigError for options that cannot work with this data or machine."""
-  if cfg.activations not in ("standard", "inverted"):
-    raise ConfigError(f"--activations must be 'standard' or 'inverted', got {cfg.activations!r}")
+  if cfg.activations not in IMPL_OPTIONS:
+    raise ConfigError(f"--activations must be one of {tuple(IMPL_OPTIONS)}, "
+                      f"got {cfg.activations!r}")
   if cfg.dtype not in ("float32", "bfloat16", "float16"):
     raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
   if cfg.schedule not in ("cosine", "constant"):

@@ -29,8 +29,12 @@ def parse(argv=None):
   p.add_argument("--data", type=pathlib.Path, help=".npz with x_train, y_train, x_test, y_test "
                  "(default: scikit-learn's digits)")
   p.add_argument("--preset", default=d.preset, help="model preset: digits, ti16, s16, b16")
-  p.add_argument("--activations", default=d.activations, choices=["standard", "inverted"])
-  p.add_argument("--compare", action="store_true", help="run both activations from the same seed")
+  p.add_argument("--activations", default=d.activations,
+                 choices=list(training.IMPL_OPTIONS),
+                 help="inverted: invact_jax activations; inverted-all: also output-saving "
+                      "norms (fused with the projections), softmax, and key-only dropout")
+  p.add_argument("--compare", action="store_true",
+                 help="train standard and --activations (inverted if standard) from the same seed")
   p.add_argument("--batch-size", type=int, default=d.batch_size)
   p.add_argument("--epochs", type=int, default=d.epochs)
   p.add_argument("--steps", type=int, default=None, help="total steps (overrides --epochs)")

@@ -114,3 +114,55 @@ def test_modules_match_functions():
                                 jax.nn.elu(dense.apply(params, x), 0.5))
   with pytest.raises(ValueError, match="argument `name`"):
     activation("softmax")
+
+
+class LinenNormBlock(nn.Module):
+  """Unmodified linen code with LayerNorm, softmax and RMSNorm."""
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(nn.LayerNorm()(x))
+    a = jax.nn.softmax(h @ h.T)
+    return nn.RMSNorm()(nn.gelu(a @ h))
+
+
+def test_norms_and_softmax_converted_same_params_and_gradients_fewer_residuals():
+  softmax_before, ln_call_before = jax.nn.softmax, nn.LayerNorm.__call__
+  m = LinenNormBlock()
+  x = jnp.arange(32.0).reshape(4, 8) / 7.0
+  params = m.init(jax.random.key(0), x)
+  loss = lambda p, x: jnp.sum(jnp.sin(m.apply(p, x)))  # noqa: E731
+  g0 = jax.grad(loss)(params, x)
+  with invact_jax.inverted() as report:
+    g1 = jax.grad(loss)(params, x)
+    params1 = m.init(jax.random.key(0), x)
+    kept1 = sum(r.bytes for r in memory.residuals(loss, params, x) if not r.is_argument)
+  assert {"flax.linen.LayerNorm", "flax.linen.RMSNorm", "jax.nn.softmax"} <= set(report.replaced)
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, params1)
+  chex.assert_trees_all_close(g1, g0, rtol=1e-5, atol=1e-5)
+  kept0 = sum(r.bytes for r in memory.residuals(loss, params, x) if not r.is_argument)
+  assert kept1 < kept0
+  # Outside the block, the originals are back.
+  assert jax.nn.softmax is softmax_before and nn.LayerNorm.__call__ is ln_call_before
+  with invact_jax.inverted(norms=False) as report:
+    jax.grad(loss)(params, x)
+  assert "flax.linen.LayerNorm" not in report.replaced
+
+
+def test_nnx_norms_converted_and_unsupported_calls_fall_back():
+  class Net(nnx.Module):
+    def __init__(self):
+      self.ln = nnx.LayerNorm(8, rngs=nnx.Rngs(0))
+      self.rn = nnx.RMSNorm(8, rngs=nnx.Rngs(0))
+      self.ln_axes = nnx.LayerNorm(4, reduction_axes=0, feature_axes=0, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.rn(jnp.sin(self.ln(x))) + self.ln_axes(x)  # x: [4, 8]
+
+  net = Net()
+  x = jnp.arange(32.0).reshape(4, 8) / 5.0
+  f = lambda n, x: jnp.sum(jnp.cos(n(x)))  # noqa: E731
+  g0 = nnx.state(nnx.grad(f)(net, x))
+  with invact_jax.inverted() as report:
+    g1 = nnx.state(nnx.grad(f)(net, x))
+  assert report.replaced == {"flax.nnx.LayerNorm": 1, "flax.nnx.RMSNorm": 1}
+  chex.assert_trees_all_close(jax.tree.leaves(g1), jax.tree.leaves(g0), rtol=1e-5, atol=1e-5)
