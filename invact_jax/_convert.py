@@ -133,7 +133,8 @@ def _linen_norm_call(original, rms: bool, report: ConversionReport, qual: str):
     scale = self.param("scale", self.scale_init, (n,), self.param_dtype) if self.use_scale else None
     bias = (self.param("bias", self.bias_init, (n,), self.param_dtype)
             if not rms and self.use_bias else None)
-    report.calls[qual] += 1
+    if report is not None:
+      report.calls[qual] += 1
     dtype = _norm_dtype(self.dtype, x, scale, bias)
     if rms:
       return _norms.rms_norm(x, scale, epsilon=self.epsilon, dtype=dtype)
@@ -150,7 +151,8 @@ def _nnx_norm_call(original, rms: bool, report: ConversionReport, qual: str):
       return original(self, x, mask=mask)
     scale = self.scale[...] if self.scale is not None else None
     bias = None if rms or self.bias is None else self.bias[...]
-    report.calls[qual] += 1
+    if report is not None:
+      report.calls[qual] += 1
     dtype = _norm_dtype(self.dtype, x, scale, bias)
     if rms:
       return _norms.rms_norm(x, scale, epsilon=self.epsilon, dtype=dtype)

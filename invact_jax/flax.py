@@ -1,4 +1,8 @@
-"""Flax glue: activation modules for ``flax.linen`` and ``flax.nnx``.
+"""Flax glue: activation and norm modules for ``flax.linen`` and ``flax.nnx``.
+
+``LinenLayerNorm``/``LinenRMSNorm``/``NnxLayerNorm``/``NnxRMSNorm`` subclass Flax's norms
+(same fields, parameter names, shapes and initializers, so checkpoints load) and run
+``invact_jax.layer_norm``/``rms_norm`` over the last axis; other axes fall back to Flax.
 
 The functions themselves work wherever Flax takes a callable (``activation=``,
 ``nnx.Sequential``, ``nn.Sequential``).  These modules are for places that want a
@@ -21,8 +25,10 @@ import flax.linen as nn
 from flax import nnx
 
 from invact_jax import _activations
+from invact_jax import _convert
 
-__all__ = ["activation", "LinenActivation", "NnxActivation"]
+__all__ = ["activation", "LinenActivation", "NnxActivation", "LinenLayerNorm", "LinenRMSNorm",
+           "NnxLayerNorm", "NnxRMSNorm"]
 
 _FUNCTIONS = {
     "gelu": _activations.gelu, "silu": _activations.silu, "swish": _activations.silu,
@@ -57,3 +63,23 @@ class NnxActivation(nnx.Module):
 
   def __call__(self, x):
     return self.fn(x)
+
+
+class LinenLayerNorm(nn.LayerNorm):
+  """``nn.LayerNorm`` keeping only xhat + float32 rstd for the backward."""
+  __call__ = _convert._linen_norm_call(nn.LayerNorm.__call__, False, None, "")  # pylint: disable=protected-access
+
+
+class LinenRMSNorm(nn.RMSNorm):
+  """``nn.RMSNorm`` keeping only xhat + float32 rstd for the backward."""
+  __call__ = _convert._linen_norm_call(nn.RMSNorm.__call__, True, None, "")  # pylint: disable=protected-access
+
+
+class NnxLayerNorm(nnx.LayerNorm):
+  """``nnx.LayerNorm`` keeping only xhat + float32 rstd for the backward."""
+  __call__ = _convert._nnx_norm_call(nnx.LayerNorm.__call__, False, None, "")  # pylint: disable=protected-access
+
+
+class NnxRMSNorm(nnx.RMSNorm):
+  """``nnx.RMSNorm`` keeping only xhat + float32 rstd for the backward."""
+  __call__ = _convert._nnx_norm_call(nnx.RMSNorm.__call__, True, None, "")  # pylint: disable=protected-access

@@ -166,3 +166,28 @@ def test_nnx_norms_converted_and_unsupported_calls_fall_back():
     g1 = nnx.state(nnx.grad(f)(net, x))
   assert report.replaced == {"flax.nnx.LayerNorm": 1, "flax.nnx.RMSNorm": 1}
   chex.assert_trees_all_close(jax.tree.leaves(g1), jax.tree.leaves(g0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_modules_load_flax_checkpoints_and_match(rms):
+  from invact_jax.flax import LinenLayerNorm, LinenRMSNorm, NnxLayerNorm, NnxRMSNorm
+  x = jnp.arange(48.0).reshape(6, 8) / 9.0
+  ref, ours = (nn.RMSNorm(), LinenRMSNorm()) if rms else (nn.LayerNorm(), LinenLayerNorm())
+  params = ref.init(jax.random.key(0), x)
+  chex.assert_trees_all_equal_shapes_and_dtypes(params, ours.init(jax.random.key(0), x))
+  loss = lambda m: (lambda p: jnp.sum(jnp.sin(m.apply(p, x))))  # noqa: E731
+  # Flax computes var = E[x^2] - E[x]^2 (cancels for rows with a large mean); ours is the
+  # two-pass variance: no further from the float64 result than Flax's, to rounding.
+  x64 = np.asarray(x, np.float64)
+  c = x64 if rms else x64 - x64.mean(-1, keepdims=True)
+  want = c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-6)
+  err = lambda y: np.max(np.abs(np.asarray(y, np.float64) - want))  # noqa: E731
+  assert err(ours.apply(params, x)) <= err(ref.apply(params, x)) + 1e-6
+  chex.assert_trees_all_close(jax.grad(loss(ours))(params), jax.grad(loss(ref))(params),
+                              atol=1e-4, rtol=1e-4)
+  n_ref = (nnx.RMSNorm if rms else nnx.LayerNorm)(8, rngs=nnx.Rngs(0))
+  n_ours = (NnxRMSNorm if rms else NnxLayerNorm)(8, rngs=nnx.Rngs(0))
+  assert err(n_ours(x)) <= err(n_ref(x)) + 1e-6
+  kept = lambda m: sum(r.bytes for r in memory.residuals(  # noqa: E731
+      lambda x: jnp.sum(jnp.sin(m(x))), x) if not r.is_argument)
+  assert kept(n_ours) < kept(n_ref)
