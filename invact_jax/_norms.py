@@ -24,6 +24,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+
+from invact_jax import _dispatch
 
 __all__ = ["layer_norm", "rms_norm", "layer_norm_reference", "rms_norm_reference",
            "layer_norm_dense", "rms_norm_dense", "norm_dense_reference"]
@@ -88,28 +91,107 @@ def _rows_sum(a):
 
 
 # --------------------------------------------------------------------------- the norm alone
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _norm(rms, eps, dtype, x, scale, bias):
+def _kernel_fwd(backend, rms, eps, dtype, x, scale, bias):
+  """(z, xhat, rstd[..., 1]) from the Pallas kernels, run per shard of the leading axes."""
+  from pallas_kernels import norms as kernels  # pylint: disable=import-outside-toplevel
+
+  def run(x, scale, bias):
+    lead, n = x.shape[:-1], x.shape[-1]
+    z, xhat, rstd = kernels.forward(x.reshape(-1, n), scale, bias, rms=rms, eps=eps,
+                                    out_dtype=dtype, interpret=backend.interpret)
+    return z.reshape(*lead, n), xhat.reshape(*lead, n), rstd.reshape(*lead, 1)
+  return _rows_partitioned(run, 3, x, scale, bias)
+
+
+def _kernel_dx(backend, rms, xhat, rstd, dz, scale, x_dtype):
+  from pallas_kernels import norms as kernels  # pylint: disable=import-outside-toplevel
+
+  def run(xhat, rstd, dz, scale):
+    lead, n = xhat.shape[:-1], xhat.shape[-1]
+    dx = kernels.backward_dx(xhat.reshape(-1, n), rstd.reshape(-1), dz.reshape(-1, n), scale,
+                             rms=rms, dx_dtype=x_dtype, interpret=backend.interpret)
+    return dx.reshape(*lead, n)
+  return _rows_partitioned(run, 1, xhat, rstd, dz, scale)
+
+
+def _rows_partitioned(run, n_out: int, *args):
+  """``run(*args)`` per shard of the leading axes (the last axis whole; [n] args replicated).
+
+  A pallas_call is opaque to XLA's partitioner; this says that rows are independent, so a
+  batch- or sequence-sharded input runs locally with no gather (tested).
+  """
+  present = [a is not None for a in args]
+  arrays = [a for a in args if a is not None]
+  x = arrays[0]
+  if x.ndim < 2:
+    return run(*args)
+
+  def call(*arrs):
+    it = iter(arrs)
+    out = run(*[next(it) if p else None for p in present])
+    return out
+
+  op = custom_partitioning(call)
+
+  def shardings(mesh, arg_shapes):
+    spec = tuple(arg_shapes[0].sharding.spec) + (None,) * x.ndim
+    rows = jax.sharding.PartitionSpec(*spec[:x.ndim - 1], None)
+    row = jax.sharding.NamedSharding(mesh, rows)
+    ins = tuple(row if len(a.shape) == x.ndim else
+                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                for a in arg_shapes)
+    return row, ins
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    row, _ = shardings(mesh, arg_shapes)
+    return row if n_out == 1 else (row,) * n_out
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    row, ins = shardings(mesh, arg_shapes)
+    return mesh, call, (row if n_out == 1 else (row,) * n_out), ins
+
+  lead = " ".join(f"b{i}" for i in range(x.ndim - 1))
+  kinds = [f"{lead} n" if a.ndim == x.ndim and a.shape[-1] == x.shape[-1] else
+           (f"{lead} o" if a.ndim == x.ndim else "n") for a in arrays]
+  outs = [f"{lead} n"] * min(n_out, 2) + [f"{lead} o"] * (n_out - 2)
+  rule = ", ".join(kinds) + " -> " + ", ".join(outs)
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=rule, need_replication_factors=("n",))
+  return op(*arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _norm(backend, rms, eps, dtype, x, scale, bias):
+  if backend.name == "pallas":
+    return _kernel_fwd(backend, rms, eps, dtype, x, scale, bias)[0]
   xhat, _ = _normalize(x, rms, eps)
   return _affine(xhat, scale, bias, dtype)
 
 
-def _norm_fwd(rms, eps, dtype, x, scale, bias):
-  xhat, rstd = _normalize(x, rms, eps)
-  z = _affine(xhat, scale, bias, dtype)
+def _norm_fwd(backend, rms, eps, dtype, x, scale, bias):
+  if backend.name == "pallas":
+    z, xhat_s, rstd = _kernel_fwd(backend, rms, eps, dtype, x, scale, bias)
+  else:
+    xhat, rstd = _normalize(x, rms, eps)
+    z, xhat_s = _affine(xhat, scale, bias, dtype), xhat.astype(dtype)
   # Residuals: xhat in the output dtype (the size of z) and the float32 row statistic.
-  return z, (xhat.astype(dtype), rstd, scale, bias, jnp.zeros((0,), x.dtype))
+  return z, (xhat_s, rstd, scale, bias, jnp.zeros((0,), x.dtype))
 
 
-def _norm_bwd(rms, eps, dtype, res, dz):
+def _norm_bwd(backend, rms, eps, dtype, res, dz):
   del eps, dtype
   xhat_s, rstd, scale, bias, x_like = res
   x_dtype = x_like.dtype
   st = rstd.dtype
   xhat = xhat_s.astype(st)
   dzf = dz.astype(st)
-  g = dzf if scale is None else dzf * scale.astype(st)
-  dx = _dx(xhat, rstd, g, rms).astype(x_dtype)
+  if backend.name == "pallas":
+    dx = _kernel_dx(backend, rms, xhat_s, rstd, dz, scale, x_dtype)
+  else:
+    g = dzf if scale is None else dzf * scale.astype(st)
+    dx = _dx(xhat, rstd, g, rms).astype(x_dtype)
   dscale = None if scale is None else _rows_sum(dzf * xhat).astype(scale.dtype)
   dbias = None if bias is None else _rows_sum(dzf).astype(bias.dtype)
   return dx, dscale, dbias
@@ -118,7 +200,15 @@ def _norm_bwd(rms, eps, dtype, res, dz):
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
-def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None):
+def _backend(fn, implementation):
+  backend = _dispatch.resolve(implementation)
+  if backend.name == "triton":  # pragma: no cover - resolve() refuses it today
+    raise RuntimeError(f"invact_jax.{fn}: implementation='triton' has no norm kernels")
+  return backend
+
+
+def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
+               implementation=None):
   """LayerNorm over the last axis that keeps only ``xhat`` (output dtype) and float32 ``rstd``.
 
   Forward matches ``flax.nnx.LayerNorm`` (statistics in float32); gradients are exact for
@@ -129,6 +219,9 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None):
     scale, bias: [n] arrays or None.
     epsilon: added to the variance.
     dtype: output dtype (default: ``x.dtype``); also the dtype ``xhat`` is kept in.
+    implementation: None / "xla" (jnp, fused by XLA) or "pallas" (the row kernels of
+      ``pallas_kernels.norms``; interpret mode without a GPU), or an
+      :class:`invact_jax.Implementation`.
 
   Example:
     >>> import jax, jax.numpy as jnp, invact_jax
@@ -138,13 +231,13 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None):
     True
   """
   out = _check("layer_norm", x, scale, bias, dtype)
-  return _norm(False, float(epsilon), out, x, scale, bias)
+  return _norm(_backend("layer_norm", implementation), False, float(epsilon), out, x, scale, bias)
 
 
-def rms_norm(x, scale=None, *, epsilon: float = 1e-6, dtype=None):
+def rms_norm(x, scale=None, *, epsilon: float = 1e-6, dtype=None, implementation=None):
   """RMSNorm over the last axis keeping only ``xhat`` and float32 ``rstd`` (see layer_norm)."""
   out = _check("rms_norm", x, scale, None, dtype)
-  return _norm(True, float(epsilon), out, x, scale, None)
+  return _norm(_backend("rms_norm", implementation), True, float(epsilon), out, x, scale, None)
 
 
 def layer_norm_reference(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None):
