@@ -8,6 +8,9 @@ configs and never edit model code:
   (``invact_jax``: keeps its output + a bit mask);
 * ``scan_layers``: layers stacked and run under ``nnx.scan`` (one compiled layer);
 * ``remat``: a ``jax.checkpoint`` policy name around each layer (see ``REMAT_POLICIES``);
+* ``save_names``: a memory plan (``invact_jax.planner``): per layer, the ``checkpoint_name``
+  tags (``TAGS``) to keep, the rest recomputed; one entry for all layers, or one per layer
+  (scanned layers then run as one scan per run of equal entries).  Overrides ``remat``;
 * ``attention``: ``"xla"`` (einsum + softmax) or ``"dot_product"``
   (``jax.nn.dot_product_attention``; cuDNN on GPU);
 * ``norm_impl``: ``"standard"`` (``nnx.LayerNorm``/``nnx.RMSNorm``), ``"inverted"``
@@ -30,6 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
 
@@ -51,6 +55,19 @@ _INVERTED = {
     "silu": invact_jax.silu,
     "relu": invact_jax.relu,
 }
+
+def tag(x, name: str, on: bool):
+  """``checkpoint_name(x, name)`` when a memory plan is in use (``on``), else x.
+
+  Names are only read by remat policies; without one they are left out, because a named
+  copy of a custom_vjp's output can be kept beside the output itself.
+  """
+  return checkpoint_name(x, name) if on else x
+
+
+# Every saveable tensor of a block, tagged with jax.ad_checkpoint.checkpoint_name.
+TAGS = ("norm_attn", "query", "key", "value", "attn_probs", "attn_context", "attn_out",
+        "norm_mlp", "mlp_pre", "mlp_act", "mlp_out")
 
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "none": None,
@@ -86,6 +103,7 @@ class BlockOptions:
   activation_impl: str = "standard"
   scan_layers: bool = False
   remat: str = "none"
+  save_names: tuple[tuple[str, ...], ...] | None = None
   attention: str = "xla"
   norm_impl: str = "standard"
   softmax_impl: str = "standard"
@@ -111,6 +129,14 @@ def validate_common(cfg) -> None:
       raise ValueError(f"{field} must be one of {allowed}, got {getattr(cfg, field)!r}")
   if cfg.remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {cfg.remat!r}")
+  if cfg.save_names is not None:
+    if len(cfg.save_names) not in (1, cfg.depth):
+      raise ValueError(f"save_names must have 1 or depth ({cfg.depth}) entries, "
+                       f"got {len(cfg.save_names)}")
+    bad = sorted({t for names in cfg.save_names for t in names} - set(TAGS))
+    if bad:
+      raise ValueError(f"save_names: unknown tags {bad}; choose from {TAGS}")
+
   if cfg.hidden % cfg.heads:
     raise ValueError(f"hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads})")
   activation_fn(cfg.activation, cfg.activation_impl)
@@ -158,7 +184,8 @@ def norm_dense(norm, x, linears):
                                      epsilon=norm.epsilon, dtype=dtype)
 
 
-def dot_product_attention(q, k, v, *, causal: bool, impl: str, softmax_impl: str = "standard"):
+def dot_product_attention(q, k, v, *, causal: bool, impl: str, softmax_impl: str = "standard",
+                          tagged: bool = False):
   """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim]."""
   if impl == "dot_product":
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
@@ -171,6 +198,7 @@ def dot_product_attention(q, k, v, *, causal: bool, impl: str, softmax_impl: str
     probs = invact_jax.softmax(logits, axis=-1, dtype=v.dtype)
   else:
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  probs = tag(probs, "attn_probs", tagged)
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
@@ -181,6 +209,7 @@ class Attention(nnx.Module):
     d, dt = cfg.hidden, cfg.dtype
     self.heads, self.causal, self.impl = cfg.heads, causal, cfg.attention
     self.softmax_impl = cfg.softmax_impl
+    self.tagged = cfg.save_names is not None
     self.query = nnx.Linear(d, d, dtype=dt, rngs=rngs)
     self.key = nnx.Linear(d, d, dtype=dt, rngs=rngs)
     self.value = nnx.Linear(d, d, dtype=dt, rngs=rngs)
@@ -189,8 +218,11 @@ class Attention(nnx.Module):
   def qkv(self, x, norm=None):
     """Projections of x, or of norm(x) fused with the norm when ``norm`` is given."""
     if norm is not None:
-      return norm_dense(norm, x, (self.query, self.key, self.value))
-    return self.query(x), self.key(x), self.value(x)
+      q, k, v = norm_dense(norm, x, (self.query, self.key, self.value))
+    else:
+      q, k, v = self.query(x), self.key(x), self.value(x)
+    on = self.tagged
+    return tag(q, "query", on), tag(k, "key", on), tag(v, "value", on)
 
   def __call__(self, x, norm=None):
     b, n, _ = x.shape
@@ -198,8 +230,9 @@ class Attention(nnx.Module):
     split = lambda t: t.reshape(b, n, self.heads, d // self.heads)
     q, k, v = self.qkv(x, norm)
     o = dot_product_attention(split(q), split(k), split(v), causal=self.causal, impl=self.impl,
-                              softmax_impl=self.softmax_impl)
-    return self.out(o.reshape(b, n, d))
+                              softmax_impl=self.softmax_impl, tagged=self.tagged)
+    o = tag(o.reshape(b, n, d), "attn_context", self.tagged)
+    return tag(self.out(o), "attn_out", self.tagged)
 
 
 class Mlp(nnx.Module):
@@ -209,10 +242,12 @@ class Mlp(nnx.Module):
     self.fc1 = nnx.Linear(cfg.hidden, cfg.mlp_dim, dtype=cfg.dtype, rngs=rngs)
     self.fc2 = nnx.Linear(cfg.mlp_dim, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
     self.act = activation_fn(cfg.activation, cfg.activation_impl)
+    self.tagged = cfg.save_names is not None
 
   def __call__(self, x, norm=None):
     h = self.fc1(x) if norm is None else norm_dense(norm, x, (self.fc1,))[0]
-    return self.fc2(self.act(h))
+    a = tag(self.act(tag(h, "mlp_pre", self.tagged)), "mlp_act", self.tagged)
+    return tag(self.fc2(a), "mlp_out", self.tagged)
 
 
 def pre_norm_residuals(x, key, cfg, *sublayers):
@@ -221,11 +256,12 @@ def pre_norm_residuals(x, key, cfg, *sublayers):
   With ``norm_impl="fused"`` the layer gets the norm and fuses it with its projections.
   """
   keys = [None] * len(sublayers) if key is None else list(jax.random.split(key, len(sublayers)))
-  for (norm, layer), k in zip(sublayers, keys):
+  for i, ((norm, layer), k) in enumerate(zip(sublayers, keys)):
     if cfg.norm_impl == "fused":
       h = layer(x, norm=norm)
     else:
-      h = layer(apply_norm(norm, x, cfg.norm_impl))
+      h = layer(tag(apply_norm(norm, x, cfg.norm_impl), "norm_attn" if i == 0 else "norm_mlp",
+                    cfg.save_names is not None))
     x = x + dropout(h, cfg.dropout, k, cfg.dropout_impl)
   return x
 
@@ -248,8 +284,10 @@ class Stack(nnx.Module):
   """``depth`` blocks, unrolled or stacked under ``nnx.scan``, each under ``remat``."""
 
   def __init__(self, cfg, make_block: Callable[[nnx.Rngs], nnx.Module], *, rngs: nnx.Rngs):
-    self.scan, self.depth = cfg.scan_layers, cfg.depth
+    self.depth = cfg.depth
     self.policy_name = cfg.remat
+    self.save_names = cfg.save_names
+    self.scan = cfg.scan_layers
     if cfg.scan_layers:
       @nnx.split_rngs(splits=cfg.depth)
       @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -259,29 +297,54 @@ class Stack(nnx.Module):
     else:
       self.blocks = nnx.List([make_block(rngs) for _ in range(cfg.depth)])
 
-  def _apply_block(self):
+  def _apply_block(self, layer: int = 0):
     apply = lambda block, x, key: block(x, key)
+    if self.save_names is not None:
+      names = self.save_names[layer if len(self.save_names) > 1 else 0]
+      return nnx.remat(apply, policy=jax.checkpoint_policies.save_only_these_names(*names))
     if self.policy_name == "none":
       return apply
     return nnx.remat(apply, policy=REMAT_POLICIES[self.policy_name])
 
+  def _groups(self):
+    """Contiguous runs of layers sharing one plan entry: [(start, end, layer index)]."""
+    if self.save_names is None or len(self.save_names) == 1:
+      return [(0, self.depth, 0)]
+    out, start = [], 0
+    for i in range(1, self.depth + 1):
+      if i == self.depth or self.save_names[i] != self.save_names[start]:
+        out.append((start, i, start))
+        start = i
+    return out
+
   def __call__(self, x, key=None):
     keys = None if key is None else jax.random.split(key, self.depth)
-    apply = self._apply_block()
     if not self.scan:
       for i, block in enumerate(self.blocks):
-        x = apply(block, x, None if keys is None else keys[i])
+        x = self._apply_block(i)(block, x, None if keys is None else keys[i])
       return x
+    groups = self._groups()
+    if len(groups) == 1:
+      return self._scan(self.blocks, x, keys, self._apply_block())
+    # A per-layer plan: one scan per run of equal layers, over a slice of the stacked blocks.
+    graphdef, state = nnx.split(self.blocks)
+    for start, end, layer in groups:
+      part = nnx.merge(graphdef, jax.tree.map(lambda a, s=start, e=end: a[s:e], state))
+      x = self._scan(part, x, None if keys is None else keys[start:end], self._apply_block(layer))
+    return x
+
+  @staticmethod
+  def _scan(blocks, x, keys, apply):
     if keys is None:
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
       def body(x, block):
         return apply(block, x, None)
-      return body(x, self.blocks)
+      return body(x, blocks)
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
     def body_with_keys(x, block, k):
       return apply(block, x, k)
-    return body_with_keys(x, self.blocks, keys)
+    return body_with_keys(x, blocks, keys)
 
 
 def rotary(x, positions, base: float = 10000.0):
@@ -301,6 +364,7 @@ class RotaryAttention(Attention):
     d, dt = cfg.hidden, cfg.dtype
     self.heads, self.causal, self.impl = cfg.heads, True, cfg.attention
     self.softmax_impl = cfg.softmax_impl
+    self.tagged = cfg.save_names is not None
     self.query = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
     self.key = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
     self.value = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
@@ -314,8 +378,9 @@ class RotaryAttention(Attention):
     q, k, v = self.qkv(x, norm)
     q, k = rotary(split(q), pos), rotary(split(k), pos)
     o = dot_product_attention(q, k, split(v), causal=True, impl=self.impl,
-                              softmax_impl=self.softmax_impl)
-    return self.out(o.reshape(b, n, d))
+                              softmax_impl=self.softmax_impl, tagged=self.tagged)
+    o = tag(o.reshape(b, n, d), "attn_context", self.tagged)
+    return tag(self.out(o), "attn_out", self.tagged)
 
 
 class GluMlp(nnx.Module):
@@ -327,13 +392,16 @@ class GluMlp(nnx.Module):
     self.up = nnx.Linear(cfg.hidden, cfg.mlp_dim, **kw)
     self.down = nnx.Linear(cfg.mlp_dim, cfg.hidden, **kw)
     self.act = activation_fn(cfg.activation, cfg.activation_impl)
+    self.tagged = cfg.save_names is not None
 
   def __call__(self, x, norm=None):
     if norm is None:
       g, u = self.gate(x), self.up(x)
     else:
       g, u = norm_dense(norm, x, (self.gate, self.up))
-    return self.down(self.act(g) * u)
+    g, u = tag(g, "mlp_pre", self.tagged), tag(u, "mlp_pre", self.tagged)
+    a = tag(self.act(g) * u, "mlp_act", self.tagged)
+    return tag(self.down(a), "mlp_out", self.tagged)
 
 
 class PostNormBlock(nnx.Module):

@@ -57,6 +57,7 @@ class TrainConfig:
   activations: str = "inverted"  # a key of IMPL_OPTIONS
   scan_layers: bool = False
   remat: str = "none"
+  memory_budget: int | None = None  # bytes for the model's gradient step (planner; see below)
   checkpoint_every: int = 500
   log_every: int = 20
   shift: int | None = None       # random-translation augmentation in pixels (None: image_size // 8)
@@ -94,6 +95,8 @@ def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> Non
     raise ConfigError(f"--schedule must be 'cosine' or 'constant', got {cfg.schedule!r}")
   if cfg.batch_size <= 0:
     raise ConfigError(f"--batch-size must be positive, got {cfg.batch_size}")
+  if cfg.memory_budget is not None and cfg.memory_budget <= 0:
+    raise ConfigError(f"--memory-budget must be positive, got {cfg.memory_budget}")
   n = dataset.x_train.shape[0]
   if cfg.batch_size > n:
     raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({n} images)")
@@ -143,6 +146,20 @@ def dropout_key(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1), step)
 
 
+def plan_model(model_cfg, budget: int, batch: int):
+  """The model config under the planner's cheapest plan whose compiled gradient step
+  (per device, layers scanned) fits ``budget`` bytes; raises ConfigError if none does."""
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
+  from models import planning  # pylint: disable=import-outside-toplevel
+  cfg = model_cfg.replace(scan_layers=True)
+  profiles = planning.profile(cfg, batch)
+  try:
+    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles)
+  except planner.InfeasibleBudget as e:
+    raise ConfigError(f"--memory-budget: {e}") from None
+  return cfg.replace(save_names=plan.save_names(), **planning.VARIANTS[plan.variant]), plan
+
+
 @dataclasses.dataclass
 class Trainer:
   """Model, optimizer and compiled steps for one config on a data-parallel mesh."""
@@ -159,6 +176,10 @@ class Trainer:
     self.mesh = Mesh(np.array(devs), ("data",))
     validate(self.cfg, self.dataset, self.mesh.size)
     self.model_cfg = self.cfg.model_config(self.dataset)
+    self.plan = None
+    if self.cfg.memory_budget is not None:
+      self.model_cfg, self.plan = plan_model(self.model_cfg, self.cfg.memory_budget,
+                                             self.cfg.batch_size // self.mesh.size)
     model = vit.ViT(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))
     self.graphdef, params = nnx.split(model, nnx.Param)
     self.total = self.cfg.total_steps(self.dataset.x_train.shape[0])
@@ -352,6 +373,10 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       "final_train_loss": trains[-1]["loss"] if trains else None,
       "step_time_s_median": float(np.median(step_times[len(step_times) // 5:])) if step_times else None,
       "devices": trainer.mesh.size, "platform": jax.default_backend(),
+      "memory_plan": None if trainer.plan is None else {
+          "budget": trainer.plan.budget, "variant": trainer.plan.variant,
+          "keep": [list(k) for k in trainer.plan.save_names()],
+          "predicted_bytes": trainer.plan.predicted_bytes},
   }
   (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
   summary["history"] = history

@@ -47,6 +47,9 @@ def parse(argv=None):
   p.add_argument("--scan-layers", action="store_true")
   p.add_argument("--remat", default=d.remat)
   p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+  p.add_argument("--memory-budget", type=_bytes, default=None,
+                 help="bytes (or e.g. 300MiB) for the gradient step: the planner picks what each "
+                      "layer keeps and the activation variant (layers scanned)")
   p.add_argument("--workdir", type=pathlib.Path, help="run directory (default: runs/<preset>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   p.add_argument("--no-progress", action="store_true")
@@ -56,6 +59,19 @@ def parse(argv=None):
 def _latest_run(preset: str) -> pathlib.Path | None:
   runs = sorted((ROOT / "runs").glob(f"{preset}-*"), key=lambda p: p.stat().st_mtime)
   return runs[-1] if runs else None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def _bytes(text: str) -> int:
+  """'123', '300MiB', '1.5GB' -> bytes (argparse type)."""
+  import re  # pylint: disable=import-outside-toplevel
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+  if not m or m.group(2).lower() not in _UNITS:
+    raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 300MiB, 2GB, 123456)")
+  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def main(argv=None) -> int:
@@ -76,7 +92,7 @@ def main(argv=None) -> int:
         lr=args.lr, warmup_steps=args.warmup_steps, schedule=args.schedule,
         weight_decay=args.weight_decay, dtype=args.dtype, seed=args.seed,
         activations=args.activations, scan_layers=args.scan_layers, remat=args.remat,
-        checkpoint_every=args.checkpoint_every)
+        checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget)
     progress = not args.no_progress
     if args.compare:
       result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress)

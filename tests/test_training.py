@@ -128,3 +128,13 @@ def test_compare_writes_table_json_png(digits, tmp_path):
   first = {k: next(h for h in v["history"] if "loss" in h)["loss"] for k, v in runs.items()}
   assert abs(first["standard"] - first["inverted"]) < 1e-3
   assert runs["inverted"]["compiled_temp_bytes"] < runs["standard"]["compiled_temp_bytes"]
+
+
+def test_memory_budget_plans_the_model(digits):
+  cfg = dataclasses.replace(SMALL, memory_budget=200 * 2**20)
+  trainer = training.Trainer(cfg, digits, devices=1)
+  assert trainer.plan is not None and trainer.model_cfg.save_names is not None
+  assert trainer.plan.predicted_bytes <= cfg.memory_budget
+  assert trainer.model_cfg.scan_layers
+  with pytest.raises(training.ConfigError, match="minimum feasible budget"):
+    training.Trainer(dataclasses.replace(SMALL, memory_budget=1024), digits, devices=1)

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Memory-budget planner: frontier of recompute cost vs memory, against fixed remat policies.
+
+  python scripts/plan_memory.py                               # ViT-B/16 and GPT-2, bf16, batch 8
+  python scripts/plan_memory.py --models vit-b16 --points 5 --batch 4
+
+For each model: profiles each variant (standard / inverted activations; see
+models/planning.py), then solves the integer program (invact_jax.planner, HiGHS) at budgets
+from the minimum feasible to the unconstrained peak, compiles every plan and every fixed
+policy (full, save_qkv_proj, save_dot_except_mlp, minimal, nothing) with layers scanned, and
+prints a table with predicted vs compiled bytes and measured recompute FLOPs.  Writes JSON and
+a PNG of the frontier (default bench/plan_memory.*).  CPU figures are XLA's compiled
+temp_size_in_bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+  import jax  # pylint: disable=import-outside-toplevel
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
+  from models import benchmark, planning  # pylint: disable=import-outside-toplevel
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--models", default="vit-b16,gpt2")
+  p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq-len", type=int, default=512, help="text models")
+  p.add_argument("--points", type=int, default=6, help="budgets between min and max")
+  p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
+  args = p.parse_args(argv)
+  models = args.models.split(",")
+  for m in models:
+    if m not in benchmark.MODELS:
+      print(f"error: unknown model {m!r}; choose from {sorted(benchmark.MODELS)}", file=sys.stderr)
+      return 2
+  if args.points < 2:
+    print("error: --points must be at least 2", file=sys.stderr)
+    return 2
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  results = {}
+  bar = tqdm(desc="plan", unit="step")
+
+  def progress(msg):
+    bar.set_postfix_str(msg)
+    bar.update()
+
+  for m in models:
+    cfg = benchmark.model_config(m, dtype=args.dtype)
+    profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len, progress=progress)
+    lo = min(q.base_bytes for q in profiles)
+    hi = max(planner.evaluate(q, planning.FIXED_POLICIES["nothing"])[0] for q in profiles)
+    budgets = [int(lo + i * (hi - lo) / (args.points - 1)) for i in range(args.points)]
+    fr = planning.frontier(cfg, args.batch, budgets, profiles, seq_len=args.seq_len,
+                           progress=progress)
+    fr["profiles"] = [q.__dict__ for q in profiles]
+    results[m] = fr
+  bar.close()
+  print(_table(results))
+  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+          "command": " ".join(sys.argv), "dtype": args.dtype, "batch": args.batch,
+          "seq_len": args.seq_len}
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
+                                                      indent=1, default=list))
+  args.out.with_suffix(".md").write_text(_table(results) + "\n")
+  _plot(results, args.out.with_suffix(".png"))
+  print(f"wrote {args.out.with_suffix('.json')}, .md, .png")
+  return 0
+
+
+def _table(results) -> str:
+  mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+  gf = lambda f: "n/a" if f is None else f"{f / 1e9:,.2f}"  # noqa: E731
+  lines = ["| model | budget MiB | variant | kept per layer | predicted MiB | compiled MiB "
+           "| error | recompute GFLOP | best fixed policy that fits | its GFLOP |",
+           "|---|---:|---|---|---:|---:|---:|---:|---|---:|"]
+  for m, fr in results.items():
+    for p in fr["plans"]:
+      if "infeasible" in p:
+        lines.append(f"| {m} | {mib(p['budget'])} | infeasible | | | | | | | |")
+        continue
+      keep = ", ".join(p["keep"][0]) if len({tuple(k) for k in p["keep"]}) == 1 else "per layer"
+      lines.append(f"| {m} | {mib(p['budget'])} | {p['variant']} | {keep or '(nothing)'} | "
+                   f"{mib(p['predicted_bytes'])} | {mib(p['compiled_temp_bytes'])} | "
+                   f"{100 * p['prediction_error']:+.1f}% | {gf(p['recompute_flops'])} | "
+                   f"{p['best_fixed'] or 'none fits'} | {gf(p['best_fixed_recompute_flops'])} |")
+  return "\n".join(lines)
+
+
+def _plot(results, path):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+  for ax, (m, fr) in zip(axes[0], results.items()):
+    pts = [p for p in fr["plans"] if "infeasible" not in p]
+    ax.plot([p["compiled_temp_bytes"] / 2**20 for p in pts],
+            [p["recompute_flops"] / 1e9 for p in pts], "o-", label="planner (compiled)")
+    for f in fr["fixed"]:
+      ax.scatter(f["compiled_temp_bytes"] / 2**20, f["recompute_flops"] / 1e9,
+                 marker="s" if f["variant"] == "standard" else "^")
+      ax.annotate(f"{f['policy']}\n({f['variant']})", (f["compiled_temp_bytes"] / 2**20,
+                                                      f["recompute_flops"] / 1e9), fontsize=6)
+    ax.set(title=m, xlabel="compiled temp MiB (layers scanned)", ylabel="recompute GFLOP")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
