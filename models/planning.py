@@ -162,6 +162,8 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
   fixed = []
   for name, keep in FIXED_POLICIES.items():
     for p in profiles:
+      if not set(keep) <= set(p.tags):  # a profile over a subset of the tags
+        continue
       if progress:
         progress(f"fixed {name} {p.variant}")
       m = measure(cfg, batch, p.variant, (keep,), seq_len=seq_len)

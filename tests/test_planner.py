@@ -86,12 +86,15 @@ def test_save_names_config_and_grouped_scan_match_unplanned():
 
 @pytest.fixture(scope="module")
 def frontier():
+  # One variant and the tags of the fixed policies except "nothing", to keep CI short; the
+  # script profiles every tag and both variants.
   cfg = benchmark.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
                                num_classes=5, hidden=32, depth=4, heads=4, mlp_dim=128)
-  profiles = planning.profile(cfg, 8)
+  tags = planning.FIXED_POLICIES["minimal"]
+  profiles = planning.profile(cfg, 8, variants=("inverted",), tags=tags)
   lo = min(p.base_bytes for p in profiles)
-  hi = max(planner.evaluate(p, planning.FIXED_POLICIES["nothing"])[0] for p in profiles)
-  budgets = [int(lo + f * (hi - lo)) for f in (0.0, 0.2, 0.4, 0.7)]
+  hi = max(planner.evaluate(p, p.tags)[0] for p in profiles)
+  budgets = [int(lo + f * (hi - lo)) for f in (0.0, 0.3, 0.6)]
   return cfg, profiles, lo, planning.frontier(cfg, 8, budgets, profiles)
 
 

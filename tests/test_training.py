@@ -130,11 +130,20 @@ def test_compare_writes_table_json_png(digits, tmp_path):
   assert runs["inverted"]["compiled_temp_bytes"] < runs["standard"]["compiled_temp_bytes"]
 
 
-def test_memory_budget_plans_the_model(digits):
+def test_memory_budget_plans_the_model(digits, monkeypatch):
+  """Wiring of --memory-budget (profiling and plans are measured in tests/test_planner.py;
+  here a fixed profile keeps the test short)."""
+  from invact_jax import planner
+  from models import planning
+  prof = planner.LayerProfile(variant="inverted", depth=4, base_bytes=2_000_000,
+                              tags=("query", "mlp_pre"), tag_bytes=(50_000, 200_000),
+                              tag_gain=(1.0, 4.0), full_cost=5.0)
+  monkeypatch.setattr(planning, "profile", lambda cfg, batch, **kw: [prof])
   cfg = dataclasses.replace(SMALL, memory_budget=200 * 2**20)
   trainer = training.Trainer(cfg, digits, devices=1)
-  assert trainer.plan is not None and trainer.model_cfg.save_names is not None
-  assert trainer.plan.predicted_bytes <= cfg.memory_budget
-  assert trainer.model_cfg.scan_layers
-  with pytest.raises(training.ConfigError, match="minimum feasible budget"):
+  assert trainer.plan.keep == (("query", "mlp_pre"),) * 4
+  assert trainer.model_cfg.save_names == (("query", "mlp_pre"),)
+  assert trainer.model_cfg.scan_layers and trainer.model_cfg.activation_impl == "inverted"
+  trainer.train_step(0)  # the planned model trains
+  with pytest.raises(training.ConfigError, match="minimum feasible budget is 2,000,000"):
     training.Trainer(dataclasses.replace(SMALL, memory_budget=1024), digits, devices=1)
