@@ -40,6 +40,9 @@ FIXED_POLICIES: dict[str, tuple[str, ...]] = {
 VARIANTS: dict[str, dict[str, Any]] = {
     "standard": {"activation_impl": "standard"},
     "inverted": {"activation_impl": "inverted"},
+    # Output-saving norms and softmax too (norms unfused: their outputs stay taggable).
+    "inverted-norms": {"activation_impl": "inverted", "norm_impl": "inverted",
+                       "softmax_impl": "inverted"},
 }
 
 

@@ -34,6 +34,8 @@ def main(argv=None) -> int:
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq-len", type=int, default=512, help="text models")
   p.add_argument("--points", type=int, default=6, help="budgets between min and max")
+  p.add_argument("--variants", default="standard,inverted,inverted-norms",
+                 help="operator variants the planner may choose (models/planning.py VARIANTS)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
   args = p.parse_args(argv)
   models = args.models.split(",")
@@ -41,6 +43,11 @@ def main(argv=None) -> int:
     if m not in benchmark.MODELS:
       print(f"error: unknown model {m!r}; choose from {sorted(benchmark.MODELS)}", file=sys.stderr)
       return 2
+  variants = args.variants.split(",")
+  bad = [v for v in variants if v not in planning.VARIANTS]
+  if bad:
+    print(f"error: unknown variants {bad}; choose from {sorted(planning.VARIANTS)}", file=sys.stderr)
+    return 2
   if args.points < 2:
     print("error: --points must be at least 2", file=sys.stderr)
     return 2
@@ -54,7 +61,8 @@ def main(argv=None) -> int:
 
   for m in models:
     cfg = benchmark.model_config(m, dtype=args.dtype)
-    profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len, progress=progress)
+    profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len, variants=variants,
+                                progress=progress)
     lo = min(q.base_bytes for q in profiles)
     hi = max(planner.evaluate(q, planning.FIXED_POLICIES["nothing"])[0] for q in profiles)
     budgets = [int(lo + i * (hi - lo) / (args.points - 1)) for i in range(args.points)]
@@ -67,7 +75,7 @@ def main(argv=None) -> int:
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv), "dtype": args.dtype, "batch": args.batch,
-          "seq_len": args.seq_len}
+          "seq_len": args.seq_len, "variants": variants}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
                                                       indent=1, default=list))

@@ -119,3 +119,13 @@ def test_frontier_beats_or_matches_fixed_policies(frontier):
   assert strictly >= 1
   with pytest.raises(planner.InfeasibleBudget, match="minimum feasible budget"):
     planning.plan_for_budget(cfg, 8, lo - 1, profiles)
+
+
+def test_every_variant_compiles_under_a_plan():
+  cfg = benchmark.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
+                               num_classes=5, hidden=32, depth=2, heads=4, mlp_dim=64)
+  temps = {v: planning.measure(cfg, 2, v, (("query", "mlp_pre"),)).compiled_temp_bytes
+           for v in planning.VARIANTS}
+  assert all(t > 0 for t in temps.values())
+  with pytest.raises(ValueError, match="unknown variant"):
+    planning.profile(cfg, 2, variants=("fast",))
