@@ -125,6 +125,16 @@ def _last_axis_only(m) -> bool:
           and m.axis_name is None)
 
 
+def _output_saving_norm(module, x, scale, bias, rms: bool, report, qual: str):
+  """The Flax norm ``module``'s forward by invact_jax's norm, counted in ``report``."""
+  if report is not None:
+    report.calls[qual] += 1
+  dtype = _norm_dtype(module.dtype, x, scale, bias)
+  if rms:
+    return _norms.rms_norm(x, scale, epsilon=module.epsilon, dtype=dtype)
+  return _norms.layer_norm(x, scale, bias, epsilon=module.epsilon, dtype=dtype)
+
+
 def _linen_norm_call(original, rms: bool, report: ConversionReport, qual: str):
   def __call__(self, x, *, mask=None):
     if mask is not None or not _last_axis_only(self):
@@ -133,12 +143,7 @@ def _linen_norm_call(original, rms: bool, report: ConversionReport, qual: str):
     scale = self.param("scale", self.scale_init, (n,), self.param_dtype) if self.use_scale else None
     bias = (self.param("bias", self.bias_init, (n,), self.param_dtype)
             if not rms and self.use_bias else None)
-    if report is not None:
-      report.calls[qual] += 1
-    dtype = _norm_dtype(self.dtype, x, scale, bias)
-    if rms:
-      return _norms.rms_norm(x, scale, epsilon=self.epsilon, dtype=dtype)
-    return _norms.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=dtype)
+    return _output_saving_norm(self, x, scale, bias, rms, report, qual)
   # What linen does to a @compact __call__ at class creation (scopes, parameter creation).
   from flax.linen import module as linen_module  # pylint: disable=import-outside-toplevel
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
@@ -151,12 +156,7 @@ def _nnx_norm_call(original, rms: bool, report: ConversionReport, qual: str):
       return original(self, x, mask=mask)
     scale = self.scale[...] if self.scale is not None else None
     bias = None if rms or self.bias is None else self.bias[...]
-    if report is not None:
-      report.calls[qual] += 1
-    dtype = _norm_dtype(self.dtype, x, scale, bias)
-    if rms:
-      return _norms.rms_norm(x, scale, epsilon=self.epsilon, dtype=dtype)
-    return _norms.layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=dtype)
+    return _output_saving_norm(self, x, scale, bias, rms, report, qual)
   return __call__
 
 

@@ -13,13 +13,7 @@ from absl.testing import parameterized
 import invact_jax
 from invact_jax import _norms
 from pallas_kernels import norms as kernels
-from tests.test_pallas_kernels import _export_cuda
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _np(dt):
-  return np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+from tests.test_pallas_kernels import DTYPES, _export_cuda, _np
 
 
 def _ulps(a, b, dt):
