@@ -22,9 +22,11 @@ Example:
   >>> from invact_jax import planner
   >>> prof = planner.LayerProfile(variant="inverted", depth=4, base_bytes=1000,
   ...     tags=("q", "mlp"), tag_bytes=(100, 300), tag_gain=(5.0, 20.0), full_cost=40.0)
-  >>> plan = planner.solve([prof], budget=1700)
-  >>> plan.keep[0], plan.predicted_bytes
-  (('mlp',), 1600)
+  >>> plan = planner.solve([prof], budget=1600)   # per layer: "mlp" kept in two layers
+  >>> plan.keep, plan.predicted_bytes, plan.predicted_cost
+  (((), (), ('mlp',), ('mlp',)), 1600, 120.0)
+  >>> planner.solve([prof], budget=1600, uniform=True).keep[0]   # one set for all: "q"
+  ('q',)
 """
 from __future__ import annotations
 
