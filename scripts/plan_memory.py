@@ -3,6 +3,7 @@
 
   python scripts/plan_memory.py                               # ViT-B/16 and GPT-2, bf16, batch 8
   python scripts/plan_memory.py --models vit-b16 --points 5 --batch 4
+  python scripts/plan_memory.py --replot bench/plan_memory_gpt2.json   # redraw, no compiling
 
 For each model: profiles each variant (standard / inverted activations; see
 models/planning.py), then solves the integer program (invact_jax.planner, HiGHS) at budgets
@@ -37,7 +38,18 @@ def main(argv=None) -> int:
   p.add_argument("--variants", default="standard,inverted,inverted-norms",
                  help="operator variants the planner may choose (models/planning.py VARIANTS)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
+  p.add_argument("--replot", type=pathlib.Path, default=None,
+                  help="redraw the table and PNG from a JSON this script wrote (no compiling)")
   args = p.parse_args(argv)
+  if args.replot is not None:
+    if not args.replot.is_file():
+      print(f"error: --replot: no such file {str(args.replot)!r}", file=sys.stderr)
+      return 2
+    results = json.loads(args.replot.read_text())["results"]
+    print(_table(results))
+    _plot(results, args.replot.with_suffix(".png"))
+    print(f"wrote {args.replot.with_suffix('.png')}")
+    return 0
   models = args.models.split(",")
   for m in models:
     if m not in benchmark.MODELS:
@@ -113,11 +125,17 @@ def _plot(results, path):
     pts = [p for p in fr["plans"] if "infeasible" not in p]
     ax.plot([p["compiled_temp_bytes"] / 2**20 for p in pts],
             [p["recompute_flops"] / 1e9 for p in pts], "o-", label="planner (compiled)")
-    for f in fr["fixed"]:
-      ax.scatter(f["compiled_temp_bytes"] / 2**20, f["recompute_flops"] / 1e9,
-                 marker="s" if f["variant"] == "standard" else "^")
-      ax.annotate(f"{f['policy']}\n({f['variant']})", (f["compiled_temp_bytes"] / 2**20,
-                                                      f["recompute_flops"] / 1e9), fontsize=6)
+    markers = dict(zip(sorted({f["variant"] for f in fr["fixed"]}), "s^vDP"))
+    for v, marker in markers.items():
+      fs = [f for f in fr["fixed"] if f["variant"] == v]
+      ax.scatter([f["compiled_temp_bytes"] / 2**20 for f in fs],
+                 [f["recompute_flops"] / 1e9 for f in fs], marker=marker, alpha=0.7,
+                 label=f"fixed policies ({v})")
+    for policy in dict.fromkeys(f["policy"] for f in fr["fixed"]):  # one label per policy
+      f = min((f for f in fr["fixed"] if f["policy"] == policy),
+              key=lambda f: f["compiled_temp_bytes"])
+      ax.annotate(policy, (f["compiled_temp_bytes"] / 2**20, f["recompute_flops"] / 1e9),
+                  xytext=(4, 4), textcoords="offset points", fontsize=7)
     ax.set(title=m, xlabel="compiled temp MiB (layers scanned)", ylabel="recompute GFLOP")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -129,3 +129,25 @@ def test_every_variant_compiles_under_a_plan():
   assert all(t > 0 for t in temps.values())
   with pytest.raises(ValueError, match="unknown variant"):
     planning.profile(cfg, 2, variants=("fast",))
+
+
+def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
+  import importlib.util
+  import json
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "plan_memory.py"
+  spec = importlib.util.spec_from_file_location("plan_memory", path)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  _, _, _, fr = frontier
+  saved = tmp_path / "frontier.json"
+  saved.write_text(json.dumps({"meta": {}, "results": {"tiny-vit": fr}}, default=list))
+  assert script.main(["--replot", str(saved)]) == 0
+  out = capsys.readouterr().out
+  assert out.count("| tiny-vit |") == len(fr["plans"])
+  assert saved.with_suffix(".png").stat().st_size > 10_000
+  assert script.main(["--replot", str(tmp_path / "missing.json")]) == 2
+  assert "--replot: no such file" in capsys.readouterr().err
+  assert script.main(["--models", "resnet"]) == 2
+  assert "unknown model" in capsys.readouterr().err
+  assert script.main(["--points", "1"]) == 2
