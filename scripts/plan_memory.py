@@ -10,7 +10,8 @@ models/planning.py), then solves the integer program (invact_jax.planner, HiGHS)
 from the minimum feasible to the unconstrained peak, compiles every plan and every fixed
 policy (full, save_qkv_proj, save_dot_except_mlp, minimal, nothing) with layers scanned, and
 prints a table with predicted vs compiled bytes and measured recompute FLOPs.  Writes JSON and
-a PNG of the frontier (default bench/plan_memory.*).  CPU figures are XLA's compiled
+a PNG of the frontier (default bench/plan_memory.*; the README's runs are
+bench/plan_memory_vit.* and bench/plan_memory_gpt2.*).  CPU figures are XLA's compiled
 temp_size_in_bytes.
 """
 from __future__ import annotations
