@@ -124,6 +124,28 @@ def measure(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
   return Measured(temp, _flops(step_u, *args_u))
 
 
+def device_peak(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+                seq_len: int = 128) -> dict[str, int]:
+  """Run the step under a plan once and read the allocator (GPU; the check beside XLA's temp).
+
+  Returns ``peak_bytes_in_use``, ``peak_increase`` (peak minus what was in use before: the
+  step's temporaries plus its outputs) and ``output_bytes`` (compiled), so
+  ``peak_increase - output_bytes`` is the device-side figure for the planner's prediction.
+  The allocator's peak is process-wide and never resets: call this once per process
+  (``scripts/plan_memory.py --device-peak`` runs one child process per row).
+
+  Raises:
+    RuntimeError: the device keeps no ``memory_stats()`` (e.g. CPU).
+  """
+  keep = tuple(tuple(k) for k in keep)
+  c = cfg.replace(**VARIANTS[variant], save_names=keep if len(set(keep)) > 1 else keep[:1],
+                  scan_layers=True)
+  step, args, _ = _step(c, batch, seq_len)
+  out = memory.device_peak(step, *args)
+  out["output_bytes"] = memory.compiled(step, *args).output
+  return out
+
+
 def recompute_flops(cfg, batch: int, variant: str, keep, *, seq_len: int = 128) -> float:
   """Measured recompute FLOPs of a plan: its step's FLOPs minus the keep-everything step's."""
   m = measure(cfg, batch, variant, keep, seq_len=seq_len)

@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,7 +42,22 @@ def main(argv=None) -> int:
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
   p.add_argument("--replot", type=pathlib.Path, default=None,
                   help="redraw the table and PNG from a JSON this script wrote (no compiling)")
+  p.add_argument("--device-peak", action="store_true",
+                  help="also run every plan and fixed policy once, each in a child process, "
+                       "and record the allocator's peak_bytes_in_use (GPU only)")
+  p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # child: one row, as JSON
   args = p.parse_args(argv)
+  if args.peak_of is not None:
+    row = json.loads(args.peak_of)
+    cfg = benchmark.model_config(row["model"], dtype=row["dtype"])
+    print(json.dumps(planning.device_peak(cfg, row["batch"], row["variant"], row["keep"],
+                                          seq_len=row["seq_len"])))
+    return 0
+  if args.device_peak and not (jax.local_devices()[0].memory_stats() or {}).get(
+      "peak_bytes_in_use"):
+    print(f"error: --device-peak needs a device that reports memory_stats() (a GPU); this "
+          f"run's device is {jax.local_devices()[0].platform}", file=sys.stderr)
+    return 2
   if args.replot is not None:
     if not args.replot.is_file():
       print(f"error: --replot: no such file {str(args.replot)!r}", file=sys.stderr)
@@ -82,6 +98,10 @@ def main(argv=None) -> int:
     fr = planning.frontier(cfg, args.batch, budgets, profiles, seq_len=args.seq_len,
                            progress=progress)
     fr["profiles"] = [q.__dict__ for q in profiles]
+    if args.device_peak:
+      for row in fr["fixed"] + [r for r in fr["plans"] if "infeasible" not in r]:
+        progress(f"device peak {row.get('policy') or row['budget']} {row['variant']}")
+        _add_device_peak(row, m, args)
     results[m] = fr
   bar.close()
   print(_table(results))
@@ -98,22 +118,42 @@ def main(argv=None) -> int:
   return 0
 
 
+def _add_device_peak(row, model, args):
+  """One child process per row: the allocator's peak never resets within a process."""
+  spec = {"model": model, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+          "variant": row["variant"], "keep": row["keep"] if "budget" in row else [row["keep"]]}
+  done = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()),
+                         "--peak-of", json.dumps(spec)],
+                        capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f"device-peak child failed for {spec}:\n{done.stderr[-2000:]}")
+  peak = json.loads(done.stdout.strip().splitlines()[-1])
+  row["device_peak_bytes"] = peak["peak_bytes_in_use"]
+  row["device_temp_bytes"] = peak["peak_increase"] - peak["output_bytes"]
+  row["device_prediction_error"] = row["predicted_bytes"] / row["device_temp_bytes"] - 1.0
+
+
 def _table(results) -> str:
   mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
   gf = lambda f: "n/a" if f is None else f"{f / 1e9:,.2f}"  # noqa: E731
+  dev = any("device_temp_bytes" in p for fr in results.values() for p in fr["plans"])
   lines = ["| model | budget MiB | variant | kept per layer | predicted MiB | compiled MiB "
-           "| error | recompute GFLOP | best fixed policy that fits | its GFLOP |",
-           "|---|---:|---|---|---:|---:|---:|---:|---|---:|"]
+           "| error | recompute GFLOP | best fixed policy that fits | its GFLOP |"
+           + (" device temp MiB | device error |" if dev else ""),
+           "|---|---:|---|---|---:|---:|---:|---:|---|---:|" + ("---:|---:|" if dev else "")]
   for m, fr in results.items():
     for p in fr["plans"]:
       if "infeasible" in p:
-        lines.append(f"| {m} | {mib(p['budget'])} | infeasible | | | | | | | |")
+        lines.append(f"| {m} | {mib(p['budget'])} | infeasible | | | | | | | |"
+                     + (" | |" if dev else ""))
         continue
       keep = ", ".join(p["keep"][0]) if len({tuple(k) for k in p["keep"]}) == 1 else "per layer"
       lines.append(f"| {m} | {mib(p['budget'])} | {p['variant']} | {keep or '(nothing)'} | "
                    f"{mib(p['predicted_bytes'])} | {mib(p['compiled_temp_bytes'])} | "
                    f"{100 * p['prediction_error']:+.1f}% | {gf(p['recompute_flops'])} | "
-                   f"{p['best_fixed'] or 'none fits'} | {gf(p['best_fixed_recompute_flops'])} |")
+                   f"{p['best_fixed'] or 'none fits'} | {gf(p['best_fixed_recompute_flops'])} |"
+                   + (f" {mib(p['device_temp_bytes'])} | {100 * p['device_prediction_error']:+.1f}% |"
+                      if dev else ""))
   return "\n".join(lines)
 
 

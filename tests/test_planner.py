@@ -131,14 +131,19 @@ def test_every_variant_compiles_under_a_plan():
     planning.profile(cfg, 2, variants=("fast",))
 
 
-def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
+def _plan_memory_script():
   import importlib.util
-  import json
   import pathlib
   path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "plan_memory.py"
   spec = importlib.util.spec_from_file_location("plan_memory", path)
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
+  return script
+
+
+def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
+  import json
+  script = _plan_memory_script()
   _, _, _, fr = frontier
   saved = tmp_path / "frontier.json"
   saved.write_text(json.dumps({"meta": {}, "results": {"tiny-vit": fr}}, default=list))
@@ -151,3 +156,55 @@ def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
   assert script.main(["--models", "resnet"]) == 2
   assert "unknown model" in capsys.readouterr().err
   assert script.main(["--points", "1"]) == 2
+
+
+SMALL_VIT = dict(image_size=16, patch_size=4, channels=3, num_classes=5, hidden=32, depth=2,
+                 heads=4, mlp_dim=64)
+
+
+def test_device_peak_check(monkeypatch, capsys):
+  """GPU-side verification: allocator peak per plan, one child process per row."""
+  import json
+  import subprocess
+  import types
+  cfg = benchmark.model_config("vit-b16", **SMALL_VIT)
+  if not (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"):
+    with pytest.raises(RuntimeError, match="memory_stats"):
+      planning.device_peak(cfg, 2, "inverted", (("query",),))
+  else:  # a GPU: the device's temporaries track the compiled figure
+    got = planning.device_peak(cfg, 2, "inverted", (("query",),))
+    temp = planning.measure(cfg, 2, "inverted", (("query",),)).compiled_temp_bytes
+    assert abs((got["peak_increase"] - got["output_bytes"]) / temp - 1) <= 0.10, (got, temp)
+  script = _plan_memory_script()
+  # Child: one row in, the allocator's figures out as JSON.
+  monkeypatch.setattr(planning, "device_peak", lambda *a, **k: {
+      "peak_bytes_in_use": 900, "peak_increase": 700, "output_bytes": 200})
+  row = {"model": "gpt2", "dtype": "float32", "batch": 2, "seq_len": 8,
+         "variant": "inverted", "keep": [["query"]]}
+  assert script.main(["--peak-of", json.dumps(row)]) == 0
+  child_out = capsys.readouterr().out
+  assert json.loads(child_out)["peak_increase"] == 700
+  # Parent: runs the child, records the device temp and the prediction's error against it.
+  calls = []
+  def fake_run(cmd, **kw):
+    calls.append(json.loads(cmd[cmd.index("--peak-of") + 1]))
+    return types.SimpleNamespace(returncode=0, stdout=child_out, stderr="")
+  monkeypatch.setattr(subprocess, "run", fake_run)
+  args = types.SimpleNamespace(dtype="float32", batch=2, seq_len=8)
+  plan_row = {"budget": 1000, "variant": "inverted", "keep": [["query"], []],
+              "predicted_bytes": 550}
+  fixed_row = {"policy": "full", "variant": "inverted", "keep": [], "predicted_bytes": 450}
+  script._add_device_peak(plan_row, "gpt2", args)  # pylint: disable=protected-access
+  script._add_device_peak(fixed_row, "gpt2", args)  # pylint: disable=protected-access
+  assert calls[0]["keep"] == [["query"], []] and calls[1]["keep"] == [[]]
+  assert plan_row["device_temp_bytes"] == 500
+  assert plan_row["device_prediction_error"] == pytest.approx(0.1)
+  assert fixed_row["device_prediction_error"] == pytest.approx(-0.1)
+  monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(
+      returncode=1, stdout="", stderr="CUDA out of memory"))
+  with pytest.raises(RuntimeError, match="CUDA out of memory"):
+    script._add_device_peak(dict(plan_row), "gpt2", args)  # pylint: disable=protected-access
+  # No allocator statistics on this device: a clear error, before any compiling.
+  if not (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"):
+    assert script.main(["--device-peak", "--models", "gpt2"]) == 2
+    assert "--device-peak needs a device" in capsys.readouterr().err
