@@ -16,7 +16,8 @@ layers are made contiguous, and ``models`` runs each run as one ``lax.scan``);
 ``uniform=True`` gives one set for all layers.
 
 Variants change ``base`` (the whole model's activations), so the program is solved once
-per variant and the cheapest feasible plan wins (ties: less memory).
+per variant and the cheapest feasible plan wins; among equally cheap plans (also within a
+variant), the one that uses less memory.
 
 Example:
   >>> from invact_jax import planner
@@ -135,10 +136,16 @@ def _solve_one(p: LayerProfile, budget: int, uniform: bool):
   cons = [optimize.LinearConstraint(mem, -np.inf, budget - p.base_bytes),
           optimize.LinearConstraint(one, -np.inf, 1.0),
           optimize.LinearConstraint(link, -np.inf, 0.0)]
-  res = optimize.milp(c, constraints=cons, integrality=np.ones_like(c),
-                      bounds=optimize.Bounds(0, 1), options={"time_limit": 10.0})
+  opts = dict(integrality=np.ones_like(c), bounds=optimize.Bounds(0, 1),
+              options={"time_limit": 10.0})
+  res = optimize.milp(c, constraints=cons, **opts)
   if res.x is None:
     return None
+  # Among plans of the least cost, the one using least memory (a second, lexicographic solve).
+  tie = optimize.LinearConstraint(c[None, :], -np.inf, res.fun + 1e-9 * max(1.0, abs(res.fun)))
+  lean = optimize.milp(mem[0], constraints=cons + [tie], **opts)
+  if lean.x is not None:
+    res = lean
   x = np.round(res.x[:nx]).reshape(n_layers, n_tags).astype(bool)
   keep = [tuple(t for t, k in zip(p.tags, row) if k) for row in x]
   if uniform:

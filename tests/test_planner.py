@@ -52,6 +52,19 @@ def test_infeasible_budget_names_the_minimum():
   assert planner.solve([PROFILE, other], 5000).variant == "inverted"
 
 
+def test_equal_cost_plans_take_the_one_with_less_memory():
+  # Instances where a single cost-only solve returned the heavier of two equally cheap plans.
+  p = planner.LayerProfile(variant="inverted", depth=1, base_bytes=1000, tags=("a", "b", "c"),
+                           tag_bytes=(200, 300, 200), tag_gain=(1.0, 1.0, 3.0), full_cost=20.0)
+  for uniform in (True, False):
+    plan = planner.solve([p], 1500, uniform=uniform)  # {a, c} and {b, c} both gain 4
+    assert plan.keep == (("a", "c"),) and plan.predicted_bytes == 1400, plan
+    assert plan.predicted_cost == pytest.approx(16.0)
+  p3 = dataclasses.replace(p, depth=3, tag_bytes=(200, 300, 100), tag_gain=(1.0, 3.0, 1.0))
+  plan = planner.solve([p3], 1800, uniform=True)  # "a" or "c" in every layer: gain 3
+  assert plan.keep == (("c",),) * 3 and plan.predicted_bytes == 1300, plan
+
+
 def test_48_layer_solve_is_fast():
   big = dataclasses.replace(
       PROFILE, depth=48, tags=layers.TAGS, tag_bytes=tuple(range(100, 1200, 100)),
