@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 __all__ = ["Residual", "residuals", "residual_table", "CompiledMemory", "compiled",
-           "device_peak"]
+           "reports_peak", "device_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +105,17 @@ def compiled(fn: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
                         generated_code=int(m.generated_code_size_in_bytes))
 
 
+def reports_peak(device=None) -> bool:
+  """Whether ``device`` (default: the first local one) keeps allocator statistics (GPU)."""
+  device = device or jax.local_devices()[0]
+  return "peak_bytes_in_use" in (device.memory_stats() or {})
+
+
 def device_peak(fn: Callable[..., Any], *args, device=None, **kwargs) -> dict[str, int]:
   """Run ``fn`` once (compiled beforehand) and read ``Device.memory_stats()``.
 
-  Returns ``{"peak_bytes_in_use", "bytes_in_use_before", "peak_increase"}``.  The
+  Returns ``{"peak_bytes_in_use", "bytes_in_use_before", "peak_increase", "output_bytes"}``
+  (the last from the same executable's ``memory_analysis()``).  The
   allocator's peak is process-wide and never resets: ``peak_bytes_in_use`` is this
   run's peak only if it exceeds every earlier one, so measure one configuration per
   process (``scripts/benchmark_memory.py`` does).
@@ -117,8 +124,7 @@ def device_peak(fn: Callable[..., Any], *args, device=None, **kwargs) -> dict[st
     RuntimeError: the platform keeps no memory statistics (e.g. CPU).
   """
   device = device or jax.local_devices()[0]
-  stats = device.memory_stats()
-  if not stats or "peak_bytes_in_use" not in stats:
+  if not reports_peak(device):
     raise RuntimeError(f"device {device} ({device.platform}) reports no memory_stats(); "
                        "use invact_jax.memory.compiled() for XLA's static figures instead")
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
@@ -128,4 +134,5 @@ def device_peak(fn: Callable[..., Any], *args, device=None, **kwargs) -> dict[st
   after = device.memory_stats()
   return {"peak_bytes_in_use": int(after["peak_bytes_in_use"]),
           "bytes_in_use_before": int(before["bytes_in_use"]),
-          "peak_increase": int(after["peak_bytes_in_use"] - before["bytes_in_use"])}
+          "peak_increase": int(after["peak_bytes_in_use"] - before["bytes_in_use"]),
+          "output_bytes": int(exe.memory_analysis().output_size_in_bytes)}

@@ -82,7 +82,7 @@ def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: 
   per_layer = _residual_bytes(cfg, batch, seq_len, 2) - _residual_bytes(cfg, batch, seq_len, 1)
   comp = memory.compiled(step, params, x, y)
   peak = None
-  if jax.default_backend() != "cpu":
+  if memory.reports_peak():
     peak = memory.device_peak(step, params, x, y)["peak_bytes_in_use"]
   times = []
   if time_steps:

@@ -19,7 +19,7 @@ def _impls(cfg) -> tuple[str, str]:
 
 
 def _device_peak(trainer: training.Trainer) -> int | None:
-  if jax.default_backend() == "cpu":
+  if not memory.reports_peak():
     return None
   x, y = trainer.batch(0)
   copy = lambda t: jax.tree.map(jnp.copy, t)  # the step donates its state

@@ -110,13 +110,17 @@ class Measured:
   flops: float
 
 
+def _planned(cfg, variant: str, keep: Sequence[Sequence[str]]):
+  """``cfg`` with ``variant`` and a per-layer plan (one entry = every layer), layers scanned."""
+  keep = tuple(tuple(k) for k in keep)
+  return cfg.replace(**VARIANTS[variant], save_names=keep if len(set(keep)) > 1 else keep[:1],
+                     scan_layers=True)
+
+
 def measure(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
             seq_len: int = 128) -> Measured:
   """Compile the step under a per-layer plan (one entry = every layer) and measure it."""
-  keep = tuple(tuple(k) for k in keep)
-  uniform = len(set(keep)) <= 1
-  c = cfg.replace(**VARIANTS[variant], save_names=(keep[0],) if uniform else keep,
-                  scan_layers=True)
+  c = _planned(cfg, variant, keep)
   step, args, _ = _step(c, batch, seq_len)
   temp = memory.compiled(step, *args).temp
   # FLOPs from the unrolled program: XLA's cost analysis counts a loop body once.
@@ -128,8 +132,8 @@ def device_peak(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
                 seq_len: int = 128) -> dict[str, int]:
   """Run the step under a plan once and read the allocator (GPU; the check beside XLA's temp).
 
-  Returns ``peak_bytes_in_use``, ``peak_increase`` (peak minus what was in use before: the
-  step's temporaries plus its outputs) and ``output_bytes`` (compiled), so
+  Returns :func:`invact_jax.memory.device_peak`'s figures: ``peak_increase`` (peak minus what
+  was in use before: the step's temporaries plus its outputs) and ``output_bytes``, so
   ``peak_increase - output_bytes`` is the device-side figure for the planner's prediction.
   The allocator's peak is process-wide and never resets: call this once per process
   (``scripts/plan_memory.py --device-peak`` runs one child process per row).
@@ -137,13 +141,8 @@ def device_peak(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
   Raises:
     RuntimeError: the device keeps no ``memory_stats()`` (e.g. CPU).
   """
-  keep = tuple(tuple(k) for k in keep)
-  c = cfg.replace(**VARIANTS[variant], save_names=keep if len(set(keep)) > 1 else keep[:1],
-                  scan_layers=True)
-  step, args, _ = _step(c, batch, seq_len)
-  out = memory.device_peak(step, *args)
-  out["output_bytes"] = memory.compiled(step, *args).output
-  return out
+  step, args, _ = _step(_planned(cfg, variant, keep), batch, seq_len)
+  return memory.device_peak(step, *args)
 
 
 def recompute_flops(cfg, batch: int, variant: str, keep, *, seq_len: int = 128) -> float:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv=None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
-  from invact_jax import planner  # pylint: disable=import-outside-toplevel
+  from invact_jax import memory, planner  # pylint: disable=import-outside-toplevel
   from models import benchmark, planning  # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--models", default="vit-b16,gpt2")
@@ -53,8 +53,7 @@ def main(argv=None) -> int:
     print(json.dumps(planning.device_peak(cfg, row["batch"], row["variant"], row["keep"],
                                           seq_len=row["seq_len"])))
     return 0
-  if args.device_peak and not (jax.local_devices()[0].memory_stats() or {}).get(
-      "peak_bytes_in_use"):
+  if args.device_peak and not memory.reports_peak():
     print(f"error: --device-peak needs a device that reports memory_stats() (a GPU); this "
           f"run's device is {jax.local_devices()[0].platform}", file=sys.stderr)
     return 2

@@ -83,5 +83,6 @@ def test_scanned_compiled_temp_bytes_lower_than_jax_nn(name):
 def test_device_peak_explains_missing_stats_on_cpu():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU-only check")
+  assert not memory.reports_peak()
   with pytest.raises(RuntimeError, match="reports no memory_stats"):
     memory.device_peak(lambda x: x * 2, jnp.ones(3))

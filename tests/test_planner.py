@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from invact_jax import planner
+from invact_jax import memory, planner
 from models import benchmark, layers, planning, vit
 
 PROFILE = planner.LayerProfile(
@@ -181,7 +181,7 @@ def test_device_peak_check(monkeypatch, capsys):
   import subprocess
   import types
   cfg = benchmark.model_config("vit-b16", **SMALL_VIT)
-  if not (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"):
+  if not memory.reports_peak():
     with pytest.raises(RuntimeError, match="memory_stats"):
       planning.device_peak(cfg, 2, "inverted", (("query",),))
   else:  # a GPU: the device's temporaries track the compiled figure
@@ -218,6 +218,6 @@ def test_device_peak_check(monkeypatch, capsys):
   with pytest.raises(RuntimeError, match="CUDA out of memory"):
     script._add_device_peak(dict(plan_row), "gpt2", args)  # pylint: disable=protected-access
   # No allocator statistics on this device: a clear error, before any compiling.
-  if not (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"):
+  if not memory.reports_peak():
     assert script.main(["--device-peak", "--models", "gpt2"]) == 2
     assert "--device-peak needs a device" in capsys.readouterr().err
