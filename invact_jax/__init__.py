@@ -1,20 +1,36 @@
 """invact_jax: inverted activations for JAX — keep the output, not the input.
 
-Drop-in replacements for ``jax.nn`` activations whose backward pass needs only the
-output ``y`` (plus one bit per element, packed 8 per byte, for GELU/SiLU/Mish).
+Drop-in replacements for ``jax.nn`` activations whose backward pass needs only the output
+``y`` (plus one bit per element, packed 8 per byte, for GELU/SiLU/Mish), output-saving
+LayerNorm/RMSNorm, softmax and dropout, and the tools around them: ``memory`` (what
+autodiff keeps, compiled and device figures), ``planner`` (a memory-budget plan),
+``accuracy`` (the float64 audit), ``flax`` (modules) and the conversion of unmodified code
+(``invert``, ``inverted``).
 """
-from invact_jax._activations import (  # noqa: F401
-    elu, elu_reference, gelu, gelu_reference, leaky_relu, leaky_relu_reference, mish,
-    mish_reference, relu, relu_reference, sigmoid, sigmoid_reference, silu, silu_reference,
-    softplus, softplus_reference, swish, tanh, tanh_reference,
-)
-from invact_jax._norms import (  # noqa: F401
-    layer_norm, layer_norm_dense, layer_norm_reference, norm_dense_reference, rms_norm,
-    rms_norm_dense, rms_norm_reference,
-)
-from invact_jax._softmax import dropout, dropout_reference, softmax, softmax_reference  # noqa: F401
-from invact_jax._dispatch import Implementation, available  # noqa: F401
-from invact_jax._bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
+import importlib as _importlib
 
-__version__ = "0.1.0"
-from invact_jax._convert import ConversionReport, invert, inverted  # noqa: F401,E402
+from invact_jax.ops import *  # noqa: F401,F403
+from invact_jax.ops import __all__ as _ops
+from invact_jax.bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
+from invact_jax.convert import ConversionReport, invert, inverted  # noqa: F401
+
+__version__ = "0.2.0"
+__all__ = [*_ops, "pack_bits", "packed_shape", "unpack_bits", "ConversionReport", "invert",
+           "inverted", "memory", "planner", "accuracy", "flax", "registry"]
+
+# Submodules reachable as attributes after ``import invact_jax``, imported on first use.
+_LAZY = {"memory": "invact_jax.memory", "planner": "invact_jax.planner",
+         "accuracy": "invact_jax.accuracy", "flax": "invact_jax.flax",
+         "registry": "invact_jax.ops.activations.registry"}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    module = _importlib.import_module(_LAZY[name])
+    globals()[name] = module
+    return module
+  raise AttributeError(f"module 'invact_jax' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))

@@ -23,6 +23,8 @@ from typing import Callable
 
 import numpy as np
 
+from invact_jax.ops.activations import registry as _registry
+
 __all__ = [
     "NONMONOTONE",
     "MONOTONE",
@@ -35,87 +37,21 @@ __all__ = [
     "audit",
 ]
 
-NONMONOTONE = ("gelu_erf", "gelu_tanh", "silu", "mish")
-MONOTONE = ("sigmoid", "tanh", "softplus", "elu", "leaky_relu", "relu")
 
-_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
-_GELU_TANH_A = 0.044715
-
-
-def _special():
-  from scipy import special  # pylint: disable=import-outside-toplevel
-  return special
-
-
-def _phi(x):
-  return np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi)
-
-
-def _softplus(x):
-  return np.logaddexp(x, 0.0)
+NONMONOTONE = _registry.nonmonotone()
+MONOTONE = _registry.monotone()
 
 
 def forward64(name: str, x: np.ndarray) -> np.ndarray:
   """The activation in float64 (mathematically exact up to float64 rounding)."""
-  x = np.asarray(x, np.float64)
-  sp = _special()
   with np.errstate(all="ignore"):
-    if name == "gelu_erf":
-      return x * sp.ndtr(x)
-    if name == "gelu_tanh":  # 0.5 * (1 + tanh(u)) == expit(2u), without cancellation
-      return x * sp.expit(2.0 * _SQRT_2_OVER_PI * (x + _GELU_TANH_A * x**3))
-    if name == "silu":
-      return x * sp.expit(x)
-    if name == "mish":
-      return x * np.tanh(_softplus(x))
-    if name == "sigmoid":
-      return sp.expit(x)
-    if name == "tanh":
-      return np.tanh(x)
-    if name == "softplus":
-      return _softplus(x)
-    if name == "elu":
-      return np.where(x > 0, x, np.expm1(np.minimum(x, 0.0)))
-    if name == "leaky_relu":
-      return np.where(x >= 0, x, 0.01 * x)
-    if name == "relu":
-      return np.maximum(x, 0.0)
-  raise KeyError(name)
+    return _registry.get(name).forward64(np.asarray(x, np.float64))
 
 
 def derivative64(name: str, x: np.ndarray) -> np.ndarray:
   """f'(x) in float64, with the limits at +-inf (finite wherever f' has a limit)."""
-  x = np.asarray(x, np.float64)
-  sp = _special()
   with np.errstate(all="ignore"):
-    xf = np.clip(x, -1e6, 1e6)  # f' is constant to float64 precision beyond; avoids inf*0.
-    if name == "gelu_erf":
-      return sp.ndtr(xf) + xf * _phi(xf)
-    if name == "gelu_tanh":
-      u2 = 2.0 * _SQRT_2_OVER_PI * (xf + _GELU_TANH_A * xf**3)
-      s, sm = sp.expit(u2), sp.expit(-u2)
-      return s + xf * s * sm * 2.0 * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_A * xf * xf)
-    if name == "silu":
-      s = sp.expit(xf)
-      return s * (1.0 + xf * (1.0 - s))
-    if name == "mish":
-      t = np.tanh(_softplus(xf))
-      return t + xf * (1.0 - t * t) * sp.expit(xf)
-    if name == "sigmoid":
-      s = sp.expit(xf)
-      return s * (1.0 - s)
-    if name == "tanh":
-      t = np.tanh(xf)
-      return 1.0 - t * t
-    if name == "softplus":
-      return sp.expit(xf)
-    if name == "elu":
-      return np.where(x > 0, 1.0, np.exp(np.minimum(xf, 0.0)))
-    if name == "leaky_relu":  # at the kink, -0.0 takes the left slope (see invact_jax.leaky_relu)
-      return np.where(np.signbit(x), 0.01, 1.0)
-    if name == "relu":
-      return np.where(x > 0, 1.0, 0.0)
-  raise KeyError(name)
+    return _registry.get(name).derivative64(np.asarray(x, np.float64))
 
 
 def _bisect(fn, y, lo, hi):
@@ -260,19 +196,7 @@ def floor_derivative64(name: str, y_stored: np.ndarray, x: np.ndarray,
 
 def _monotone_floor(name, y, x):
   with np.errstate(all="ignore"):
-    if name == "sigmoid":
-      return y * (1.0 - y)
-    if name == "tanh":
-      return (1.0 - y) * (1.0 + y)
-    if name == "softplus":
-      return -np.expm1(-y)
-    if name == "elu":
-      return np.where(y > 0, 1.0, y + 1.0)
-    if name == "leaky_relu":
-      return np.where(np.signbit(y), 0.01, 1.0)
-    if name == "relu":
-      return np.where(y > 0, 1.0, 0.0)
-  raise KeyError(name)
+    return _registry.get(name).grad64(y, x)
 
 
 def audit(name: str, dtype, *, approx: Callable | None = None,
@@ -280,23 +204,24 @@ def audit(name: str, dtype, *, approx: Callable | None = None,
   """Floor and library error of one activation in one dtype.
 
   Args:
-    name: one of ``NONMONOTONE + MONOTONE`` (``gelu_erf``/``gelu_tanh`` for GELU).
+    name: a registry name (``gelu_erf``/``gelu_tanh`` for GELU).
     dtype: storage dtype of ``y`` ("float32", "bfloat16", "float16", "float64").
     approx: ``approx(y_stored, x) -> f'_approx`` as float64 numpy; defaults to the
-      library's XLA implementation (``invact_jax.derivative_from_output``).
+      library's XLA implementation (``base.derivative_from_packed``).
     grid: inputs to audit (defaults to ``audit_grid``).
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from invact_jax import _activations  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.activations import base  # pylint: disable=import-outside-toplevel
 
   dt = _float_dtype(dtype)
   x = audit_grid(dt, name=name) if grid is None else np.asarray(grid, dt)
-  spec = _activations.spec_for_audit(name)
+  op = base.Op(_registry.get(name), _registry.get(name).params)
+  xla = base.Backend("xla")
   xj = jnp.asarray(x)
-  y, packed = jax.jit(spec.forward_and_mask)(xj)
+  y, packed = jax.jit(lambda x: base.forward(op, xla, x))(xj)
   if approx is None:
-    g = np.asarray(jax.jit(lambda y, p: _activations.derivative_from_packed(spec, y, p))(y, packed),
+    g = np.asarray(jax.jit(lambda y, p: base.derivative_from_packed(op, y, p))(y, packed),
                    np.float64)
   else:
     g = np.asarray(approx(np.asarray(y), x), np.float64)

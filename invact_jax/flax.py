@@ -24,25 +24,26 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from invact_jax import _activations
-from invact_jax import _convert
+from invact_jax.convert import _attributes
+from invact_jax.ops.activations import api
+from invact_jax.ops.activations import registry
 
 __all__ = ["activation", "LinenActivation", "NnxActivation", "LinenLayerNorm", "LinenRMSNorm",
            "NnxLayerNorm", "NnxRMSNorm"]
 
-_FUNCTIONS = {
-    "gelu": _activations.gelu, "silu": _activations.silu, "swish": _activations.silu,
-    "mish": _activations.mish, "sigmoid": _activations.sigmoid, "tanh": _activations.tanh,
-    "softplus": _activations.softplus, "elu": _activations.elu,
-    "leaky_relu": _activations.leaky_relu, "relu": _activations.relu,
-}
-
 
 def activation(name: str, **options: Any):
-  """The inverted activation ``name`` with keyword ``options`` bound (e.g. approximate=False)."""
-  if name not in _FUNCTIONS:
-    raise ValueError(f"argument `name`: unknown activation {name!r}; choose from {sorted(_FUNCTIONS)}")
-  return functools.partial(_FUNCTIONS[name], **options)
+  """The inverted activation ``name`` (a public name of the registry) with ``options`` bound.
+
+  Example:
+    >>> from invact_jax.flax import activation
+    >>> activation("gelu", approximate=False).keywords
+    {'approximate': False}
+  """
+  if name not in registry.PUBLIC:
+    raise ValueError(f"argument `name`: unknown activation {name!r}; choose from "
+                     f"{sorted(registry.PUBLIC)}")
+  return functools.partial(getattr(api, name), **options)
 
 
 class LinenActivation(nn.Module):
@@ -67,19 +68,19 @@ class NnxActivation(nnx.Module):
 
 class LinenLayerNorm(nn.LayerNorm):
   """``nn.LayerNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _convert._linen_norm_call(nn.LayerNorm.__call__, False, None, "")  # pylint: disable=protected-access
+  __call__ = _attributes.linen_norm_call(nn.LayerNorm.__call__, False, None)
 
 
 class LinenRMSNorm(nn.RMSNorm):
   """``nn.RMSNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _convert._linen_norm_call(nn.RMSNorm.__call__, True, None, "")  # pylint: disable=protected-access
+  __call__ = _attributes.linen_norm_call(nn.RMSNorm.__call__, True, None)
 
 
 class NnxLayerNorm(nnx.LayerNorm):
   """``nnx.LayerNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _convert._nnx_norm_call(nnx.LayerNorm.__call__, False, None, "")  # pylint: disable=protected-access
+  __call__ = _attributes.nnx_norm_call(nnx.LayerNorm.__call__, False, None)
 
 
 class NnxRMSNorm(nnx.RMSNorm):
   """``nnx.RMSNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _convert._nnx_norm_call(nnx.RMSNorm.__call__, True, None, "")  # pylint: disable=protected-access
+  __call__ = _attributes.nnx_norm_call(nnx.RMSNorm.__call__, True, None)

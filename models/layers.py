@@ -1,31 +1,14 @@
-"""Shared transformer layers (Flax NNX): attention, MLP, encoder stack, dropout, options.
+"""Shared transformer layers (Flax NNX): attention, MLP, encoder stack, dropout.
 
-Every memory option is a config field read here, so scripts and benchmarks sweep
-configs and never edit model code:
-
-* ``activation_impl``: ``"standard"`` (``jax.nn``), ``"checkpointed"`` (``jax.checkpoint``
-  around the activation: keeps its input, as PyTorch does by default) or ``"inverted"``
-  (``invact_jax``: keeps its output + a bit mask);
-* ``scan_layers``: layers stacked and run under ``nnx.scan`` (one compiled layer);
-* ``remat``: a ``jax.checkpoint`` policy name around each layer (see ``REMAT_POLICIES``);
-* ``save_names``: a memory plan (``invact_jax.planner``): per layer, the ``checkpoint_name``
-  tags (``TAGS``) to keep, the rest recomputed; one entry for all layers, or one per layer
-  (scanned layers then run as one scan per run of equal entries).  Overrides ``remat``;
-* ``attention``: ``"xla"`` (einsum + softmax) or ``"dot_product"``
-  (``jax.nn.dot_product_attention``; cuDNN on GPU);
-* ``norm_impl``: ``"standard"`` (``nnx.LayerNorm``/``nnx.RMSNorm``), ``"inverted"``
-  (``invact_jax.layer_norm``/``rms_norm``: keeps the normalized tensor + float32 rstd) or
-  ``"fused"`` (``invact_jax.layer_norm_dense``: the norm and the projections that read it
-  keep one tensor; post-norm blocks, whose norm feeds the next block, use ``"inverted"``).
-  Parameters are the Flax modules' in every case, so checkpoints are interchangeable;
-* ``softmax_impl``: ``"standard"`` (``jax.nn.softmax``) or ``"inverted"``
-  (``invact_jax.softmax``: keeps only the probabilities the P @ V matmul keeps anyway);
-* ``dropout_impl``: ``"standard"`` (keeps a bool mask), ``"regenerate"`` (keeps only the key)
-  or ``"bits"`` (keeps the mask packed 8 per byte).
+Every memory option is a field of :class:`models.options.BlockOptions` read here (the
+modes say what each op keeps, ``implementation`` how the invact_jax ops run), so scripts
+and benchmarks sweep configs and never edit model code.  ``save_names`` is a memory plan
+(``invact_jax.planner``): per layer, the ``checkpoint_name`` tags (``options.TAGS``) to keep,
+the rest recomputed; it overrides ``remat``.  Parameters are the Flax modules' in every
+mode, so checkpoints are interchangeable.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -36,25 +19,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
+from invact_jax.ops.activations import registry
+from models.options import TAGS  # noqa: F401  (re-exported: the planner's tag list)
 
-ACTIVATION_IMPLS = ("standard", "checkpointed", "inverted")
-ATTENTION_IMPLS = ("xla", "dot_product")
-NORM_IMPLS = ("standard", "inverted", "fused")
-SOFTMAX_IMPLS = ("standard", "inverted")
-DROPOUT_IMPLS = ("standard", "regenerate", "bits")
-
-_STANDARD = {
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_erf": functools.partial(jax.nn.gelu, approximate=False),
-    "silu": jax.nn.silu,
-    "relu": jax.nn.relu,
-}
-_INVERTED = {
-    "gelu_tanh": functools.partial(invact_jax.gelu, approximate=True),
-    "gelu_erf": functools.partial(invact_jax.gelu, approximate=False),
-    "silu": invact_jax.silu,
-    "relu": invact_jax.relu,
-}
 
 def tag(x, name: str, on: bool):
   """``checkpoint_name(x, name)`` when a memory plan is in use (``on``), else x.
@@ -65,10 +32,6 @@ def tag(x, name: str, on: bool):
   return checkpoint_name(x, name) if on else x
 
 
-# Every saveable tensor of a block, tagged with jax.ad_checkpoint.checkpoint_name.
-TAGS = ("norm_attn", "query", "key", "value", "attn_probs", "attn_context", "attn_out",
-        "norm_mlp", "mlp_pre", "mlp_act", "mlp_out")
-
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -77,124 +40,76 @@ REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
 }
 
 
-def activation_fn(name: str, impl: str) -> Callable[[jax.Array], jax.Array]:
-  """The activation ``name`` in implementation ``impl`` (see module doc)."""
-  if name not in _STANDARD:
-    raise ValueError(f"unknown activation {name!r}; choose from {sorted(_STANDARD)}")
-  if impl == "standard":
-    return _STANDARD[name]
-  if impl == "checkpointed":
-    return jax.checkpoint(_STANDARD[name])
-  if impl == "inverted":
-    return _INVERTED[name]
-  raise ValueError(f"unknown activation_impl {impl!r}; choose from {ACTIVATION_IMPLS}")
+def activation_fn(name: str, mode: str, implementation=None) -> Callable[[jax.Array], jax.Array]:
+  """The registry activation ``name`` in memory mode ``mode`` (see ``models.options``)."""
+  entry = registry.get(name)
+  standard = functools.partial(entry.original, **dict(entry.selector))
+  if mode == "standard":
+    return standard
+  if mode == "checkpointed":
+    return jax.checkpoint(standard)
+  if mode == "inverted":
+    return functools.partial(getattr(invact_jax, entry.public), **dict(entry.selector),
+                             implementation=implementation)
+  raise ValueError(f"unknown activation_mode {mode!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockOptions:
-  """Transformer-block sizes and memory options shared by every model config."""
-  hidden: int = 768
-  depth: int = 12
-  heads: int = 12
-  mlp_dim: int = 3072
-  dropout: float = 0.0
-  norm_eps: float = 1e-6
-  activation: str = "gelu_tanh"
-  activation_impl: str = "standard"
-  scan_layers: bool = False
-  remat: str = "none"
-  save_names: tuple[tuple[str, ...], ...] | None = None
-  attention: str = "xla"
-  norm_impl: str = "standard"
-  softmax_impl: str = "standard"
-  dropout_impl: str = "standard"
-  dtype: str = "float32"  # compute dtype; parameters stay float32
-
-  def __post_init__(self):
-    validate_common(self)
-
-  def replace(self, **kw):
-    return dataclasses.replace(self, **kw)
-
-
-def validate_common(cfg) -> None:
-  """Raise ValueError for option values no layer understands."""
-  if cfg.activation_impl not in ACTIVATION_IMPLS:
-    raise ValueError(f"activation_impl must be one of {ACTIVATION_IMPLS}, got {cfg.activation_impl!r}")
-  if cfg.attention not in ATTENTION_IMPLS:
-    raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {cfg.attention!r}")
-  for field, allowed in (("norm_impl", NORM_IMPLS), ("softmax_impl", SOFTMAX_IMPLS),
-                         ("dropout_impl", DROPOUT_IMPLS)):
-    if getattr(cfg, field) not in allowed:
-      raise ValueError(f"{field} must be one of {allowed}, got {getattr(cfg, field)!r}")
-  if cfg.remat not in REMAT_POLICIES:
-    raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {cfg.remat!r}")
-  if cfg.save_names is not None:
-    if len(cfg.save_names) not in (1, cfg.depth):
-      raise ValueError(f"save_names must have 1 or depth ({cfg.depth}) entries, "
-                       f"got {len(cfg.save_names)}")
-    bad = sorted({t for names in cfg.save_names for t in names} - set(TAGS))
-    if bad:
-      raise ValueError(f"save_names: unknown tags {bad}; choose from {TAGS}")
-
-  if cfg.hidden % cfg.heads:
-    raise ValueError(f"hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads})")
-  activation_fn(cfg.activation, cfg.activation_impl)
-
-
-def dropout(x, rate: float, key, impl: str = "standard") -> jax.Array:
+def dropout(x, rate: float, key, mode: str = "standard") -> jax.Array:
   """Inverted-scaling dropout with an explicit key; identity when ``key`` is None.
 
-  Every ``impl`` draws the same mask for the same key (see ``dropout_impl``).
+  Every ``mode`` draws the same mask for the same key (see ``dropout_mode``).
   """
   if key is None or rate == 0.0:
     return x
-  if impl == "standard":
+  if mode == "standard":
     return invact_jax.dropout_reference(x, rate, key)
-  return invact_jax.dropout(x, rate, key, mode=impl)
+  return invact_jax.dropout(x, rate, key, mode=mode)
 
 
 def _param(p):
   return None if p is None else p.value
 
 
-def apply_norm(norm, x, impl: str):
-  """``norm(x)`` for an ``nnx.LayerNorm``/``nnx.RMSNorm``, in implementation ``impl``.
+def apply_norm(norm, x, mode: str, implementation=None):
+  """``norm(x)`` for an ``nnx.LayerNorm``/``nnx.RMSNorm`` in memory mode ``mode``.
 
   ``"fused"`` means ``"inverted"`` here: a norm with no projection to fuse with.
   """
-  if impl == "standard":
+  if mode == "standard":
     return norm(x)
   dtype = norm.dtype or x.dtype
   if isinstance(norm, nnx.RMSNorm):
-    return invact_jax.rms_norm(x, _param(norm.scale), epsilon=norm.epsilon, dtype=dtype)
+    return invact_jax.rms_norm(x, _param(norm.scale), epsilon=norm.epsilon, dtype=dtype,
+                               implementation=implementation)
   return invact_jax.layer_norm(x, _param(norm.scale), _param(norm.bias), epsilon=norm.epsilon,
-                               dtype=dtype)
+                               dtype=dtype, implementation=implementation)
 
 
-def norm_dense(norm, x, linears):
+def norm_dense(norm, x, linears, implementation=None):
   """``tuple(linear(norm(x)) for linear in linears)`` as one fused ``invact_jax`` unit."""
   dtype = norm.dtype or x.dtype
   kernels = [lin.kernel.value for lin in linears]
   biases = [_param(lin.bias) for lin in linears]
   if isinstance(norm, nnx.RMSNorm):
     return invact_jax.rms_norm_dense(x, _param(norm.scale), kernels, biases,
-                                     epsilon=norm.epsilon, dtype=dtype)
+                                     epsilon=norm.epsilon, dtype=dtype,
+                                     implementation=implementation)
   return invact_jax.layer_norm_dense(x, _param(norm.scale), _param(norm.bias), kernels, biases,
-                                     epsilon=norm.epsilon, dtype=dtype)
+                                     epsilon=norm.epsilon, dtype=dtype,
+                                     implementation=implementation)
 
 
-def dot_product_attention(q, k, v, *, causal: bool, impl: str, softmax_impl: str = "standard",
-                          tagged: bool = False):
+def dot_product_attention(q, k, v, *, causal: bool, attention: str,
+                          softmax_mode: str = "standard", tagged: bool = False):
   """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim]."""
-  if impl == "dot_product":
+  if attention == "dot_product":
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
   scale = 1.0 / math.sqrt(q.shape[-1])
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
   if causal:
     n = q.shape[1]
     logits = jnp.where(jnp.tril(jnp.ones((n, n), bool)), logits, jnp.finfo(jnp.float32).min)
-  if softmax_impl == "inverted":
+  if softmax_mode == "inverted":
     probs = invact_jax.softmax(logits, axis=-1, dtype=v.dtype)
   else:
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
@@ -207,8 +122,8 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg, *, causal: bool = False, rngs: nnx.Rngs):
     d, dt = cfg.hidden, cfg.dtype
-    self.heads, self.causal, self.impl = cfg.heads, causal, cfg.attention
-    self.softmax_impl = cfg.softmax_impl
+    self.heads, self.causal, self.attention = cfg.heads, causal, cfg.attention
+    self.softmax_mode, self.implementation = cfg.softmax_mode, cfg.implementation
     self.tagged = cfg.save_names is not None
     self.query = nnx.Linear(d, d, dtype=dt, rngs=rngs)
     self.key = nnx.Linear(d, d, dtype=dt, rngs=rngs)
@@ -218,7 +133,7 @@ class Attention(nnx.Module):
   def qkv(self, x, norm=None):
     """Projections of x, or of norm(x) fused with the norm when ``norm`` is given."""
     if norm is not None:
-      q, k, v = norm_dense(norm, x, (self.query, self.key, self.value))
+      q, k, v = norm_dense(norm, x, (self.query, self.key, self.value), self.implementation)
     else:
       q, k, v = self.query(x), self.key(x), self.value(x)
     on = self.tagged
@@ -229,8 +144,9 @@ class Attention(nnx.Module):
     d = self.out.in_features
     split = lambda t: t.reshape(b, n, self.heads, d // self.heads)
     q, k, v = self.qkv(x, norm)
-    o = dot_product_attention(split(q), split(k), split(v), causal=self.causal, impl=self.impl,
-                              softmax_impl=self.softmax_impl, tagged=self.tagged)
+    o = dot_product_attention(split(q), split(k), split(v), causal=self.causal,
+                              attention=self.attention, softmax_mode=self.softmax_mode,
+                              tagged=self.tagged)
     o = tag(o.reshape(b, n, d), "attn_context", self.tagged)
     return tag(self.out(o), "attn_out", self.tagged)
 
@@ -241,11 +157,12 @@ class Mlp(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     self.fc1 = nnx.Linear(cfg.hidden, cfg.mlp_dim, dtype=cfg.dtype, rngs=rngs)
     self.fc2 = nnx.Linear(cfg.mlp_dim, cfg.hidden, dtype=cfg.dtype, rngs=rngs)
-    self.act = activation_fn(cfg.activation, cfg.activation_impl)
+    self.act = activation_fn(cfg.activation, cfg.activation_mode, cfg.implementation)
     self.tagged = cfg.save_names is not None
+    self.implementation = cfg.implementation
 
   def __call__(self, x, norm=None):
-    h = self.fc1(x) if norm is None else norm_dense(norm, x, (self.fc1,))[0]
+    h = self.fc1(x) if norm is None else norm_dense(norm, x, (self.fc1,), self.implementation)[0]
     a = tag(self.act(tag(h, "mlp_pre", self.tagged)), "mlp_act", self.tagged)
     return tag(self.fc2(a), "mlp_out", self.tagged)
 
@@ -253,16 +170,16 @@ class Mlp(nnx.Module):
 def pre_norm_residuals(x, key, cfg, *sublayers):
   """x + dropout(layer(norm(x))) for each (norm, layer), with one dropout key each.
 
-  With ``norm_impl="fused"`` the layer gets the norm and fuses it with its projections.
+  With ``norm_mode="fused"`` the layer gets the norm and fuses it with its projections.
   """
   keys = [None] * len(sublayers) if key is None else list(jax.random.split(key, len(sublayers)))
   for i, ((norm, layer), k) in enumerate(zip(sublayers, keys)):
-    if cfg.norm_impl == "fused":
+    if cfg.norm_mode == "fused":
       h = layer(x, norm=norm)
     else:
-      h = layer(tag(apply_norm(norm, x, cfg.norm_impl), "norm_attn" if i == 0 else "norm_mlp",
-                    cfg.save_names is not None))
-    x = x + dropout(h, cfg.dropout, k, cfg.dropout_impl)
+      h = layer(tag(apply_norm(norm, x, cfg.norm_mode, cfg.implementation),
+                    "norm_attn" if i == 0 else "norm_mlp", cfg.save_names is not None))
+    x = x + dropout(h, cfg.dropout, k, cfg.dropout_mode)
   return x
 
 
@@ -362,8 +279,8 @@ class RotaryAttention(Attention):
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, dt = cfg.hidden, cfg.dtype
-    self.heads, self.causal, self.impl = cfg.heads, True, cfg.attention
-    self.softmax_impl = cfg.softmax_impl
+    self.heads, self.causal, self.attention = cfg.heads, True, cfg.attention
+    self.softmax_mode, self.implementation = cfg.softmax_mode, cfg.implementation
     self.tagged = cfg.save_names is not None
     self.query = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
     self.key = nnx.Linear(d, d, use_bias=False, dtype=dt, rngs=rngs)
@@ -377,8 +294,8 @@ class RotaryAttention(Attention):
     pos = jnp.arange(n)
     q, k, v = self.qkv(x, norm)
     q, k = rotary(split(q), pos), rotary(split(k), pos)
-    o = dot_product_attention(q, k, split(v), causal=True, impl=self.impl,
-                              softmax_impl=self.softmax_impl, tagged=self.tagged)
+    o = dot_product_attention(q, k, split(v), causal=True, attention=self.attention,
+                              softmax_mode=self.softmax_mode, tagged=self.tagged)
     o = tag(o.reshape(b, n, d), "attn_context", self.tagged)
     return tag(self.out(o), "attn_out", self.tagged)
 
@@ -391,14 +308,15 @@ class GluMlp(nnx.Module):
     self.gate = nnx.Linear(cfg.hidden, cfg.mlp_dim, **kw)
     self.up = nnx.Linear(cfg.hidden, cfg.mlp_dim, **kw)
     self.down = nnx.Linear(cfg.mlp_dim, cfg.hidden, **kw)
-    self.act = activation_fn(cfg.activation, cfg.activation_impl)
+    self.act = activation_fn(cfg.activation, cfg.activation_mode, cfg.implementation)
     self.tagged = cfg.save_names is not None
+    self.implementation = cfg.implementation
 
   def __call__(self, x, norm=None):
     if norm is None:
       g, u = self.gate(x), self.up(x)
     else:
-      g, u = norm_dense(norm, x, (self.gate, self.up))
+      g, u = norm_dense(norm, x, (self.gate, self.up), self.implementation)
     g, u = tag(g, "mlp_pre", self.tagged), tag(u, "mlp_pre", self.tagged)
     a = tag(self.act(g) * u, "mlp_act", self.tagged)
     return tag(self.down(a), "mlp_out", self.tagged)
@@ -417,9 +335,11 @@ class PostNormBlock(nnx.Module):
   def __call__(self, x, key=None):
     c = self.cfg
     k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
-    impl = c.norm_impl  # "fused" runs as "inverted": these norms feed the next block
-    x = apply_norm(self.ln1, x + dropout(self.attn(x), c.dropout, k1, c.dropout_impl), impl)
-    return apply_norm(self.ln2, x + dropout(self.mlp(x), c.dropout, k2, c.dropout_impl), impl)
+    mode = c.norm_mode  # "fused" runs as "inverted": these norms feed the next block
+    x = apply_norm(self.ln1, x + dropout(self.attn(x), c.dropout, k1, c.dropout_mode), mode,
+                   c.implementation)
+    return apply_norm(self.ln2, x + dropout(self.mlp(x), c.dropout, k2, c.dropout_mode), mode,
+                      c.implementation)
 
 
 class LlamaBlock(nnx.Module):

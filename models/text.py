@@ -5,17 +5,16 @@ LM head is tied to the token embedding (``nnx.Embed.attend``).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import options
 
 
-@dataclasses.dataclass(frozen=True)
-class TextConfig(layers.BlockOptions):
+@options.config
+class TextConfig(options.BlockOptions):
   """Decoder/encoder hyper-parameters; block options from ``layers.BlockOptions``."""
   family: str = "gpt2"   # "bert", "gpt2" or "llama"
   vocab: int = 50257
@@ -70,8 +69,8 @@ class TextTransformer(nnx.Module):
       x = x + self.position_embedding(jnp.arange(n))[None]
     if self.cfg.family == "bert":
       x = layers.apply_norm(self.embedding_norm, x + self.type_embedding(jnp.zeros_like(tokens)),
-                            self.cfg.norm_impl)
+                            self.cfg.norm_mode, self.cfg.implementation)
     x = self.blocks(x, key)
     if self.cfg.family != "bert":
-      x = layers.apply_norm(self.final_norm, x, self.cfg.norm_impl)
+      x = layers.apply_norm(self.final_norm, x, self.cfg.norm_mode, self.cfg.implementation)
     return self.token_embedding.attend(x).astype(jnp.float32)

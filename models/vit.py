@@ -1,18 +1,17 @@
 """Vision Transformer (Flax NNX) with presets Ti/16, S/16, B/16 and a small 8x8 ``digits``."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models import layers
+from models import options
 
 
-@dataclasses.dataclass(frozen=True)
-class ViTConfig(layers.BlockOptions):
-  """ViT hyper-parameters; block sizes and memory options from ``layers.BlockOptions``."""
+@options.config
+class ViTConfig(options.BlockOptions):
+  """ViT hyper-parameters; block sizes and memory options from ``options.BlockOptions``."""
   image_size: int = 224
   patch_size: int = 16
   channels: int = 3
@@ -65,5 +64,5 @@ class ViT(nnx.Module):
     cls = jnp.broadcast_to(self.cls[...].astype(x.dtype), (b, 1, self.cfg.hidden))
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embedding[...].astype(x.dtype)
     x = self.encoder(x, key)
-    x = layers.apply_norm(self.encoder_norm, x, self.cfg.norm_impl)
+    x = layers.apply_norm(self.encoder_norm, x, self.cfg.norm_mode, self.cfg.implementation)
     return self.head(x[:, 0].astype(jnp.float32))

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels._shapes import out_struct
+
 __all__ = ["forward", "backward", "block_rows_for", "compiler_params"]
 
 TileFn = Callable[[jax.Array], jax.Array]
@@ -37,10 +39,13 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def block_rows_for(dtype, rows: int, *, target_bytes: int = 32 * 1024) -> int:
-  """Heuristic block height: ~``target_bytes`` of input per program, power of two."""
+def block_rows_for(dtype, rows, *, target_bytes: int = 32 * 1024) -> int:
+  """Heuristic block height: ~``target_bytes`` of input per program, power of two (no more
+  than the rows, when their number is known at trace time; a symbolic count gets the target)."""
   per_row = 8 * jnp.dtype(dtype).itemsize
   b = 1 << max(0, int(math.log2(max(1, target_bytes // per_row))))
+  if not isinstance(rows, int):  # a symbolic dimension (jax.export)
+    return b
   return max(1, min(b, 1 << max(0, (rows - 1).bit_length())))
 
 
@@ -97,16 +102,16 @@ def forward(f: TileFn, bit_fn: TileFn | None, x: jax.Array, *, compute_dtype=jnp
   """``(f(x), packed bit_fn(x))`` in one pass (the mask is None when ``bit_fn`` is None)."""
   rows, shape, n8 = _as_rows(x)
   m = rows.shape[0]
-  if m == 0:
+  if isinstance(m, int) and m == 0:
     y = f(x)
     return y, (None if bit_fn is None else jnp.zeros(_mask_shape(shape, n8), jnp.uint8))
   block_rows = block_rows or block_rows_for(x.dtype, m)
   m_pad, steps = _grid(m, block_rows)
   rows = _pad_rows(rows, m_pad)
-  out_shape = [jax.ShapeDtypeStruct((m_pad, 8), x.dtype)]
+  out_shape = [out_struct((m_pad, 8), x.dtype, rows)]
   out_specs = [pl.BlockSpec((block_rows, 8), lambda i: (i, 0))]
   if bit_fn is not None:
-    out_shape.append(jax.ShapeDtypeStruct((m_pad,), jnp.uint8))
+    out_shape.append(out_struct((m_pad,), jnp.uint8, rows))
     out_specs.append(pl.BlockSpec((block_rows,), lambda i: (i,)))
   outs = pl.pallas_call(
       functools.partial(_fwd_kernel, f, bit_fn, compute_dtype,
@@ -142,7 +147,7 @@ def backward(g_fn: Callable, y: jax.Array, packed: jax.Array | None, dy: jax.Arr
   """``dy * g_fn(y, bits)`` in one pass, bits unpacked from ``packed`` in-kernel."""
   rows, shape, n8 = _as_rows(y)
   m = rows.shape[0]
-  if m == 0:
+  if isinstance(m, int) and m == 0:
     return jnp.zeros_like(dy)
   dy_rows, _, _ = _as_rows(dy)
   block_rows = block_rows or block_rows_for(y.dtype, m)
@@ -156,7 +161,7 @@ def backward(g_fn: Callable, y: jax.Array, packed: jax.Array | None, dy: jax.Arr
   in_specs.append(pl.BlockSpec((block_rows, 8), lambda i: (i, 0)))
   dx = pl.pallas_call(
       functools.partial(_bwd_kernel, g_fn, compute_dtype, packed is not None),
-      out_shape=jax.ShapeDtypeStruct((m_pad, 8), dy.dtype), grid=(steps,), in_specs=in_specs,
+      out_shape=out_struct((m_pad, 8), dy.dtype, args[0]), grid=(steps,), in_specs=in_specs,
       out_specs=pl.BlockSpec((block_rows, 8), lambda i: (i, 0)),
       compiler_params=compiler_params(num_warps), interpret=interpret,
       name="invact_backward")(*args)

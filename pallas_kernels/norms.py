@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._shapes import out_struct
+
 __all__ = ["forward", "backward_dx", "chunk_for"]
 
 
@@ -89,8 +91,8 @@ def forward(x, scale, bias, *, rms: bool, eps: float, out_dtype, interpret: bool
                              has_scale=scale is not None, has_bias=bias is not None)
   call = pl.pallas_call(
       kernel, grid=(),
-      out_shape=[jax.ShapeDtypeStruct((n,), out_dtype), jax.ShapeDtypeStruct((n,), out_dtype),
-                 jax.ShapeDtypeStruct((), jnp.float32)],
+      out_shape=[out_struct((n,), out_dtype, x), out_struct((n,), out_dtype, x),
+                 out_struct((), jnp.float32, x)],
       compiler_params=_params(chunk), interpret=interpret, name="invact_norm_forward")
   params = [p for p in (scale, bias) if p is not None]
   z, xhat, rstd = jax.vmap(call, in_axes=(0,) + (None,) * len(params))(x, *params)
@@ -136,7 +138,7 @@ def backward_dx(xhat, rstd, dz, scale, *, rms: bool, dx_dtype, interpret: bool =
   chunk = chunk_for(n)
   kernel = functools.partial(_bwd_kernel, rms=rms, chunk=chunk, has_scale=scale is not None)
   call = pl.pallas_call(
-      kernel, grid=(), out_shape=jax.ShapeDtypeStruct((n,), dx_dtype),
+      kernel, grid=(), out_shape=out_struct((n,), dx_dtype, xhat),
       compiler_params=_params(chunk), interpret=interpret, name="invact_norm_backward")
   args = [xhat, rstd, dz] + ([] if scale is None else [scale])
   in_axes = (0, 0, 0) + (() if scale is None else (None,))

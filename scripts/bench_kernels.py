@@ -18,12 +18,12 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
-  from invact_jax import kernel_bench  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.activations import registry  # pylint: disable=import-outside-toplevel
+  from models.experiments import op_speed  # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu")
   p.add_argument("--min-log2", type=int, default=20)
@@ -32,14 +32,16 @@ def main(argv=None) -> int:
   p.add_argument("--implementations", default=None,
                  help="comma list of xla,pallas (default: xla, plus pallas on a GPU)")
   p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--inner", type=int, default=None,
+                 help="calls per timed round (default 10 on a GPU, 1 elsewhere)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "kernels.json")
   args = p.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   impls = (args.implementations.split(",") if args.implementations
            else ["xla", "pallas"] if on_gpu else ["xla"])
   for a in args.activations.split(","):
-    if a not in kernel_bench.ACTIVATIONS:
-      print(f"error: unknown activation {a!r}; choose from {sorted(kernel_bench.ACTIVATIONS)}",
+    if a not in registry.ACTIVATIONS:
+      print(f"error: unknown activation {a!r}; choose from {sorted(registry.ACTIVATIONS)}",
             file=sys.stderr)
       return 2
   if not 3 <= args.min_log2 <= args.max_log2:
@@ -53,10 +55,11 @@ def main(argv=None) -> int:
       bar.set_postfix_str(msg)
       bar.update()
     for a in args.activations.split(","):
-      rows += kernel_bench.measure(activation=a, sizes=sizes, dtypes=args.dtypes.split(","),
+      rows += op_speed.measure(activation=a, sizes=sizes, dtypes=args.dtypes.split(","),
                                    implementations=impls, repeats=args.repeats,
+                                   inner=args.inner or (10 if on_gpu else 1),
                                    progress=progress)
-  print(kernel_bench.table(rows))
+  print(op_speed.table(rows))
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv)}

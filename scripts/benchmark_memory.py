@@ -17,19 +17,21 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
-  from models import benchmark  # pylint: disable=import-outside-toplevel
+  from models import options  # pylint: disable=import-outside-toplevel
+  from models.experiments import model_memory as benchmark  # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--models", default="vit-b16,bert-base,gpt2,llama-small")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--batches", default="8")
   p.add_argument("--seq-len", type=int, default=512, help="text models")
   p.add_argument("--activations", default="preset",
-                 help="comma list of activations to sweep (gelu_tanh,gelu_erf,silu,relu) or 'preset'")
-  p.add_argument("--configurations", default=",".join(benchmark.CONFIGURATIONS))
+                 help="comma list of registry activations to sweep (e.g. gelu_tanh,gelu_erf,silu) or "
+                      "'preset'")
+  p.add_argument("--configurations", default="standard,checkpointed,inverted,inverted-all",
+                 help=f"comma list of {', '.join(options.CONFIGURATIONS)}")
   p.add_argument("--dropout", type=float, default=None,
                  help="override the presets' dropout rate (e.g. 0.1, issue 6's setting)")
   p.add_argument("--unrolled", action="store_true", help="unrolled layers instead of lax.scan")
@@ -41,9 +43,10 @@ def main(argv=None) -> int:
       print(f"error: unknown model {m!r}; choose from {sorted(benchmark.MODELS)}", file=sys.stderr)
       return 2
   for c in args.configurations.split(","):
-    if c not in benchmark.CONFIGURATIONS:
-      print(f"error: unknown configuration {c!r}; choose from {sorted(benchmark.CONFIGURATIONS)}",
-            file=sys.stderr)
+    try:
+      options.configuration(c)  # old names ("jax-default") warn and map to the new ones
+    except ValueError as e:
+      print(f"error: --configurations: {e}", file=sys.stderr)
       return 2
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
   acts = args.activations.split(",")

@@ -36,11 +36,10 @@ from scipy import special
 from numpy.polynomial import chebyshev as cheb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from invact_jax import accuracy  # noqa: E402
 
-OUT = ROOT / "invact_jax" / "_inverse_fits.py"
+OUT = ROOT / "invact_jax" / "ops" / "activations" / "_fits.py"
 
 
 def _x_of(name, var_kind, v, x_min, y_min):

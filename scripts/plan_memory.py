@@ -24,13 +24,13 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from invact_jax import memory, planner  # pylint: disable=import-outside-toplevel
-  from models import benchmark, planning  # pylint: disable=import-outside-toplevel
+  from models.experiments import model_memory as benchmark  # pylint: disable=import-outside-toplevel
+  from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--models", default="vit-b16,gpt2")
   p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=512, help="text models")
   p.add_argument("--points", type=int, default=6, help="budgets between min and max")
   p.add_argument("--variants", default="standard,inverted,inverted-norms",
-                 help="operator variants the planner may choose (models/planning.py VARIANTS)")
+                 help="operator variants the planner may choose (models.experiments.plan_profiles.VARIANTS)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
   p.add_argument("--replot", type=pathlib.Path, default=None,
                   help="redraw the table and PNG from a JSON this script wrote (no compiling)")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
   variants = args.variants.split(",")
   bad = [v for v in variants if v not in planning.VARIANTS]
   if bad:
-    print(f"error: unknown variants {bad}; choose from {sorted(planning.VARIANTS)}", file=sys.stderr)
+    print(f"error: unknown variants {bad}; choose from {list(planning.VARIANTS)}", file=sys.stderr)
     return 2
   if args.points < 2:
     print("error: --points must be at least 2", file=sys.stderr)

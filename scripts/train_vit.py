@@ -19,18 +19,17 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def parse(argv=None):
-  from models import training  # pylint: disable=import-outside-toplevel
+  from models.experiments import training  # pylint: disable=import-outside-toplevel
   d = training.TrainConfig()
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--data", type=pathlib.Path, help=".npz with x_train, y_train, x_test, y_test "
                  "(default: scikit-learn's digits)")
   p.add_argument("--preset", default=d.preset, help="model preset: digits, ti16, s16, b16")
   p.add_argument("--activations", default=d.activations,
-                 choices=list(training.IMPL_OPTIONS),
+                 choices=list(training.CONFIGURATION_CHOICES),
                  help="inverted: invact_jax activations; inverted-all: also output-saving "
                       "norms (fused with the projections), softmax, and key-only dropout")
   p.add_argument("--compare", action="store_true",
@@ -76,9 +75,9 @@ def _bytes(text: str) -> int:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from models import data as data_lib  # pylint: disable=import-outside-toplevel
-  from models import training  # pylint: disable=import-outside-toplevel
-  from models import compare  # pylint: disable=import-outside-toplevel
+  from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
+  from models.experiments import training  # pylint: disable=import-outside-toplevel
+  from models.experiments import compare  # pylint: disable=import-outside-toplevel
   try:
     dataset = data_lib.load_npz(args.data) if args.data else data_lib.load_digits(args.seed)
     workdir = args.workdir

@@ -1,7 +1,12 @@
-"""Layout/packaging facts: the three top-level packages are this project's."""
+"""Layout facts: the three top-level packages, the import arrows, one activation list."""
 import importlib
 import pathlib
+import re
+import subprocess
 import sys
+
+import invact_jax
+from invact_jax.ops.activations import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -16,8 +21,59 @@ def test_models_shadows_no_stdlib_module():
   assert "models" not in sys.stdlib_module_names
 
 
-def test_layering_pallas_kernels_imports_nothing_above():
-  for path in (ROOT / "pallas_kernels").glob("*.py"):
+def _imports(path):
+  return re.findall(r"^\s*(?:from|import)\s+([\w.]+)", path.read_text(), re.M)
+
+
+def test_import_arrows_point_down():
+  """scripts -> models.experiments -> models -> invact_jax -> pallas_kernels, never back."""
+  forbidden = {"pallas_kernels": ("invact_jax", "models"), "invact_jax": ("models",),
+               "models": ("models.experiments",)}
+  for pkg, above in forbidden.items():
+    for path in (ROOT / pkg).rglob("*.py"):
+      if pkg == "models" and "experiments" in path.parts:
+        continue
+      for mod in _imports(path):
+        assert not any(mod == a or mod.startswith(a + ".") for a in above), (path, mod)
+
+
+def test_no_private_names_across_modules():
+  pattern = re.compile(r"\b(?:benchmark|training|planning|op_speed|model_memory|trainer)\._[a-z]\w*")
+  for path in list((ROOT / "models").rglob("*.py")) + list((ROOT / "scripts").glob("*.py")):
+    assert not pattern.findall(path.read_text()), path
+
+
+def test_only_the_registry_spells_out_the_activation_list():
+  """Outside tests/, a file naming (nearly) every activation is the registry (or generated)."""
+  names = [n for n in registry.ACTIVATIONS if n not in ("tanh", "relu")]  # common words too
+  allowed = {ROOT / "invact_jax/ops/activations/registry.py",
+             ROOT / "invact_jax/ops/activations/_fits.py"}
+  for path in ROOT.rglob("*.py"):
+    if "tests" in path.parts or ".venv" in path.parts or path in allowed:
+      continue
     text = path.read_text()
-    for upper in ("import invact_jax", "from invact_jax", "import models", "from models"):
-      assert upper not in text, (path, upper)
+    found = [n for n in names if re.search(rf"\b{n}\b", text)]
+    assert len(found) < len(names) - 2, (path, found)
+
+
+def test_scripts_do_not_edit_sys_path():
+  for path in (ROOT / "scripts").glob("*.py"):
+    assert "sys.path" not in path.read_text(), path
+
+
+def test_submodules_reachable_after_import():
+  code = ("import invact_jax; print(invact_jax.memory.__name__, invact_jax.planner.__name__, "
+          "invact_jax.accuracy.__name__, invact_jax.registry.__name__, invact_jax.flax.__name__)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.split() == ["invact_jax.memory", "invact_jax.planner", "invact_jax.accuracy",
+                                "invact_jax.ops.activations.registry", "invact_jax.flax"]
+  assert {"memory", "planner"} <= set(dir(invact_jax))
+
+
+def test_readme_layout_names_every_module():
+  readme = (ROOT / "README.md").read_text()
+  for pkg in ("invact_jax", "pallas_kernels", "models", "scripts"):
+    for path in (ROOT / pkg).rglob("*.py"):
+      if path.name == "__init__.py":
+        continue
+      assert path.stem in readme, f"README layout section does not name {path.relative_to(ROOT)}"

@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from invact_jax import memory, planner
-from models import benchmark, layers, planning, vit
+from models import options, vit
+from models.experiments import model_memory as benchmark
+from models.experiments import plan_profiles as planning
 
 PROFILE = planner.LayerProfile(
     variant="inverted", depth=4, base_bytes=1000, tags=("q", "k", "mlp"),
@@ -67,7 +69,7 @@ def test_equal_cost_plans_take_the_one_with_less_memory():
 
 def test_48_layer_solve_is_fast():
   big = dataclasses.replace(
-      PROFILE, depth=48, tags=layers.TAGS, tag_bytes=tuple(range(100, 1200, 100)),
+      PROFILE, depth=48, tags=options.TAGS, tag_bytes=tuple(range(100, 1200, 100)),
       tag_gain=tuple(float(g) for g in range(11, 0, -1)), full_cost=66.0,
       tag_relief=(0,) * 11)
   planner.solve([big], big.base_bytes + 10_000)  # warm-up: scipy import

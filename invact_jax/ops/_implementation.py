@@ -1,0 +1,153 @@
+"""``implementation=``: one way for every op family to choose how it runs (tokamax-style).
+
+* ``None`` / ``"xla"``: plain jnp in a ``jax.custom_vjp``, fused by XLA, on every platform.
+  ``None`` is XLA on every platform until GPU measurements show a kernel faster there.
+* ``"pallas"``: the Pallas kernels of :mod:`pallas_kernels` (Triton lowering on a GPU,
+  interpret mode elsewhere, for tests).
+* ``"triton"``: raw Triton kernels called through jax-triton on a CUDA GPU.  On other
+  platforms it is an error, except with ``Implementation(name="triton", interpret=True)``,
+  which runs the same kernels in Triton's interpreter (slow; for tests and debugging).
+
+Each family states which implementations it has (``SUPPORTED``) and which
+:class:`Implementation` options apply; anything else is a ValueError naming the op, never a
+silent fallback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import jax
+
+__all__ = ["Implementation", "Backend", "IMPLEMENTATIONS", "resolve", "available"]
+
+IMPLEMENTATIONS = ("xla", "pallas", "triton")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Implementation:
+  """An ``implementation=`` choice with kernel options (a plain string uses the defaults).
+
+  Example:
+    >>> import jax.numpy as jnp, invact_jax
+    >>> impl = invact_jax.Implementation(name="pallas", block_rows=64)
+    >>> y = invact_jax.gelu(jnp.ones((4, 128)), implementation=impl)
+
+  Attributes:
+    name: "xla", "pallas" or "triton".
+    block_rows: elementwise kernels: block height in mask bytes (8 elements each) per
+      program, a power of two; None picks ~32 KiB of input per program.
+    num_warps: kernels: warps per program (a power of two); None: the kernel's default.
+    interpret: run kernels in interpret mode (Pallas or Triton's interpreter); None: Pallas
+      interprets where there is no GPU, Triton never does unless asked.
+  """
+  name: str
+  block_rows: int | None = None
+  num_warps: int | None = None
+  interpret: bool | None = None
+
+  def __post_init__(self):
+    if self.name not in IMPLEMENTATIONS:
+      raise ValueError(f"Implementation: argument `name` must be one of {IMPLEMENTATIONS}, got "
+                       f"{self.name!r}")
+    for arg in ("block_rows", "num_warps"):
+      b = getattr(self, arg)
+      if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1 or b & (b - 1)):
+        raise ValueError(f"Implementation: argument `{arg}` must be a positive power of two "
+                         f"(kernel blocks need power-of-two sizes), got {b!r}")
+    if self.name == "xla" and (self.block_rows or self.num_warps or self.interpret):
+      raise ValueError("Implementation: name='xla' takes no kernel options (block_rows, "
+                       "num_warps, interpret)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A resolved, hashable implementation choice (static argument of the custom_vjps)."""
+  name: str = "xla"
+  interpret: bool = False
+  block_rows: int | None = None
+  num_warps: int | None = None
+
+
+def _platform() -> str:
+  return jax.default_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def available(name: str) -> tuple[bool, str]:
+  """Whether implementation ``name`` runs compiled on this platform, and if not, why.
+
+  Example:
+    >>> import invact_jax
+    >>> invact_jax.available("xla")
+    (True, '')
+  """
+  if name == "xla":
+    return True, ""
+  if name == "pallas":
+    if importlib.util.find_spec("pallas_kernels") is None:
+      return False, "the pallas_kernels package is not installed"
+    return True, "" if _platform() == "gpu" else "interpret mode (no GPU)"
+  if name == "triton":
+    if _platform() != "gpu":
+      return False, (f"Triton kernels need a CUDA GPU (this platform is {_platform()}); use "
+                     "implementation='xla', or 'pallas' (interpret mode without a GPU)")
+    for mod in ("triton", "jax_triton"):
+      if importlib.util.find_spec(mod) is None:
+        return False, (f"the {mod!r} package is not installed (pip install "
+                       "'invact-jax[triton]')")
+    return True, ""
+  raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS}")
+
+
+def resolve(implementation, *, op: str, supported=IMPLEMENTATIONS,
+            options: tuple[str, ...] = ("block_rows", "num_warps", "interpret")) -> Backend:
+  """The :class:`Backend` for ``implementation`` of op ``op``; a clear error if it cannot run.
+
+  Args:
+    implementation: None, a name, or an :class:`Implementation`.
+    op: public name of the op (for messages).
+    supported: the implementations this op has.
+    options: the :class:`Implementation` options this op's kernels take.
+  """
+  opts = None
+  if isinstance(implementation, Implementation):
+    opts, name = implementation, implementation.name
+  elif implementation is None:
+    name = "xla"
+  elif isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
+    name = implementation
+  else:
+    raise ValueError(f"invact_jax.{op}: argument `implementation` must be None, one of "
+                     f"{IMPLEMENTATIONS} or an invact_jax.Implementation, got {implementation!r}")
+  if name not in supported:
+    raise ValueError(f"invact_jax.{op}: implementation={name!r} is not available for this op; it "
+                     f"has {tuple(supported)}")
+  if opts is not None:
+    given = [o for o in ("block_rows", "num_warps") if getattr(opts, o) is not None]
+    unused = [o for o in given if o not in options]
+    if unused:
+      raise ValueError(f"invact_jax.{op}: Implementation option(s) {unused} have no effect on "
+                       f"this op's {name} kernels (they take {[o for o in options]})")
+  if name == "xla":
+    return Backend("xla")
+  interpret = opts.interpret if opts is not None and opts.interpret is not None else None
+  if name == "pallas":
+    ok, why = available("pallas")
+    if not ok:
+      raise RuntimeError(f"invact_jax.{op}: implementation='pallas' cannot run here: {why}")
+    interpret = (_platform() != "gpu") if interpret is None else interpret
+  else:  # triton
+    if interpret:
+      if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(f"invact_jax.{op}: Implementation(name='triton', interpret=True) needs "
+                           "the 'triton' package (pip install 'invact-jax[triton]')")
+    else:
+      ok, why = available("triton")
+      if not ok:
+        raise RuntimeError(f"invact_jax.{op}: implementation='triton' cannot run here: {why}")
+      interpret = False
+  return Backend(name, interpret=bool(interpret),
+                 block_rows=None if opts is None else opts.block_rows,
+                 num_warps=None if opts is None else opts.num_warps)

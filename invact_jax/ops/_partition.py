@@ -1,0 +1,231 @@
+"""Running opaque kernels (pallas_call, triton_call) per shard, under vmap and in shard_map.
+
+A kernel call is opaque to XLA's partitioner, which would gather its operands around it.
+Every kernel here is independent along its leading axes, so each shard can run it on its
+own block.  Two layouts cover all of them:
+
+* :func:`elementwise`: operands are data ``[..., n]`` ("d") and packed masks
+  ``[..., ceil(n/8)]`` ("m"; bit k of byte j is element 8j + k).  Every axis can be
+  sharded; the last one only in whole mask bytes, i.e. multiples of 8 elements per shard
+  (otherwise it is kept whole, which costs a gather that the sharding tests would show).
+* :func:`rows`: row kernels (norms): operands ``[..., n]`` with the last axis whole, per-row
+  statistics ``[..., 1]`` and per-column parameters ``[n]`` (replicated).
+
+Both add a batching rule (``jax.vmap`` folds the batch axis into the leading axes) and run
+the kernel directly inside ``shard_map``, where operands are already per-shard.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+
+__all__ = ["elementwise", "rows", "in_manual_context"]
+
+
+def in_manual_context() -> bool:
+  """Whether tracing is inside ``shard_map`` (operands are already per-shard)."""
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  if get is None:
+    return False
+  return bool(getattr(get(), "manual_axes", ()))
+
+
+def has_symbolic_dims(*arrays) -> bool:
+  """Whether any operand has a symbolic dimension (``jax.export`` with a symbolic batch)."""
+  return any(not isinstance(d, int) for a in arrays for d in a.shape)
+
+
+def run_tile_math_directly(backend, *arrays) -> bool:
+  """Whether a kernel backend runs its tile math as plain XLA ops instead of a kernel.
+
+  Two cases, same results as the kernel up to the compiler's rounding of the math:
+  Pallas interpret mode inside ``shard_map`` (interpret mode does not track varying mesh
+  axes, a limitation of the CPU testing mode) and symbolic shapes (``jax.export``: a
+  compiled Triton kernel needs a static grid).  The residual layout is the same.
+  """
+  if backend.interpret:
+    return in_manual_context()
+  return has_symbolic_dims(*arrays)
+
+
+def _batched(call: Callable, data_mask: Sequence[bool]):
+  """``call`` with a batching rule: batched operands get the batch axis in front.
+
+  ``data_mask[i]`` says whether operand i has the data's leading axes (then an unbatched
+  one is broadcast); other operands (per-column parameters) must stay unbatched, else the
+  op runs once per batch element.
+  """
+  op = jax.custom_batching.custom_vmap(call)
+
+  @op.def_vmap
+  def rule(axis_size, in_batched, *args):
+    if any(b and not d for b, d in zip(in_batched, data_mask)):  # a batched parameter
+      outs = jax.lax.map(lambda a: call(*a), tuple(
+          a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)))
+      return outs, jax.tree.map(lambda _: True, outs)
+    args = [a if b or not d else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, b, d in zip(args, in_batched, data_mask)]
+    outs = op(*args)
+    return outs, jax.tree.map(lambda _: True, outs)
+  return op
+
+
+def _mesh_size(mesh) -> int:
+  # Under jit with NamedSharding arguments (no mesh context) the mesh is not known at
+  # lowering; then every device may be in it.
+  return jax.device_count() if mesh is None or mesh.empty else int(mesh.size)
+
+
+def _rule_text(operands, results, sizes, replicated, total):
+  text = ", ".join(operands) + " -> " + ", ".join(results)
+  order = list(dict.fromkeys(
+      t for t in text.replace("(", " ").replace(")", " ").replace(",", " ").split() if t != "->"))
+  need = set(replicated) | {f for f, n in sizes.items() if total > 1 and n is not None and n % total}
+  factor_sizes = {f: n for f, n in sizes.items() if f in _compound(operands + results)}
+  # Special factors must be listed in the rule's order.
+  return text, dict(need_replication_factors=tuple(f for f in order if f in need), **factor_sizes)
+
+
+def _rule(*candidates):
+  """A Shardy sharding rule, decided at lowering time, when the mesh is known.
+
+  Each candidate is ``(operands, results, sizes, replicated, usable)``: space-separated
+  factor names per array (``"(m k)"`` for a dimension made of two factors), their sizes,
+  the factors never sharded, and ``usable(mesh_size)``.  The first usable one is taken.
+  Beyond ``replicated``, any factor whose size is not a multiple of the mesh size is kept
+  whole: Shardy would shard it by a sub-axis, which ``custom_partitioning`` cannot express
+  (keeping it whole costs a gather, but gives the right result).
+  """
+  def rule(mesh, value_types, result_types):
+    del value_types, result_types
+    total = _mesh_size(mesh)
+    for operands, results, sizes, replicated, usable in candidates:
+      if usable(total):
+        return _rule_text(operands, results, sizes, replicated, total)
+    raise AssertionError("no usable sharding rule")  # the last candidate is always usable
+  return rule
+
+
+def _size(d):
+  """A dimension's size, or None when it is symbolic (jax.export)."""
+  return d if isinstance(d, int) else None
+
+
+def _compound(specs) -> set:
+  """Factors that only appear inside compound ``(a b)`` dimensions (their size is needed)."""
+  inner, whole = set(), set()
+  for spec in specs:
+    outside = spec
+    for group in spec.split("(")[1:]:
+      names = group.split(")")[0]
+      inner |= set(names.split())
+      outside = outside.replace(f"({names})", " ")
+    whole |= set(outside.split())
+  return inner - whole
+
+
+def _partitioned(fn, args, n_out: int, shardings, rule):
+  op = custom_partitioning(fn)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    out, _ = shardings(mesh, arg_shapes)
+    return out if n_out == 1 else (out,) * n_out
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    out, ins = shardings(mesh, arg_shapes)
+    return mesh, fn, (out if n_out == 1 else (out,) * n_out), ins
+
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+  return op(*args)
+
+
+def _whole_last(mesh, spec, shape):
+  """``spec`` (padded to ``shape``) with the last axis unsharded unless shards hold whole bytes."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  last = spec[-1]
+  if last is not None:
+    axes = last if isinstance(last, tuple) else (last,)
+    parts = int(np.prod([mesh.shape[a] for a in axes]))
+    if shape[-1] % (8 * parts):
+      spec = spec[:-1] + (None,)
+  return jax.sharding.PartitionSpec(*spec)
+
+
+def elementwise(fn: Callable, kinds_in: str, kinds_out: str, *args):
+  """``fn(*args)`` run per shard; ``kinds_*`` are "d" (data) / "m" (mask) per operand."""
+  single = len(kinds_out) == 1
+
+  def call(*a):
+    if a[0].ndim == 0 or in_manual_context():
+      return fn(*a)
+    shape = a[0].shape
+    lead = [f"b{i}" for i in range(len(shape) - 1)]
+    sizes = {f: _size(n) for f, n in zip(lead, shape[:-1])}
+    n = _size(shape[-1])
+    always = lambda total: True  # noqa: E731
+
+    def spec(pattern):
+      return [" ".join(lead + [pattern[k]]) for k in kinds_in], \
+             [" ".join(lead + [pattern[k]]) for k in kinds_out]
+    if "m" not in kinds_in + kinds_out:
+      rule = _rule((*spec({"d": "n"}), {**sizes, "n": n}, (), always))
+    else:
+      # Shards of the last axis holding whole mask bytes: data "(m k)", mask "m", k = 8.
+      bytes_ = (*spec({"d": "(m k)", "m": "m"}), {**sizes, "m": None if n is None else n // 8,
+                                                     "k": 8}, ("k",),
+                lambda total: n is not None and n % (8 * total) == 0)
+      # Otherwise (or with padding bits) the last axis stays whole.
+      whole = (*spec({"d": "n", "m": "m"}), {**sizes, "n": n, "m": None}, ("n", "m"), always)
+      rule = _rule(bytes_, whole)
+
+    def shardings(mesh, arg_shapes):
+      x = arg_shapes[0]
+      s = jax.sharding.NamedSharding(mesh, _whole_last(mesh, x.sharding.spec, x.shape))
+      return s, (s,) * len(kinds_in)
+    return _partitioned(fn, a, 1 if single else len(kinds_out), shardings, rule)
+
+  return _batched(call, [True] * len(args))(*args)
+
+
+def rows(fn: Callable, n_out: int, *args):
+  """``fn(*args)`` run per shard of the leading axes; ``None`` operands are passed through.
+
+  Operands: the first is ``[..., n]``; others are ``[..., n]``, ``[..., 1]`` (row
+  statistics) or ``[n]`` (parameters, replicated).  Outputs: ``[..., n]`` or ``[..., 1]``.
+  """
+  present = [a is not None for a in args]
+  arrays = [a for a in args if a is not None]
+  ndim = arrays[0].ndim
+
+  def unpacked(*arrs):
+    it = iter(arrs)
+    return fn(*[next(it) if p else None for p in present])
+
+  def call(*a):
+    x = a[0]
+    if x.ndim < 2 or in_manual_context():
+      return unpacked(*a)
+    lead = " ".join(f"b{i}" for i in range(x.ndim - 1))
+    kinds = [f"{lead} n" if v.ndim == x.ndim and v.shape[-1] == x.shape[-1] else
+             (f"{lead} o" if v.ndim == x.ndim else "n") for v in a]
+    out_shapes = jax.eval_shape(unpacked, *a)
+    out_shapes = out_shapes if isinstance(out_shapes, (tuple, list)) else (out_shapes,)
+    outs = [f"{lead} n" if o.shape[-1] == x.shape[-1] and x.shape[-1] != 1 else f"{lead} o"
+            for o in out_shapes]
+    sizes = {f"b{i}": _size(d) for i, d in enumerate(x.shape[:-1])}
+    rule = _rule((kinds, outs, sizes, ("n", "o"), lambda total: True))
+
+    def shardings(mesh, arg_shapes):
+      spec = tuple(arg_shapes[0].sharding.spec) + (None,) * x.ndim
+      row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:x.ndim - 1], None))
+      rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      return row, tuple(row if len(s.shape) == x.ndim else rep for s in arg_shapes)
+    return _partitioned(unpacked, a, n_out, shardings, rule)
+
+  return _batched(call, [a.ndim == ndim for a in arrays])(*arrays)

@@ -1,0 +1,135 @@
+"""The XLA implementation of the inverted activations: a ``jax.custom_vjp`` per op.
+
+The forward is ``jax.nn``'s function, bit for bit; the residuals are the output ``y`` and,
+where the registry says the activation keeps a branch bit, the bit mask packed 8 per byte
+(:mod:`invact_jax.bitpack`).  The backward computes ``dy * f'(f^-1(y))`` from them
+(:mod:`.math`).  This is also the reference the kernels are tested against; the
+``<name>_reference`` functions are ``jax.nn``'s with JAX's own autodiff.
+
+Kernel implementations (:mod:`.pallas`) provide the same two functions,
+``forward(op, backend, x) -> (y, packed)`` and ``backward(op, backend, y, packed, dy) -> dx``,
+with the same mask layout, so residuals are interchangeable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from invact_jax import bitpack
+from invact_jax.ops import _common
+from invact_jax.ops._implementation import Backend  # noqa: F401  (re-exported)
+from invact_jax.ops.activations.registry import Activation
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """An activation with its parameters bound: what the custom_vjp and kernels run."""
+  activation: Activation
+  params: tuple[tuple[str, float], ...] = ()
+
+  @property
+  def name(self) -> str:
+    return self.activation.name
+
+  @property
+  def public(self) -> str:
+    return self.activation.public
+
+  @property
+  def kwargs(self) -> dict[str, float]:
+    return dict(self.params)
+
+  @property
+  def has_bit(self) -> bool:
+    return self.activation.keeps_bit(**self.kwargs)
+
+  def forward(self, x):
+    """``jax.nn``'s forward."""
+    a = self.activation
+    return a.original(x, **dict(a.selector), **self.kwargs)
+
+  def kernel_forward(self, x):
+    """The forward on a kernel tile: 16-bit inputs computed in float32 and rounded once
+    (Triton lacks several bf16/f16 elementwise lowerings; XLA on GPU fuses the same way)."""
+    f = self.forward if self.activation.kernel_forward is None else self.activation.kernel_forward
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+      return f(x.astype(jnp.float32)).astype(x.dtype)
+    return f(x)
+
+  def bit(self, x):
+    """The branch bit of ``x`` (already in the compute dtype, so the comparison is exact)."""
+    a = self.activation
+    if a.nonmonotone:
+      return x < jnp.asarray(a.threshold(x.dtype), x.dtype)
+    return a.bit(x, **self.kwargs)
+
+  def derivative(self, y, bits):
+    """f'(x) in the compute dtype from the stored output and the unpacked bits."""
+    yc = y.astype(_common.compute_dtype(y.dtype))
+    return self.activation.grad(yc, bits, **self.kwargs)
+
+
+# ----------------------------------------------------------------------- the XLA backend
+def forward(op: Op, backend: Backend, x):
+  """``(y, packed bits or None)``: jax.nn's forward and the bit mask, fused by XLA."""
+  del backend
+  y = op.forward(x)
+  if not op.has_bit:
+    return y, None
+  return y, bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
+
+
+def backward(op: Op, backend: Backend, y, packed, dy):
+  del backend
+  bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
+  if op.activation.piecewise_linear:  # exact to every order: f'' = 0 a.e.
+    g = op.derivative(y, bits)
+  else:
+    g = _common.first_order_only(op.public, op.derivative, y, bits)
+  return (dy.astype(g.dtype) * g).astype(dy.dtype)
+
+
+_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.activations.pallas"}
+
+
+def _impl(backend: Backend) -> Any:
+  return importlib.import_module(_MODULES[backend.name])
+
+
+# -------------------------------------------------------------------- the custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def apply(op: Op, backend: Backend, x):
+  """``op``'s forward, keeping y (+ bits) for a backward computed by ``backend``.
+
+  The primal and the fwd rule run the same implementation's forward, so ``f(x)`` and
+  ``jax.vjp(f, x)[0]`` agree bit for bit on every implementation (the kernels compute
+  16-bit inputs in float32 and round once, which can differ from ``jax.nn``'s per-op
+  rounding by an ulp).
+  """
+  if backend.name == "xla":
+    return op.forward(x)
+  return _impl(backend).forward(op, backend, x)[0]
+
+
+def _apply_fwd(op, backend, x):
+  y, packed = _impl(backend).forward(op, backend, x)
+  return y, (y, packed)
+
+
+def _apply_bwd(op, backend, res, dy):
+  y, packed = res
+  return (_impl(backend).backward(op, backend, y, packed, dy),)
+
+
+apply.defvjp(_apply_fwd, _apply_bwd)
+
+
+def derivative_from_packed(op: Op, y, packed):
+  """f'(x) in the compute dtype from ``y`` and the packed bits (the XLA backward's math)."""
+  bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
+  return op.derivative(y, bits)

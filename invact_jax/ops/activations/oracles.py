@@ -1,0 +1,151 @@
+"""Float64 truth for each activation: forward, derivative, and (monotone) f'(f^-1(y)).
+
+Plain NumPy (SciPy's special functions, imported on first use), so the audit
+(:mod:`invact_jax.accuracy`) and the fitter (:mod:`.fitting`) compare against values that
+are exact to float64 rounding.  The registry attaches these to each activation.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
+_GELU_TANH_A = 0.044715
+
+
+def _sp():
+  from scipy import special  # pylint: disable=import-outside-toplevel
+  return special
+
+
+def _phi(x):
+  return np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi)
+
+
+def _softplus(x):
+  return np.logaddexp(x, 0.0)
+
+
+def _clip(x):
+  return np.clip(x, -1e6, 1e6)  # f' is constant to float64 precision beyond; avoids inf * 0
+
+
+# ------------------------------------------------------------------------------ forwards
+def gelu_erf_forward(x):
+  return x * _sp().ndtr(x)
+
+
+def gelu_tanh_forward(x):  # 0.5 (1 + tanh(u)) == expit(2u), without cancellation
+  return x * _sp().expit(2.0 * _SQRT_2_OVER_PI * (x + _GELU_TANH_A * x ** 3))
+
+
+def silu_forward(x):
+  return x * _sp().expit(x)
+
+
+def mish_forward(x):
+  return x * np.tanh(_softplus(x))
+
+
+def sigmoid_forward(x):
+  return _sp().expit(x)
+
+
+def tanh_forward(x):
+  return np.tanh(x)
+
+
+def softplus_forward(x):
+  return _softplus(x)
+
+
+def elu_forward(x, alpha=1.0):
+  return np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0.0)))
+
+
+def leaky_relu_forward(x, negative_slope=1e-2):
+  return np.where(x >= 0, x, negative_slope * x)
+
+
+def relu_forward(x):
+  return np.maximum(x, 0.0)
+
+
+# --------------------------------------------------------------------------- derivatives
+def gelu_erf_derivative(x):
+  xf = _clip(x)
+  return _sp().ndtr(xf) + xf * _phi(xf)
+
+
+def gelu_tanh_derivative(x):
+  xf = _clip(x)
+  u2 = 2.0 * _SQRT_2_OVER_PI * (xf + _GELU_TANH_A * xf ** 3)
+  s, sm = _sp().expit(u2), _sp().expit(-u2)
+  return s + xf * s * sm * 2.0 * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_A * xf * xf)
+
+
+def silu_derivative(x):
+  s = _sp().expit(_clip(x))
+  return s * (1.0 + _clip(x) * (1.0 - s))
+
+
+def mish_derivative(x):
+  xf = _clip(x)
+  t = np.tanh(_softplus(xf))
+  return t + xf * (1.0 - t * t) * _sp().expit(xf)
+
+
+def sigmoid_derivative(x):
+  s = _sp().expit(_clip(x))
+  return s * (1.0 - s)
+
+
+def tanh_derivative(x):
+  t = np.tanh(_clip(x))
+  return 1.0 - t * t
+
+
+def softplus_derivative(x):
+  return _sp().expit(_clip(x))
+
+
+def elu_derivative(x, alpha=1.0):
+  return np.where(x > 0, 1.0, alpha * np.exp(np.minimum(_clip(x), 0.0)))
+
+
+def leaky_relu_derivative(x, negative_slope=1e-2):
+  # At the kink, -0.0 takes the left slope (see invact_jax.leaky_relu).
+  return np.where(np.signbit(x), negative_slope, 1.0)
+
+
+def relu_derivative(x):
+  return np.where(x > 0, 1.0, 0.0)
+
+
+# ------------------------------------------- monotone: f'(f^-1(y)) in closed form, from y
+def sigmoid_grad_from_output(y, x):
+  del x
+  return y * (1.0 - y)
+
+
+def tanh_grad_from_output(y, x):
+  del x
+  return (1.0 - y) * (1.0 + y)
+
+
+def softplus_grad_from_output(y, x):
+  del x
+  return -np.expm1(-y)
+
+
+def elu_grad_from_output(y, x, alpha=1.0):
+  # The branch is x's (for alpha < 0 the output does not tell it).
+  return np.where(x > 0, 1.0, y + alpha)
+
+
+def leaky_relu_grad_from_output(y, x, negative_slope=1e-2):
+  return np.where(np.signbit(x), negative_slope, 1.0)
+
+
+def relu_grad_from_output(y, x):
+  del x
+  return np.where(y > 0, 1.0, 0.0)

@@ -1,0 +1,164 @@
+"""The registry of inverted activations: the one list every other module reads.
+
+Each :class:`Activation` says what the public function is called and how it is selected
+(``gelu(approximate=...)``), which ``jax.nn`` function it mirrors, its backward math from the
+output (:mod:`.math`), whether it keeps a branch bit, its float64 oracles
+(:mod:`.oracles`), and which implementations exist.  The public functions
+(``invact_jax.gelu``, ``invact_jax.gelu_reference``, ...), the conversion of unmodified
+code, the Flax modules, the models, the benchmarks, the accuracy audit and the tests are
+all built from :data:`ACTIVATIONS`.
+
+Adding an activation: one :class:`Activation` entry here, its ``<name>_grad`` in
+:mod:`.math`, its oracles in :mod:`.oracles` (and, for a kernel, its Triton forward in
+``triton_math``; for a non-monotone one, a fit from ``scripts/fit_inverse.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+
+from invact_jax.ops.activations import math as _math
+from invact_jax.ops.activations import oracles as _oracles
+
+__all__ = ["Activation", "ACTIVATIONS", "PUBLIC", "get", "by_public", "nonmonotone",
+           "monotone"]
+
+# jax.nn's functions, captured at import: the attribute conversion (``inverted()``) swaps
+# module attributes while it runs, and references must keep calling the originals.
+_NN = {name: getattr(jax.nn, name) for name in (
+    "gelu", "silu", "mish", "sigmoid", "tanh", "softplus", "elu", "leaky_relu", "relu")}
+
+
+def _always(**params) -> bool:
+  del params
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+  """One inverted activation.
+
+  Attributes:
+    name: registry key (``gelu_tanh``/``gelu_erf`` for the two GELU forms).
+    public: the public function (``invact_jax.<public>``) that runs it.
+    selector: keyword values of the public function that select this entry
+      (``(("approximate", True),)``).
+    params: numeric keyword parameters with their defaults (``(("alpha", 1.0),)``); static.
+    original: the ``jax.nn`` function it mirrors (captured at import), called as
+      ``original(x, **selector, **params)``.
+    grad: ``(y, bit, **params) -> f'(x)`` in the compute dtype (:mod:`.math`).
+    nonmonotone: the bit is ``x < x_min`` and ``grad`` evaluates a generated fit.
+    bit: for a monotone function whose branch the output cannot tell for some parameters,
+      ``bit(x, **params)``, kept when ``bit_when(**params)``.
+    kernel_forward: forward on a kernel tile where ``original`` does not lower (None: original).
+    aliases: further public names (``swish``).
+    piecewise_linear: f' is piecewise constant, so the backward from the output is exact to
+      every order (f'' = 0 a.e., as jax.nn) and needs no first-order guard.
+    implementations: the ``implementation=`` choices with kernels for it.
+    summary: one line for the public docstring.
+    forward64, derivative64: float64 oracles; grad64 ``(y, x, **params)``: f'(f^-1(y)) in
+      closed form (monotone only; non-monotone ones are inverted by bisection).
+  """
+  name: str
+  public: str
+  original: Callable[..., Any]
+  grad: Callable[..., Any]
+  forward64: Callable[..., Any]
+  derivative64: Callable[..., Any]
+  summary: str
+  selector: tuple[tuple[str, Any], ...] = ()
+  params: tuple[tuple[str, float], ...] = ()
+  nonmonotone: bool = False
+  bit: Callable[..., Any] | None = None
+  bit_when: Callable[..., bool] = _always
+  grad64: Callable[..., Any] | None = None
+  kernel_forward: Callable[..., Any] | None = None
+  aliases: tuple[str, ...] = ()
+  piecewise_linear: bool = False
+  implementations: tuple[str, ...] = ("xla", "pallas")  # "triton": issue 17, not written yet
+
+  def keeps_bit(self, **params) -> bool:
+    return self.nonmonotone or (self.bit is not None and self.bit_when(**params))
+
+  def threshold(self, dtype) -> float:
+    """x_min as compared in ``dtype`` (non-monotone activations only)."""
+    return _math.branch_threshold(self.name, dtype)
+
+
+def _entry(name, public, summary, **kw) -> Activation:
+  return Activation(name=name, public=public, summary=summary,
+                    grad=kw.pop("grad", getattr(_math, f"{name}_grad", None)),
+                    forward64=getattr(_oracles, f"{name}_forward"),
+                    derivative64=getattr(_oracles, f"{name}_derivative"),
+                    grad64=getattr(_oracles, f"{name}_grad_from_output", None), **kw)
+
+
+ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
+    _entry("gelu_tanh", "gelu", "GELU, tanh form (Flax's default); bit: x < x_min ~ -0.7525",
+           original=_NN["gelu"], selector=(("approximate", True),), nonmonotone=True,
+           grad=functools.partial(_math.fitted_grad, "gelu_tanh")),
+    _entry("gelu_erf", "gelu", "GELU, erf form; bit: x < x_min ~ -0.7518",
+           original=_NN["gelu"], selector=(("approximate", False),), nonmonotone=True,
+           grad=functools.partial(_math.fitted_grad, "gelu_erf"),
+           kernel_forward=_math.gelu_erf_kernel_forward),
+    _entry("silu", "silu", "SiLU/swish, x * sigmoid(x); bit: x < x_min ~ -1.2785",
+           original=_NN["silu"], nonmonotone=True, aliases=("swish",),
+           grad=functools.partial(_math.fitted_grad, "silu")),
+    _entry("mish", "mish", "Mish, x * tanh(softplus(x)); bit: x < x_min ~ -1.1924",
+           original=_NN["mish"], nonmonotone=True,
+           grad=functools.partial(_math.fitted_grad, "mish")),
+    _entry("sigmoid", "sigmoid", "Sigmoid; f' = y (1 - y)", original=_NN["sigmoid"]),
+    _entry("tanh", "tanh", "tanh; f' = (1 - y)(1 + y)", original=_NN["tanh"]),
+    _entry("softplus", "softplus", "Softplus; f' = 1 - exp(-y)", original=_NN["softplus"]),
+    _entry("elu", "elu", "ELU; f' = 1 for x > 0, else y + alpha (a bit only if alpha < 0)",
+           original=_NN["elu"], params=(("alpha", 1.0),),
+           bit=lambda x, alpha: x > 0, bit_when=lambda alpha: alpha < 0),
+    _entry("leaky_relu", "leaky_relu",
+           "Leaky ReLU; f' = 1 or the slope (a bit only if negative_slope <= 0)",
+           original=_NN["leaky_relu"], params=(("negative_slope", 1e-2),),
+           bit=lambda x, negative_slope: x >= 0, bit_when=lambda negative_slope: negative_slope <= 0,
+           piecewise_linear=True),
+    _entry("relu", "relu", "ReLU; f' = [y > 0] (f'(0) = 0 as in jax.nn.relu)",
+           original=_NN["relu"], piecewise_linear=True),
+)}
+
+
+def _public_names() -> dict[str, tuple[Activation, ...]]:
+  out: dict[str, list[Activation]] = {}
+  for a in ACTIVATIONS.values():
+    for p in (a.public,) + a.aliases:
+      out.setdefault(p, []).append(a)
+  return {k: tuple(v) for k, v in out.items()}
+
+
+#: public function name -> the entries it selects among (``gelu`` -> gelu_tanh, gelu_erf).
+PUBLIC: dict[str, tuple[Activation, ...]] = _public_names()
+
+
+def get(name: str) -> Activation:
+  """The entry ``name``; a KeyError listing the registry otherwise."""
+  try:
+    return ACTIVATIONS[name]
+  except KeyError:
+    raise KeyError(f"unknown activation {name!r}; the registry has {sorted(ACTIVATIONS)}") from None
+
+
+def by_public(public: str, **selector) -> Activation:
+  """The entry that ``invact_jax.<public>(x, **selector)`` runs."""
+  for a in PUBLIC[public]:
+    if all(selector.get(k, v) == v for k, v in a.selector) and \
+        all(dict(a.selector).get(k) == v for k, v in selector.items()):
+      return a
+  raise KeyError(f"no activation {public!r} with {selector}")
+
+
+def nonmonotone() -> tuple[str, ...]:
+  return tuple(n for n, a in ACTIVATIONS.items() if a.nonmonotone)
+
+
+def monotone() -> tuple[str, ...]:
+  return tuple(n for n, a in ACTIVATIONS.items() if not a.nonmonotone)
+

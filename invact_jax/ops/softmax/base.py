@@ -1,0 +1,41 @@
+"""The XLA implementation of the output-saving softmax: ``dx = p * (dp - sum(p * dp))``
+computed from the probabilities ``p`` alone, kept in the output dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from invact_jax.ops import _common
+
+# Captured at import: the attribute conversion patches jax.nn.softmax while it runs.
+NN_SOFTMAX = jax.nn.softmax
+
+
+def reference(x, axis, dtype):
+  """``jax.nn.softmax`` in the compute dtype, cast to ``dtype`` (keeps f32 + the cast)."""
+  return NN_SOFTMAX(x.astype(_common.compute_dtype(x.dtype)), axis=axis).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def softmax(axis: int, dtype, x_dtype, x):
+  del x_dtype
+  return reference(x, axis, dtype)
+
+
+def _fwd(axis, dtype, x_dtype, x):
+  del x_dtype
+  p = reference(x, axis, dtype)
+  return p, p
+
+
+def _bwd(axis, dtype, x_dtype, p, dp):
+  del dtype
+  c = _common.compute_dtype(p.dtype if p.dtype == jax.numpy.float64 else x_dtype)
+  pf, dpf = p.astype(c), dp.astype(c)
+  dx = pf * (dpf - jax.numpy.sum(pf * dpf, axis=axis, keepdims=True))
+  return (dx.astype(x_dtype),)
+
+
+softmax.defvjp(_fwd, _bwd)

@@ -1,0 +1,220 @@
+"""Speed of the activation implementations: HLO op counts, timings, achieved GB/s.
+
+The logic behind ``scripts/bench_kernels.py``.
+
+* :func:`measure`: for each activation, size, dtype and implementation, the median time of
+  forward, backward and forward+backward (jitted, ``block_until_ready``), calls interleaved
+  round-robin with ``jax.nn`` and a device copy (``-x``, the bandwidth reference) so that
+  drift hits every variant alike.  Bytes are the least each pass must move (bf16 forward:
+  2 + 2 + 1/8 bytes per element; backward: 2 + 1/8 + 2 + 2), so GB/s compares with the copy's.
+* :func:`hlo_ops`: instructions of the optimized HLO, the arithmetic cost proxy of issue 13
+  (every instruction except parameter, constant, broadcast, tuple, get-tuple-element,
+  bitcast, copy, reshape and fusion; fused computations' bodies counted).
+* :func:`cpu_rows`: per activation and dtype, HLO ops of the fused forward+backward
+  (``jit(lambda x, dy: (y, vjp(dy)))``) and its time relative to ``jax.nn``'s.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from invact_jax import Implementation, available
+from invact_jax.ops import _implementation
+from invact_jax.ops.activations import base
+from invact_jax.ops.activations import registry
+
+__all__ = ["Row", "measure", "table", "hlo_ops", "cpu_rows", "cpu_table", "fwd_bwd",
+           "interleaved"]
+
+_SKIP = {"parameter", "constant", "broadcast", "tuple", "get-tuple-element", "bitcast", "copy",
+         "reshape", "fusion"}
+_INSTR = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^ ]+\s+([\w\-]+)\(")
+
+
+def hlo_ops(fn: Callable, *args) -> tuple[int, dict[str, int]]:
+  """(count, per-opcode counts) of the optimized HLO of ``jax.jit(fn)(*args)``."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  ops = collections.Counter(m.group(1) for m in map(_INSTR.match, text.splitlines())
+                            if m and m.group(1) not in _SKIP)
+  return sum(ops.values()), dict(ops)
+
+
+def op(name: str) -> base.Op:
+  entry = registry.get(name)
+  return base.Op(entry, entry.params)
+
+
+def fwd_bwd(f: Callable) -> Callable:
+  """``(x, dy) -> (f(x), vjp(dy))``: one jitted forward+backward, the benchmarked unit."""
+  def both(x, dy):
+    y, vjp = jax.vjp(f, x)
+    return y, vjp(dy)[0]
+  return both
+
+
+def reference_fn(name: str) -> Callable:
+  o = op(name)
+  return o.forward
+
+
+def inverted_fn(name: str, implementation="xla") -> Callable:
+  o = op(name)
+  backend = _implementation.resolve(implementation, op=o.public)
+  return lambda x: base.apply(o, backend, x)
+
+
+def interleaved(fns: dict[str, Callable], args, *, rounds: int = 20, inner: int = 3
+                ) -> dict[str, float]:
+  """Median seconds per call of each jitted fn, calls interleaved round-robin."""
+  jitted = {k: jax.jit(f) for k, f in fns.items()}
+  for f in jitted.values():
+    jax.block_until_ready(f(*args))  # compile + warm up
+  times = {k: [] for k in jitted}
+  for _ in range(rounds):
+    for k, f in jitted.items():
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        out = f(*args)
+      jax.block_until_ready(out)
+      times[k].append((time.perf_counter() - t0) / inner)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _inputs(n: int, dtype):
+  shape = (n // 1024, 1024) if n >= 1024 else (1, n)
+  x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype) * 3
+  dy = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+  return x, dy
+
+
+def cpu_rows(names: Sequence[str], dtypes: Sequence[str] = ("float32", "bfloat16"), *,
+             elements: int = 1 << 23, rounds: int = 15, implementation="xla",
+             progress: Callable[[str], None] | None = None) -> list[dict]:
+  """Issue 13's table: HLO ops of fwd+bwd and time vs jax.nn (interleaved medians)."""
+  rows = []
+  for name in names:
+    for dt in dtypes:
+      if progress:
+        progress(f"{name} {dt}")
+      x, dy = _inputs(elements, jnp.dtype(dt))
+      ours, ref = fwd_bwd(inverted_fn(name, implementation)), fwd_bwd(reference_fn(name))
+      n_ours, by_op = hlo_ops(ours, x, dy)
+      n_ref, _ = hlo_ops(ref, x, dy)
+      n_fwd, _ = hlo_ops(reference_fn(name), x)
+      t = interleaved({"ours": ours, "ref": ref}, (x, dy), rounds=rounds)
+      rows.append({"activation": name, "dtype": dt, "elements": int(x.size),
+                   "hlo_ops": n_ours, "hlo_ops_jax_nn": n_ref, "hlo_ops_forward_jax_nn": n_fwd,
+                   "hlo_by_op": by_op, "seconds": t["ours"], "seconds_jax_nn": t["ref"],
+                   "time_ratio": t["ours"] / t["ref"]})
+  return rows
+
+
+def cpu_table(rows: Sequence[dict]) -> str:
+  lines = ["| activation | dtype | HLO ops fwd+bwd (ours) | jax.nn | jax.nn forward alone "
+           "| ms (ours) | ms (jax.nn) | time vs jax.nn |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['activation']} | {r['dtype']} | {r['hlo_ops']} | {r['hlo_ops_jax_nn']} | "
+                 f"{r['hlo_ops_forward_jax_nn']} | {r['seconds'] * 1e3:.2f} | "
+                 f"{r['seconds_jax_nn'] * 1e3:.2f} | {r['time_ratio']:.2f} |")
+  return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  activation: str
+  implementation: str  # "jax.nn", "xla", "pallas", "triton", "copy"
+  dtype: str
+  elements: int
+  pass_: str  # "fwd", "bwd", "fwd+bwd"
+  seconds: float
+  bytes: int
+
+  @property
+  def gbps(self) -> float:
+    return self.bytes / self.seconds / 1e9
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["pass"] = d.pop("pass_")
+    d["gbps"] = self.gbps
+    return d
+
+
+def measure(*, activation: str = "gelu_tanh", sizes: Sequence[int] = (1 << 20,),
+            dtypes: Sequence[str] = ("float32", "bfloat16"),
+            implementations: Sequence = ("xla", "pallas"), repeats: int = 20,
+            inner: int = 1, progress: Callable[[str], None] | None = None) -> list[Row]:
+  """Rows for every (size, dtype, implementation, pass); unavailable backends are skipped.
+
+  ``implementations`` entries are names or :class:`invact_jax.Implementation` (e.g. with
+  ``interpret=True`` to exercise a kernel without a GPU; its timings then mean nothing).
+  """
+  if activation not in registry.ACTIVATIONS:
+    raise ValueError(f"argument `activation` must be one of {sorted(registry.ACTIVATIONS)}, "
+                     f"got {activation!r}")
+  o = op(activation)
+  rows = []
+  for n in sizes:
+    if n < 8 or n % 8:
+      raise ValueError(f"argument `sizes`: every size must be a positive multiple of 8, got {n}")
+    for dt in dtypes:
+      dtype = jnp.dtype(dt)
+      item = dtype.itemsize
+      mask = n // 8 if o.has_bit else 0
+      x, dy = _inputs(n, dtype)
+      fns, nbytes, args = {}, {}, {}
+
+      def add(key, fn, a, b):
+        fns[key], args[key], nbytes[key] = fn, a, b
+
+      add(("copy", "fwd"), lambda x: -x, (x,), 2 * n * item)
+      add(("jax.nn", "fwd"), o.forward, (x,), 2 * n * item)
+      # x, dy in; y, dx out: the least any fused pair can move.
+      add(("jax.nn", "fwd+bwd"), fwd_bwd(o.forward), (x, dy), 4 * n * item)
+      for impl in implementations:
+        name = impl.name if isinstance(impl, Implementation) else impl
+        interpret = isinstance(impl, Implementation) and impl.interpret
+        if not interpret and not available(name)[0]:
+          continue
+        backend = _implementation.resolve(impl, op=o.public)
+        mod = base._impl(backend)  # pylint: disable=protected-access
+        y, m = jax.jit(lambda x, mod=mod, b=backend: mod.forward(o, b, x))(x)
+        add((name, "fwd"), lambda x, mod=mod, b=backend: mod.forward(o, b, x), (x,),
+            2 * n * item + mask)
+        add((name, "bwd"), lambda y, m, dy, mod=mod, b=backend: mod.backward(o, b, y, m, dy),
+            (y, m, dy), 3 * n * item + mask)
+        add((name, "fwd+bwd"), fwd_bwd(lambda x, b=backend: base.apply(o, b, x)), (x, dy),
+            4 * n * item + 2 * mask)
+      if progress:
+        progress(f"{activation} {dt} 2^{n.bit_length() - 1}")
+      # Interleave per argument signature (one call set per distinct args tuple).
+      times = {}
+      for key in fns:
+        times[key] = None
+      groups = collections.defaultdict(dict)
+      for key, a in args.items():
+        groups[tuple(id(v) for v in a)][key] = fns[key]
+      for ids, group in groups.items():
+        a = args[next(iter(group))]
+        times.update(interleaved(group, a, rounds=repeats, inner=inner))
+      for (impl, pass_), t in times.items():
+        rows.append(Row(activation, impl, dt, n, pass_, t, nbytes[(impl, pass_)]))
+  return rows
+
+
+def table(rows: Sequence[Row]) -> str:
+  """Markdown table: time (ms) and GB/s per row, with the copy and jax.nn side by side."""
+  lines = ["| activation | dtype | elements | implementation | pass | ms | GB/s |",
+           "|---|---|---:|---|---|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r.activation} | {r.dtype} | 2^{r.elements.bit_length() - 1} | "
+                 f"{r.implementation} | {r.pass_} | {r.seconds * 1e3:.3f} | {r.gbps:.1f} |")
+  return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Profiling the models for the memory planner, and checking its plans against XLA.
+
+:func:`profile` measures, per variant (a set of config overrides, e.g. standard vs
+inverted activations), what ``invact_jax.planner`` needs:
+
+* ``base_bytes``: compiled ``temp_size_in_bytes`` of the training step with every layer
+  keeping nothing (all tags recomputed), at the real depth, layers scanned;
+* ``tag_bytes[t]``: bytes each layer adds to the compiled peak when every layer keeps tag
+  ``t``: the slope of compiled temp over depth (the step compiled at the real depth and at
+  depth 2, keep {t}, minus the same for keep {}).  Measured, not the tensor's nominal size:
+  XLA:CPU, for one, keeps emulated bfloat16 residuals in float32;
+* ``tag_relief[t]``: the intercept: how far the peak falls below ``base + depth * bytes`` —
+  keeping e.g. the MLP input removes its recompute workspace from the backward (counted
+  once, the largest among kept tags);
+* ``tag_gain[t]``: FLOPs of the step saved by keeping ``t`` (XLA cost analysis of the
+  lowered 1-layer step, keep {} minus keep {t}); ``full_cost``: keep {} minus keep all.
+
+:func:`measure` compiles a plan (or a fixed policy) and reports compiled temp bytes and
+FLOPs beside the planner's prediction.  ``FIXED_POLICIES`` are the MaxText-style
+policies as tag sets.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+
+from invact_jax import memory, planner
+from models import options
+from models.experiments import model_memory
+
+FIXED_POLICIES: dict[str, tuple[str, ...]] = {
+    "full": (),                                                       # recompute everything
+    "save_qkv_proj": ("query", "key", "value"),
+    "save_dot_except_mlp": ("query", "key", "value", "attn_context", "attn_out"),
+    "minimal": ("query", "key", "value", "attn_context", "attn_out", "mlp_pre", "mlp_out"),
+    "nothing": options.TAGS,                                           # keep every tag
+}
+
+# The operator variants the planner chooses among (models.options.CONFIGURATIONS).
+VARIANTS = ("standard", "inverted", "inverted-norms")
+
+
+def _flops(fn, *args) -> float:
+  lowered = jax.jit(fn).lower(*args)
+  for analysis in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
+    ca = analysis()  # the lowered module's on CPU; on a GPU only the compiled one has it
+    if isinstance(ca, (list, tuple)):
+      ca = ca[0] if ca else None
+    if ca and "flops" in ca:
+      return float(ca["flops"])
+  raise RuntimeError(f"XLA reports no FLOP count on {jax.default_backend()}")
+
+
+def _step(cfg, batch: int, seq_len: int):
+  loss, params, x, y = model_memory.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
+  return jax.value_and_grad(loss), (params, x, y), loss
+
+
+def profile(cfg, batch: int, *, seq_len: int = 128, variants: Sequence[str] = tuple(VARIANTS),
+            tags: Sequence[str] = options.TAGS,
+            progress: Callable[[str], None] | None = None) -> list[planner.LayerProfile]:
+  """One :class:`invact_jax.planner.LayerProfile` per variant (see module doc)."""
+  out = []
+  for v in variants:
+    if v not in VARIANTS:
+      raise ValueError(f"argument `variants`: unknown variant {v!r}; choose from {sorted(VARIANTS)}")
+    c = cfg.replace(**options.CONFIGURATIONS[v])
+    if progress:
+      progress(f"{v}: base (depth {c.depth}, keep nothing)")
+    full = c.replace(save_names=((),), scan_layers=True)
+    step, args, _ = _step(full, batch, seq_len)
+    base = memory.compiled(step, *args).temp
+    one = c.replace(depth=1, scan_layers=False)
+
+    short = full.replace(depth=2)
+
+    def compiled_temp(keep, c_):
+      step_l, args_l, _ = _step(c_.replace(save_names=(tuple(keep),)), batch, seq_len)
+      return memory.compiled(step_l, *args_l).temp
+
+    base2 = compiled_temp((), short)
+
+    def flops(keep):
+      step1, args1, _ = _step(one.replace(save_names=(tuple(keep),)), batch, seq_len)
+      return _flops(step1, *args1)
+
+    f0 = flops(())
+    tag_bytes, tag_gain, tag_relief = [], [], []
+    for t in tags:
+      if progress:
+        progress(f"{v}: tag {t}")
+      at_depth, at_2 = compiled_temp((t,), full) - base, compiled_temp((t,), short) - base2
+      slope = max((at_depth - at_2) // max(c.depth - 2, 1), 0) if c.depth > 2 else max(at_depth // 2, 0)
+      tag_bytes.append(int(slope))
+      tag_relief.append(int(max(c.depth * slope - at_depth, 0)))
+      tag_gain.append(max(f0 - flops((t,)), 0.0))
+    full_cost = max(f0 - flops(tuple(tags)), 0.0)
+    out.append(planner.LayerProfile(variant=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
+                                    tag_bytes=tuple(tag_bytes), tag_gain=tuple(tag_gain),
+                                    full_cost=full_cost, tag_relief=tuple(tag_relief)))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  compiled_temp_bytes: int
+  flops: float
+
+
+def _planned(cfg, variant: str, keep: Sequence[Sequence[str]]):
+  """``cfg`` with ``variant`` and a per-layer plan (one entry = every layer), layers scanned."""
+  keep = tuple(tuple(k) for k in keep)
+  return cfg.replace(**options.CONFIGURATIONS[variant], save_names=keep if len(set(keep)) > 1 else keep[:1],
+                     scan_layers=True)
+
+
+def measure(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+            seq_len: int = 128) -> Measured:
+  """Compile the step under a per-layer plan (one entry = every layer) and measure it."""
+  c = _planned(cfg, variant, keep)
+  step, args, _ = _step(c, batch, seq_len)
+  temp = memory.compiled(step, *args).temp
+  # FLOPs from the unrolled program: XLA's cost analysis counts a loop body once.
+  step_u, args_u, _ = _step(c.replace(scan_layers=False), batch, seq_len)
+  return Measured(temp, _flops(step_u, *args_u))
+
+
+def device_peak(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+                seq_len: int = 128) -> dict[str, int]:
+  """Run the step under a plan once and read the allocator (GPU; the check beside XLA's temp).
+
+  Returns :func:`invact_jax.memory.device_peak`'s figures: ``peak_increase`` (peak minus what
+  was in use before: the step's temporaries plus its outputs) and ``output_bytes``, so
+  ``peak_increase - output_bytes`` is the device-side figure for the planner's prediction.
+  The allocator's peak is process-wide and never resets: call this once per process
+  (``scripts/plan_memory.py --device-peak`` runs one child process per row).
+
+  Raises:
+    RuntimeError: the device keeps no ``memory_stats()`` (e.g. CPU).
+  """
+  step, args, _ = _step(_planned(cfg, variant, keep), batch, seq_len)
+  return memory.device_peak(step, *args)
+
+
+def recompute_flops(cfg, batch: int, variant: str, keep, *, seq_len: int = 128) -> float:
+  """Measured recompute FLOPs of a plan: its step's FLOPs minus the keep-everything step's."""
+  m = measure(cfg, batch, variant, keep, seq_len=seq_len)
+  ref = measure(cfg, batch, variant, (options.TAGS,), seq_len=seq_len)
+  return m.flops - ref.flops
+
+
+def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.LayerProfile], *,
+                    seq_len: int = 128, max_rounds: int = 6,
+                    uniform: bool = True) -> tuple[planner.Plan, Measured]:
+  """Solve, compile, and re-solve with a tighter target while XLA's peak exceeds ``budget``.
+
+  The linear model is calibrated, not exact (XLA overlaps a layer's recompute with what it
+  frees); each round lowers the target by the measured excess.  ``uniform`` (default): one
+  set for every layer, one ``lax.scan``, predicted within a few percent; per-layer plans run
+  as several scans, whose extra transients the model does not see (up to ~16 % measured).
+  """
+  target = int(budget)
+  for _ in range(max_rounds):
+    plan = planner.solve(profiles, target, uniform=uniform)
+    m = measure(cfg, batch, plan.variant, plan.keep, seq_len=seq_len)
+    if m.compiled_temp_bytes <= budget:
+      break
+    # Lower the target by the excess, and by at least 2 % of the budget per round.
+    target -= max(m.compiled_temp_bytes - budget, budget // 50)
+  else:
+    raise planner.InfeasibleBudget(int(budget), min(p.base_bytes for p in profiles))
+  return dataclasses.replace(plan, budget=int(budget)), m
+
+
+def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner.LayerProfile],
+             *, seq_len: int = 128, progress: Callable[[str], None] | None = None) -> dict:
+  """Plans and fixed policies, each compiled: memory, recompute FLOPs, prediction error.
+
+  Recompute FLOPs are measured: the step's FLOPs minus the keep-every-tag step's.
+  """
+  ref = {p.variant: measure(cfg, batch, p.variant, (options.TAGS,), seq_len=seq_len).flops
+         for p in profiles}
+  fixed = []
+  for name, keep in FIXED_POLICIES.items():
+    for p in profiles:
+      if not set(keep) <= set(p.tags):  # a profile over a subset of the tags
+        continue
+      if progress:
+        progress(f"fixed {name} {p.variant}")
+      m = measure(cfg, batch, p.variant, (keep,), seq_len=seq_len)
+      fixed.append({"policy": name, "variant": p.variant, "keep": list(keep),
+                    "compiled_temp_bytes": m.compiled_temp_bytes,
+                    "predicted_bytes": planner.evaluate(p, keep)[0],
+                    "recompute_flops": m.flops - ref[p.variant]})
+  plans = []
+  for b in budgets:
+    if progress:
+      progress(f"plan at {b:,} bytes")
+    try:
+      plan, m = plan_for_budget(cfg, batch, b, profiles, seq_len=seq_len)
+    except planner.InfeasibleBudget as e:
+      plans.append({"budget": int(b), "infeasible": str(e)})
+      continue
+    fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
+    best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
+    plans.append({"budget": int(b), "variant": plan.variant,
+                  "keep": [list(k) for k in plan.keep],
+                  "predicted_bytes": plan.predicted_bytes,
+                  "compiled_temp_bytes": m.compiled_temp_bytes,
+                  "prediction_error": plan.predicted_bytes / m.compiled_temp_bytes - 1.0,
+                  "recompute_flops": m.flops - ref[plan.variant],
+                  "solve_seconds": plan.solve_seconds,
+                  "best_fixed": None if best is None else f"{best['policy']} ({best['variant']})",
+                  "best_fixed_recompute_flops": None if best is None else best["recompute_flops"]})
+  return {"fixed": fixed, "plans": plans}

@@ -1,0 +1,385 @@
+"""Image-classifier training for ViT: data order, AdamW schedule, checkpoints, data parallelism.
+
+Importable logic behind ``scripts/train_vit.py``.  Everything that changes the result is
+a field of :class:`TrainConfig`; the data order of epoch ``e`` is a permutation drawn from
+``fold_in(key(seed), e)`` and the dropout key of step ``s`` is ``fold_in(key(seed + 1), s)``,
+so a run resumed from a checkpoint continues exactly as the uninterrupted one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from invact_jax import memory
+from models import options, vit
+from models.experiments import data as data_lib
+
+
+class ConfigError(ValueError):
+  """A training option is invalid for the data or the machine (message names it)."""
+
+
+# --activations choices: the configurations of models.options (same vocabulary everywhere).
+CONFIGURATION_CHOICES = ("standard", "checkpointed", "inverted", "inverted-norms", "inverted-all")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Options of one training run (see ``scripts/train_vit.py --help``)."""
+  preset: str = "digits"
+  batch_size: int = 64
+  epochs: int = 100
+  steps: int | None = None       # total steps; overrides epochs
+  lr: float = 3e-3               # peak learning rate
+  warmup_steps: int = 200
+  schedule: str = "cosine"       # "cosine" (warmup + cosine decay) or "constant" (after warmup)
+  weight_decay: float = 0.05
+  dtype: str = "float32"
+  seed: int = 0
+  activations: str = "inverted"  # a configuration of models.options (CONFIGURATION_CHOICES)
+  scan_layers: bool = False
+  remat: str = "none"
+  memory_budget: int | None = None  # bytes for the model's gradient step (planner; see below)
+  checkpoint_every: int = 500
+  log_every: int = 20
+  shift: int | None = None       # random-translation augmentation in pixels (None: image_size // 8)
+
+  def model_config(self, dataset: data_lib.Dataset) -> vit.ViTConfig:
+    if self.preset not in vit.PRESETS:
+      raise ConfigError(f"unknown preset {self.preset!r}; choose from {sorted(vit.PRESETS)}")
+    base = vit.PRESETS[self.preset]
+    patch = base.patch_size
+    if dataset.image_size % patch:
+      patch = math.gcd(dataset.image_size, patch)
+      if patch < 2 and dataset.image_size > 1:
+        raise ConfigError(f"images of size {dataset.image_size} do not split into patches of "
+                          f"preset {self.preset!r} (patch {base.patch_size})")
+    try:
+      return base.replace(image_size=dataset.image_size, patch_size=patch,
+                          channels=dataset.channels, num_classes=dataset.num_classes,
+                          **options.configuration(self.activations), dtype=self.dtype,
+                          scan_layers=self.scan_layers, remat=self.remat)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  def total_steps(self, n_train: int) -> int:
+    return self.steps if self.steps is not None else self.epochs * (n_train // self.batch_size)
+
+
+def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> None:
+  """Raise ConfigError for options that cannot work with this data or machine."""
+  if cfg.activations not in CONFIGURATION_CHOICES:
+    raise ConfigError(f"--activations must be one of {CONFIGURATION_CHOICES}, "
+                      f"got {cfg.activations!r}")
+  if cfg.dtype not in ("float32", "bfloat16", "float16"):
+    raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
+  if cfg.schedule not in ("cosine", "constant"):
+    raise ConfigError(f"--schedule must be 'cosine' or 'constant', got {cfg.schedule!r}")
+  if cfg.batch_size <= 0:
+    raise ConfigError(f"--batch-size must be positive, got {cfg.batch_size}")
+  if cfg.memory_budget is not None and cfg.memory_budget <= 0:
+    raise ConfigError(f"--memory-budget must be positive, got {cfg.memory_budget}")
+  n = dataset.x_train.shape[0]
+  if cfg.batch_size > n:
+    raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({n} images)")
+  if cfg.batch_size % n_devices:
+    raise ConfigError(f"--batch-size {cfg.batch_size} must be divisible by the {n_devices} "
+                      "devices it is sharded over")
+  if cfg.total_steps(n) <= 0:
+    raise ConfigError("the run has no steps (check --epochs / --steps)")
+  cfg.model_config(dataset)
+
+
+def schedule(cfg: TrainConfig, total: int) -> optax.Schedule:
+  warmup = min(cfg.warmup_steps, max(total - 1, 0))
+  if cfg.schedule == "constant":
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup),
+                                 optax.constant_schedule(cfg.lr)], [warmup])
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(total, warmup + 1),
+                                            end_value=cfg.lr * 0.01)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+  return np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.key(seed), epoch), n))
+
+
+def batch_indices(seed: int, step: int, n: int, batch: int) -> np.ndarray:
+  """Indices of the training batch of ``step``: epoch-wise permutations from the seed."""
+  per_epoch = n // batch
+  epoch, i = divmod(step, per_epoch)
+  return _epoch_permutation(seed, epoch, n)[i * batch:(i + 1) * batch]
+
+
+def random_shift(images: np.ndarray, shift: int, seed: int, step: int) -> np.ndarray:
+  """Translate each image by up to ``shift`` pixels (zero fill), deterministic in (seed, step)."""
+  if shift <= 0:
+    return images
+  b, h, w, _ = images.shape
+  rng = np.random.default_rng([seed, step, 7])
+  dy, dx = rng.integers(0, 2 * shift + 1, size=(2, b))
+  padded = np.pad(images, ((0, 0), (shift, shift), (shift, shift), (0, 0)))
+  rows = dy[:, None] + np.arange(h)[None, :]
+  cols = dx[:, None] + np.arange(w)[None, :]
+  return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+def dropout_key(seed: int, step: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.key(seed + 1), step)
+
+
+def plan_model(model_cfg, budget: int, batch: int):
+  """The model config under the planner's cheapest plan whose compiled gradient step
+  (per device, layers scanned) fits ``budget`` bytes; raises ConfigError if none does."""
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
+  from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
+  cfg = model_cfg.replace(scan_layers=True)
+  profiles = planning.profile(cfg, batch)
+  try:
+    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles)
+  except planner.InfeasibleBudget as e:
+    raise ConfigError(f"--memory-budget: {e}") from None
+  return cfg.replace(save_names=plan.save_names(), **options.CONFIGURATIONS[plan.variant]), plan
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Model, optimizer and compiled steps for one config on a data-parallel mesh."""
+  cfg: TrainConfig
+  dataset: data_lib.Dataset
+  devices: int | None = None  # data-parallel over the first N local devices (None: all)
+
+  def __post_init__(self):
+    devs = jax.devices()
+    if self.devices is not None:
+      if not 1 <= self.devices <= len(devs):
+        raise ConfigError(f"devices must be in [1, {len(devs)}], got {self.devices}")
+      devs = devs[:self.devices]
+    self.mesh = Mesh(np.array(devs), ("data",))
+    validate(self.cfg, self.dataset, self.mesh.size)
+    self.model_cfg = self.cfg.model_config(self.dataset)
+    self.plan = None
+    if self.cfg.memory_budget is not None:
+      self.model_cfg, self.plan = plan_model(self.model_cfg, self.cfg.memory_budget,
+                                             self.cfg.batch_size // self.mesh.size)
+    model = vit.ViT(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))
+    self.graphdef, params = nnx.split(model, nnx.Param)
+    self.total = self.cfg.total_steps(self.dataset.x_train.shape[0])
+    self.lr = schedule(self.cfg, self.total)
+    self.tx = optax.adamw(self.lr, weight_decay=self.cfg.weight_decay)
+    self.replicated = NamedSharding(self.mesh, P())
+    self.batch_sharding = NamedSharding(self.mesh, P("data"))
+    self.params = jax.device_put(params, self.replicated)
+    self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+    self.step = 0
+    self.train_step_fn = jax.jit(self._train_step_fn, donate_argnums=(0, 1))
+    self._eval_step = jax.jit(self._eval_step_fn)
+
+  # -- compiled functions
+  def _logits(self, params, x, key):
+    return nnx.merge(self.graphdef, params)(x, key)
+
+  def _train_step_fn(self, params, opt_state, x, y, key):
+    def loss_fn(p):
+      logits = self._logits(p, x, key)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, acc
+
+  def _eval_step_fn(self, params, x, y, valid):
+    logits = self._logits(params, x, None)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    correct = (jnp.argmax(logits, -1) == y)
+    return jnp.sum(jnp.where(valid, loss, 0.0)), jnp.sum(correct & valid)
+
+  # -- host-side helpers
+  def batch(self, step: int):
+    idx = batch_indices(self.cfg.seed, step, self.dataset.x_train.shape[0], self.cfg.batch_size)
+    shift = self.dataset.image_size // 8 if self.cfg.shift is None else self.cfg.shift
+    x = random_shift(self.dataset.x_train[idx], shift, self.cfg.seed, step)
+    x = jax.device_put(x, self.batch_sharding)
+    y = jax.device_put(self.dataset.y_train[idx], self.batch_sharding)
+    return x, y
+
+  def train_step(self, step: int):
+    x, y = self.batch(step)
+    key = dropout_key(self.cfg.seed, step)
+    self.params, self.opt_state, loss, acc = self.train_step_fn(self.params, self.opt_state, x, y, key)
+    self.step = step + 1
+    return loss, acc
+
+  def compiled_memory(self) -> memory.CompiledMemory:
+    x, y = self.batch(0)
+    return memory.compiled(self.train_step_fn, self.params, self.opt_state, x, y,
+                           dropout_key(self.cfg.seed, 0))
+
+  def device_peak(self) -> dict[str, int]:
+    """One train step on copies of the state, with the allocator's figures (GPU)."""
+    x, y = self.batch(0)
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (the step donates its state)
+    return memory.device_peak(self.train_step_fn, copy(self.params), copy(self.opt_state), x, y,
+                              dropout_key(self.cfg.seed, 0))
+
+  def evaluate(self) -> dict[str, float]:
+    x, y = self.dataset.x_test, self.dataset.y_test
+    b = self.cfg.batch_size
+    loss_sum, correct = 0.0, 0
+    for start in range(0, x.shape[0], b):
+      xb, yb = x[start:start + b], y[start:start + b]
+      valid = np.ones(b, bool)
+      if xb.shape[0] < b:  # pad the last batch to keep one compiled shape
+        pad = b - xb.shape[0]
+        valid[b - pad:] = False
+        xb = np.concatenate([xb, np.zeros((pad, *xb.shape[1:]), xb.dtype)])
+        yb = np.concatenate([yb, np.zeros(pad, yb.dtype)])
+      put = lambda a: jax.device_put(a, self.batch_sharding)
+      l, c = self._eval_step(self.params, put(xb), put(yb), put(valid))
+      loss_sum += float(l)
+      correct += int(c)
+    return {"test_loss": loss_sum / x.shape[0], "test_acc": correct / x.shape[0]}
+
+  # -- checkpoints (orbax)
+  def state(self) -> dict[str, Any]:
+    return {"params": self.params, "opt_state": self.opt_state}
+
+  def restore(self, manager) -> int:
+    step = manager.latest_step()
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state())
+    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    self.params, self.opt_state = restored["params"], restored["opt_state"]
+    self.step = step
+    return step
+
+
+def _checkpoint_manager(workdir: pathlib.Path, every: int):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
+  return ocp.CheckpointManager(workdir.resolve() / "checkpoints", options=opts)
+
+
+def _existing_step(workdir: pathlib.Path) -> int | None:
+  ckpt = workdir / "checkpoints"
+  if not ckpt.is_dir():
+    return None
+  steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
+  return max(steps) if steps else None
+
+
+def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) -> None:
+  """Check the run directory before anything is written to it."""
+  existing = _existing_step(workdir)
+  cfg_file = workdir / "config.json"
+  if resume:
+    if existing is None:
+      raise ConfigError(f"--resume: no checkpoint in {workdir / 'checkpoints'}")
+    if cfg_file.is_file():
+      saved = json.loads(cfg_file.read_text())
+      if saved != dataclasses.asdict(cfg):
+        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items() if saved.get(k) != v}
+        raise ConfigError(f"--resume: options differ from the checkpointed run: {diff}")
+  elif existing is not None:
+    raise ConfigError(f"{workdir} already holds checkpoints (step {existing}); pass --resume to "
+                      "continue that run or --workdir to start a new one")
+
+
+def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Path, *,
+          resume: bool = False, progress: bool = True, stop_after: int | None = None,
+          time_steps: bool = True, devices: int | None = None) -> dict[str, Any]:
+  """Train (or resume) a run in ``workdir``; returns the summary (also in summary.json).
+
+  ``stop_after``: stop once this step is reached, as if killed (checkpoints as usual).
+  """
+  workdir = pathlib.Path(workdir)
+  trainer = Trainer(cfg, dataset, devices)  # validates before anything is written
+  prepare_workdir(cfg, workdir, resume=resume)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+  manager = _checkpoint_manager(workdir, cfg.checkpoint_every)
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  start = trainer.restore(manager) if resume else 0
+  metrics_path = workdir / "metrics.jsonl"
+  kept = []
+  if resume and metrics_path.is_file():  # drop what the interrupted run logged past the checkpoint
+    kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
+  metrics_path.write_text("".join(l + "\n" for l in kept))
+  n = dataset.x_train.shape[0]
+  per_epoch = n // cfg.batch_size
+  history = [json.loads(l) for l in kept]
+  step_times = []
+
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
+               desc=f"vit-{cfg.preset} {cfg.activations}")
+  def log(record):
+    history.append(record)
+    with metrics_path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+
+  t_last, n_last = time.perf_counter(), start
+  end = trainer.total if stop_after is None else min(trainer.total, stop_after)
+  for step in range(start, end):
+    t0 = time.perf_counter()
+    loss, acc = trainer.train_step(step)
+    if time_steps:
+      jax.block_until_ready(loss)
+      step_times.append(time.perf_counter() - t0)
+    done = step + 1
+    if done % cfg.log_every == 0 or done == trainer.total:
+      now = time.perf_counter()
+      ips = (done - n_last) * cfg.batch_size / max(now - t_last, 1e-9)
+      t_last, n_last = now, done
+      rec = {"step": done, "loss": float(loss), "acc": float(acc),
+             "lr": float(trainer.lr(step)), "images_per_s": ips}
+      log(rec)
+      if bar is not None:
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}", img_s=f"{ips:.0f}")
+    if done % per_epoch == 0 or done == trainer.total:
+      ev = trainer.evaluate()
+      log({"step": done, "epoch": done / per_epoch, **ev})
+      if bar is not None:
+        bar.write(f"epoch {done / per_epoch:5.1f}  step {done:6d}  test_loss {ev['test_loss']:.4f}"
+                  f"  test_acc {ev['test_acc']:.4f}")
+    manager.save(done, args=ocp.args.StandardSave(trainer.state()),
+                 force=(done == trainer.total))
+    if bar is not None:
+      bar.update(1)
+  manager.wait_until_finished()
+  manager.close()
+  if bar is not None:
+    bar.close()
+  evals = [h for h in history if "test_acc" in h]
+  trains = [h for h in history if "loss" in h]
+  summary = {
+      "preset": cfg.preset, "activations": cfg.activations, "dtype": cfg.dtype,
+      "steps": trainer.step, "total_steps": trainer.total, "finished": trainer.step == trainer.total,
+      "final_test_acc": evals[-1]["test_acc"] if evals else None,
+      "final_test_loss": evals[-1]["test_loss"] if evals else None,
+      "final_train_loss": trains[-1]["loss"] if trains else None,
+      "step_time_s_median": float(np.median(step_times[len(step_times) // 5:])) if step_times else None,
+      "devices": trainer.mesh.size, "platform": jax.default_backend(),
+      "memory_plan": None if trainer.plan is None else {
+          "budget": trainer.plan.budget, "variant": trainer.plan.variant,
+          "keep": [list(k) for k in trainer.plan.save_names()],
+          "predicted_bytes": trainer.plan.predicted_bytes},
+  }
+  (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+  summary["history"] = history
+  summary["trainer"] = trainer
+  return summary

@@ -1,0 +1,166 @@
+"""Model options: the transformer-block fields every config shares, and one vocabulary.
+
+Memory *modes* say what an op keeps for the backward:
+
+* ``activation_mode``: ``"standard"`` (``jax.nn``), ``"checkpointed"`` (``jax.checkpoint``
+  around the activation: keeps its input, as PyTorch does) or ``"inverted"`` (keeps its
+  output + a bit mask);
+* ``norm_mode``: ``"standard"`` (Flax's norms), ``"inverted"`` (keeps xhat + float32 rstd) or
+  ``"fused"`` (norm and the projections that read it keep one tensor; post-norm blocks,
+  whose norm feeds the next block, run it as ``"inverted"``);
+* ``softmax_mode``: ``"standard"`` or ``"inverted"`` (keeps only the probabilities);
+* ``dropout_mode``: ``"standard"`` (a bool mask), ``"regenerate"`` (only the key) or
+  ``"bits"`` (the mask packed 8 per byte).
+
+*Implementations* say how an op runs: ``implementation`` (None/"xla", "pallas", "triton")
+for the invact_jax ops and ``attention`` ("xla" einsum + softmax, or "dot_product" =
+``jax.nn.dot_product_attention``, cuDNN on GPU).
+
+:data:`CONFIGURATIONS` names the combinations the scripts and benchmarks compare; the
+baseline is always ``"standard"``.  The old names (``*_impl`` fields, ``"jax-default"``,
+``"checkpoint-activation"``) still work for one release, with a DeprecationWarning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+from invact_jax.ops.activations import registry
+
+ACTIVATION_MODES = ("standard", "checkpointed", "inverted")
+NORM_MODES = ("standard", "inverted", "fused")
+SOFTMAX_MODES = ("standard", "inverted")
+DROPOUT_MODES = ("standard", "regenerate", "bits")
+ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product")
+IMPLEMENTATIONS = (None, "xla", "pallas", "triton")
+
+#: Named memory configurations (model-config overrides).  "standard" is the baseline.
+CONFIGURATIONS: dict[str, dict[str, Any]] = {
+    "standard": {"activation_mode": "standard"},
+    "checkpointed": {"activation_mode": "checkpointed"},
+    "inverted": {"activation_mode": "inverted"},
+    # Norms and softmax too, unfused (their outputs stay taggable by a memory plan).
+    "inverted-norms": {"activation_mode": "inverted", "norm_mode": "inverted",
+                       "softmax_mode": "inverted"},
+    # Every op of the block keeps its output (or bits, or nothing).
+    "inverted-all": {"activation_mode": "inverted", "norm_mode": "fused",
+                     "softmax_mode": "inverted", "dropout_mode": "regenerate"},
+}
+
+_OLD_CONFIGURATIONS = {"jax-default": "standard", "checkpoint-activation": "checkpointed"}
+_OLD_FIELDS = {"activation_impl": "activation_mode", "norm_impl": "norm_mode",
+               "softmax_impl": "softmax_mode", "dropout_impl": "dropout_mode"}
+
+
+def configuration(name: str) -> dict[str, Any]:
+  """The overrides of configuration ``name`` (old names accepted with a DeprecationWarning)."""
+  if name in _OLD_CONFIGURATIONS:
+    new = _OLD_CONFIGURATIONS[name]
+    warnings.warn(f"configuration {name!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
+    name = new
+  if name not in CONFIGURATIONS:
+    raise ValueError(f"unknown configuration {name!r}; choose from {tuple(CONFIGURATIONS)}")
+  return dict(CONFIGURATIONS[name])
+
+
+def canonical_configuration(name: str) -> str:
+  """``name`` in the current vocabulary (``"jax-default"`` -> ``"standard"``)."""
+  return _OLD_CONFIGURATIONS.get(name, name)
+
+
+def _translate(kwargs: dict, owner: str) -> dict:
+  out = {}
+  for k, v in kwargs.items():
+    if k in _OLD_FIELDS:
+      warnings.warn(f"{owner}: field {k!r} is now called {_OLD_FIELDS[k]!r}", DeprecationWarning,
+                    stacklevel=4)
+      k = _OLD_FIELDS[k]
+    out[k] = v
+  return out
+
+
+def config(cls):
+  """``dataclasses.dataclass(frozen=True)`` that also accepts the deprecated field names."""
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  init = cls.__init__
+
+  @functools.wraps(init)
+  def __init__(self, *args, **kwargs):
+    init(self, *args, **_translate(kwargs, type(self).__name__))
+  cls.__init__ = __init__
+  return cls
+
+
+# Every saveable tensor of a block, tagged with jax.ad_checkpoint.checkpoint_name.
+TAGS = ("norm_attn", "query", "key", "value", "attn_probs", "attn_context", "attn_out",
+        "norm_mlp", "mlp_pre", "mlp_act", "mlp_out")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@config
+class BlockOptions:
+  """Transformer-block sizes and memory options shared by every model config."""
+  hidden: int = 768
+  depth: int = 12
+  heads: int = 12
+  mlp_dim: int = 3072
+  dropout: float = 0.0
+  norm_eps: float = 1e-6
+  activation: str = "gelu_tanh"          # a registry name (invact_jax.registry)
+  activation_mode: str = "standard"
+  scan_layers: bool = False
+  remat: str = "none"
+  save_names: tuple[tuple[str, ...], ...] | None = None
+  attention: str = "xla"
+  norm_mode: str = "standard"
+  softmax_mode: str = "standard"
+  dropout_mode: str = "standard"
+  implementation: str | None = None
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+
+  def __post_init__(self):
+    validate(self)
+
+  def replace(self, **kw):
+    return dataclasses.replace(self, **_translate(kw, type(self).__name__))
+
+  def __getattr__(self, name):  # deprecated field names, read access
+    if name in _OLD_FIELDS:
+      warnings.warn(f"{type(self).__name__}: field {name!r} is now called {_OLD_FIELDS[name]!r}",
+                    DeprecationWarning, stacklevel=2)
+      return getattr(self, _OLD_FIELDS[name])
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _one_of(cfg, field: str, allowed) -> None:
+  if getattr(cfg, field) not in allowed:
+    raise ValueError(f"{field} must be one of {tuple(allowed)}, got {getattr(cfg, field)!r}")
+
+
+def validate(cfg) -> None:
+  """Raise ValueError for option values no layer understands (message names the field)."""
+  for field, allowed in (("activation_mode", ACTIVATION_MODES), ("norm_mode", NORM_MODES),
+                         ("softmax_mode", SOFTMAX_MODES), ("dropout_mode", DROPOUT_MODES),
+                         ("attention", ATTENTION_IMPLEMENTATIONS),
+                         ("implementation", IMPLEMENTATIONS), ("remat", REMAT_POLICIES)):
+    _one_of(cfg, field, allowed)
+  if cfg.activation not in registry.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {tuple(registry.ACTIVATIONS)}, got "
+                     f"{cfg.activation!r}")
+  for field in ("hidden", "depth", "heads", "mlp_dim"):
+    v = getattr(cfg, field)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{field} must be a positive integer, got {v!r}")
+  if not 0.0 <= cfg.dropout < 1.0:
+    raise ValueError(f"dropout must be in [0, 1), got {cfg.dropout!r}")
+  if cfg.hidden % cfg.heads:
+    raise ValueError(f"hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads})")
+  if cfg.save_names is not None:
+    if len(cfg.save_names) not in (1, cfg.depth):
+      raise ValueError(f"save_names must have 1 or depth ({cfg.depth}) entries, "
+                       f"got {len(cfg.save_names)}")
+    bad = sorted({t for names in cfg.save_names for t in names} - set(TAGS))
+    if bad:
+      raise ValueError(f"save_names: unknown tags {bad}; choose from {TAGS}")

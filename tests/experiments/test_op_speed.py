@@ -1,0 +1,52 @@
+"""models.experiments.op_speed (the logic of scripts/bench_kernels.py) on tiny sizes."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import invact_jax
+from models.experiments import op_speed
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_measure_rows_and_bytes():
+  rows = op_speed.measure(activation="gelu_tanh", sizes=(1024,), dtypes=("bfloat16",),
+                          implementations=("xla", invact_jax.Implementation(
+                              name="pallas", interpret=True)), repeats=1)
+  got = {(r.implementation, r.pass_): r for r in rows}
+  assert set(got) == {("copy", "fwd"), ("jax.nn", "fwd"), ("jax.nn", "fwd+bwd"),
+                      ("xla", "fwd"), ("xla", "bwd"), ("xla", "fwd+bwd"),
+                      ("pallas", "fwd"), ("pallas", "bwd"), ("pallas", "fwd+bwd")}
+  # bf16: forward moves 2 + 2 + 1/8 bytes per element, backward 2 + 1/8 + 2 + 2.
+  assert got[("pallas", "fwd")].bytes == 1024 * 4 + 128
+  assert got[("pallas", "bwd")].bytes == 1024 * 6 + 128
+  assert all(r.seconds > 0 and r.gbps > 0 for r in rows)
+  assert "| gelu_tanh | bfloat16 | 2^10 | pallas | bwd |" in op_speed.table(rows)
+
+
+def test_hlo_op_count_sees_fused_bodies():
+  import jax.numpy as jnp
+  n, by_op = op_speed.hlo_ops(lambda x: jnp.sin(x) * 2.0 + 1.0, jnp.ones((8, 128)))
+  assert by_op.get("sine") == 1 and n == sum(by_op.values()) >= 3
+
+
+def test_measure_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="argument `activation`"):
+    op_speed.measure(activation="swishy")
+  with pytest.raises(ValueError, match="argument `sizes`"):
+    op_speed.measure(sizes=(100,))
+
+
+def test_script_writes_json(tmp_path):
+  out = tmp_path / "k.json"
+  r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"),
+                      "--activations", "silu", "--min-log2", "10", "--max-log2", "10",
+                      "--dtypes", "float32", "--repeats", "1", "--out", str(out)],
+                     capture_output=True, text=True, check=False)
+  assert r.returncode == 0, r.stderr
+  data = json.loads(out.read_text())
+  assert data["meta"]["jax"] and data["meta"]["device"]
+  assert {row["implementation"] for row in data["rows"]} == {"copy", "jax.nn", "xla"}

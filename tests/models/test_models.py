@@ -1,0 +1,170 @@
+"""Models: shapes, option parity (forward identical across activation impls), memory ordering."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import text, vit
+from models.experiments import model_memory as benchmark
+
+SMALL_TEXT = dict(vocab=128, max_len=32, hidden=32, depth=2, heads=4, mlp_dim=64)
+SMALL_VIT = dict(image_size=16, patch_size=4, channels=3, num_classes=5, hidden=32, depth=2,
+                 heads=4, mlp_dim=64)
+
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """These tests compare configurations to float32 rounding: no TF32 matmuls on a GPU."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+def _forward(cfg, x):
+  model = (vit.ViT if isinstance(cfg, vit.ViTConfig) else text.TextTransformer)(cfg, rngs=nnx.Rngs(0))
+  return model(x)
+
+
+@pytest.mark.parametrize("preset", ["bert-base", "gpt2", "llama-small"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_text_models_identical_forward_across_activation_impls(preset, scan):
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
+  outs = {impl: _forward(text.PRESETS[preset].replace(**SMALL_TEXT, activation_mode=impl,
+                                                       scan_layers=scan), tokens)
+          for impl in ("standard", "checkpointed", "inverted")}
+  assert outs["standard"].shape == (2, 16, 128)
+  for impl in ("checkpointed", "inverted"):
+    np.testing.assert_array_equal(np.asarray(outs[impl]), np.asarray(outs["standard"]))
+
+
+@pytest.mark.parametrize("preset", ["ti16", "s16", "b16", "digits"])
+def test_vit_presets_build(preset):
+  cfg = vit.PRESETS[preset]
+  small = cfg.replace(depth=1) if preset != "digits" else cfg
+  shapes = nnx.eval_shape(lambda: vit.ViT(small, rngs=nnx.Rngs(0)))
+  _, state = nnx.split(shapes)
+  assert state["head"]["kernel"].shape == (cfg.hidden, cfg.num_classes)
+
+
+def test_flax_standard_parameter_names():
+  model = text.TextTransformer(text.PRESETS["llama-small"].replace(**SMALL_TEXT), rngs=nnx.Rngs(0))
+  _, params = nnx.split(model, nnx.Param)
+  block0 = params["blocks"]["blocks"][0]
+  assert set(block0["mlp"]) == {"gate", "up", "down"} and set(block0["mlp"]["gate"]) == {"kernel"}
+  assert set(block0["attention_norm"]) == {"scale"}
+
+
+def test_bad_options_are_clear_errors():
+  with pytest.raises(ValueError, match="activation_mode must be one of"):
+    vit.PRESETS["digits"].replace(activation_mode="fast")
+  with pytest.raises(ValueError, match="divisible by heads"):
+    vit.PRESETS["digits"].replace(heads=3)
+  with pytest.raises(ValueError, match="remat must be one of"):
+    text.PRESETS["gpt2"].replace(remat="sometimes")
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("vit-b16", SMALL_VIT | {"hidden": 64, "mlp_dim": 256}),
+    ("gpt2", SMALL_TEXT | {"hidden": 64, "mlp_dim": 256}),
+    ("bert-base", SMALL_TEXT | {"hidden": 64, "mlp_dim": 256}),
+    ("llama-small", SMALL_TEXT | {"hidden": 64, "mlp_dim": 256}),
+])
+def test_memory_ordering_small_configs(model, extra):
+  rows = {c: benchmark.measure(model, "float32", 4, c, seq_len=32, extra=extra)
+          for c in ("standard", "checkpointed", "inverted")}
+  print(benchmark.table(list(rows.values())))
+  temp = {c: r["compiled_temp_bytes"] for c, r in rows.items()}
+  res = {c: r["residual_bytes_per_layer"] for c, r in rows.items()}
+  if model.startswith("llama"):
+    # SwiGLU: the product act(gate) * up keeps act's output whichever way the activation is
+    # saved, so inverted = checkpointed + its bit mask (but no recompute in the backward).
+    cfg = benchmark.model_config(model, **extra)
+    mask = 4 * 32 * cfg.mlp_dim // 8  # batch * seq * mlp_dim / 8 bytes per layer
+    assert temp["inverted"] < temp["standard"]
+    assert temp["checkpointed"] < temp["standard"]
+    assert temp["inverted"] <= temp["checkpointed"] + cfg.depth * mask
+    assert res["inverted"] <= res["checkpointed"] + mask < res["standard"]
+    return
+  assert temp["inverted"] < temp["checkpointed"] < temp["standard"]
+  assert res["inverted"] < res["checkpointed"] < res["standard"]
+
+
+ALL = dict(norm_mode="fused", softmax_mode="inverted", dropout_mode="regenerate")
+
+
+@pytest.mark.parametrize("preset,norm_mode", [("bert-base", "fused"), ("gpt2", "inverted"),
+                                               ("gpt2", "fused"), ("llama-small", "fused")])
+def test_output_saving_options_same_loss_and_gradients(preset, norm_mode):
+  """Issue 6 options: same parameters, same forward (to rounding), same gradients."""
+  cfg = text.PRESETS[preset].replace(**SMALL_TEXT, dropout=0.1, scan_layers=True)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
+  key = jax.random.key(3)
+
+  def grads(c):
+    model = text.TextTransformer(c, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens, key)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    return jax.value_and_grad(loss)(params)
+
+  l0, g0 = grads(cfg)
+  l1, g1 = grads(cfg.replace(activation_mode="inverted", norm_mode=norm_mode,
+                             softmax_mode="inverted", dropout_mode="bits"))
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  flat0, flat1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+  assert len(flat0) == len(flat1)
+  # Relative to the largest gradient: some leaves are mathematically ~0 (rounding noise).
+  scale = max(float(np.max(np.abs(np.asarray(a)))) for a in flat0)
+  for a, b in zip(flat0, flat1):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-5 * scale)
+
+
+def test_vit_fused_options_keep_flax_parameter_names():
+  base = vit.PRESETS["digits"]
+  names = lambda c: jax.tree.map(lambda a: a.shape, nnx.split(vit.ViT(c, rngs=nnx.Rngs(0)),  # noqa: E731
+                                                                nnx.Param)[1])
+  assert names(base) == names(base.replace(**ALL))
+  with pytest.raises(ValueError, match="norm_mode must be one of"):
+    base.replace(norm_mode="fast")
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("vit-b16", SMALL_VIT | {"hidden": 64, "mlp_dim": 256, "dropout": 0.1,
+                             "activation": "gelu_erf"}),
+    ("llama-small", SMALL_TEXT | {"hidden": 64, "mlp_dim": 256, "dropout": 0.1}),
+])
+def test_inverted_all_memory_ordering(model, extra):
+  rows = {c: benchmark.measure(model, "bfloat16", 4, c, seq_len=32, extra=extra)
+          for c in ("standard", "inverted", "inverted-all")}
+  temp = {c: r["compiled_temp_bytes"] for c, r in rows.items()}
+  res = {c: r["residual_bytes_per_layer"] for c, r in rows.items()}
+  assert temp["inverted-all"] < temp["inverted"] < temp["standard"]
+  assert res["inverted-all"] < res["inverted"] < res["standard"]
+
+
+def test_deprecated_field_and_configuration_names_still_work():
+  from models import options
+  with pytest.warns(DeprecationWarning, match="'activation_impl' is now called 'activation_mode'"):
+    cfg = vit.PRESETS["digits"].replace(activation_impl="inverted")
+  assert cfg.activation_mode == "inverted"
+  with pytest.warns(DeprecationWarning, match="norm_impl"):
+    cfg2 = text.TextConfig(norm_impl="fused")
+  assert cfg2.norm_mode == "fused"
+  with pytest.warns(DeprecationWarning):
+    assert cfg.activation_impl == "inverted"
+  with pytest.warns(DeprecationWarning, match="'jax-default' is now called 'standard'"):
+    assert options.configuration("jax-default") == options.CONFIGURATIONS["standard"]
+  with pytest.raises(ValueError, match="unknown configuration"):
+    options.configuration("fastest")
+
+
+def test_implementation_field_reaches_every_op():
+  """implementation="pallas" (interpret mode on CPU) runs the same model to rounding."""
+  cfg = text.PRESETS["gpt2"].replace(**SMALL_TEXT, activation_mode="inverted", norm_mode="fused",
+                                     softmax_mode="inverted")
+  tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 128)
+  outs = [_forward(cfg.replace(implementation=impl), tokens) for impl in (None, "pallas")]
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    cfg.replace(implementation="cuda")

@@ -1,0 +1,283 @@
+"""The test base every activation implementation reuses (``test_xla``, ``test_pallas``,
+``test_triton``), in the manner of jax's Pallas op tests: a subclass sets
+``IMPLEMENTATION`` and ``INTERPRET``.
+
+What it checks, per registry case and dtype: the forward against jax.nn (bit-identical on
+the XLA path, within one rounding for kernels that compute 16-bit inputs in float32), the
+packed bits against the XLA path's, gradients against float64 at the measured storage
+floor, ``f(x) == vjp(f, x)[0]``, every transformation, special values, sharding.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import invact_jax
+from tests.ops.implementation_case import ImplementationTestCase
+from invact_jax import accuracy
+from invact_jax.ops.activations import base
+from tests.ops.activations.cases import CASES, DTYPES, NONMONOTONE
+
+SHAPES = ((), (0,), (7,), (3, 13), (2, 3, 16))
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def np_dtype(name):
+  return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+@functools.lru_cache(maxsize=None)
+def audit(name, dtype):
+  return accuracy.audit(name, dtype)
+
+
+def raw_bits(a):
+  """Raw bytes of an array (any shape, incl. 0-d), for bit-exact comparisons."""
+  return np.asarray(a).reshape(-1).view(np.uint8)
+
+
+def inputs(shape, dtype, seed=0):
+  x = np.random.default_rng(seed).normal(0.0, 3.0, size=shape)
+  return jnp.asarray(x.astype(np_dtype(dtype)))
+
+
+def ulp_diff(a, b, dt):
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+  ulp = np.spacing(np.maximum(np.abs(a64), np.abs(b64)).astype(np_dtype(dt))).astype(np.float64)
+  return np.where(same, 0.0, np.abs(a64 - b64) / ulp)
+
+
+def forward_error(case, x, y):
+  """max |y - f64(x)| in units of eps(dtype) * (1 + |x|), the conditioning scale of these
+  functions (y ~ x for large x; cancellation in 1 + tanh(u) or x * sigmoid(x) at large -x)."""
+  x64 = np.asarray(x, np.float64)
+  with jax.enable_x64():
+    y64 = np.asarray(case.reference()(jnp.asarray(x64)))
+  eps = float(jnp.finfo(x.dtype).eps)
+  finite = np.isfinite(y64)
+  err = np.abs(np.asarray(y, np.float64) - y64)[finite] / (eps * (1.0 + np.abs(x64[finite])))
+  return float(np.max(err, initial=0.0))
+
+
+def grad_tolerance(case, dtype, true):
+  """The measured floor (1.2x, the audit's bound) plus rounding dx to the input dtype."""
+  half_ulp = 0.5 * np.spacing(np.abs(true).astype(np_dtype(dtype))).astype(np.float64)
+  return 1.2 * audit(case.audit_name, dtype).floor + half_ulp
+
+
+def mesh_2x4():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices (conftest.py sets XLA_FLAGS)")
+  return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+class ActivationTestBase(ImplementationTestCase):
+  # Kernel subclasses: the cases and shapes to run (interpret mode is slow).
+  CASE_NAMES = tuple(CASES)
+
+  def case(self, name):
+    if name not in self.CASE_NAMES:
+      self.skipTest(f"{name} not in this implementation's cases")
+    return CASES[name]
+
+  # ------------------------------------------------------------------------ forward
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=SHAPES)
+  def test_forward_and_bits(self, name, dtype, shape):
+    case = self.case(name)
+    x = inputs(shape, dtype)
+    y = jax.jit(case.fn(self.impl))(x)
+    y_ref = jax.jit(case.reference())(x)
+    self.assertEqual(y.dtype, y_ref.dtype)
+    self.assertEqual(y.shape, y_ref.shape)
+    if self.IMPLEMENTATION == "xla":
+      np.testing.assert_array_equal(raw_bits(y), raw_bits(y_ref))
+    elif self.INTERPRET:  # kernels compute 16-bit inputs in float32 and round once
+      y_tile = jax.jit(case.op.kernel_forward)(x)
+      self.assertLessEqual(float(np.max(ulp_diff(y, y_tile, dtype), initial=0)), 1.0)
+    else:
+      # Compiled: the kernel's exp/tanh/log are Triton's (libdevice, ex2.approx), not XLA's,
+      # so bits differ by a few ulp; it must be as accurate as jax.nn on this device.
+      self.assertLessEqual(forward_error(case, x, y), max(2.0, 2 * forward_error(case, x, y_ref)))
+    # The residual bits: the same as the XLA path's, bit for bit.
+    op, backend = case.op, base._impl(self.backend())  # pylint: disable=protected-access
+    _, m = jax.jit(lambda x: backend.forward(op, self.backend(), x))(x)
+    _, m_ref = jax.jit(lambda x: base.forward(op, base.Backend("xla"), x))(x)
+    if m_ref is None:
+      self.assertIsNone(m)
+    else:
+      np.testing.assert_array_equal(np.asarray(m), np.asarray(m_ref))
+
+  def backend(self):
+    from invact_jax.ops import _implementation
+    return _implementation.resolve(self.impl, op="test")
+
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES)
+  def test_primal_equals_vjp_primal(self, name, dtype):
+    case = self.case(name)
+    x = inputs((4, 40), dtype, seed=1)
+    f = case.fn(self.impl)
+    y = jax.jit(f)(x)
+    y_vjp = jax.jit(lambda x: jax.vjp(f, x)[0])(x)
+    np.testing.assert_array_equal(raw_bits(y), raw_bits(y_vjp))
+
+  # ----------------------------------------------------------------------- gradients
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=SHAPES[1:])
+  def test_gradient_vs_float64(self, name, dtype, shape):
+    case = self.case(name)
+    x = inputs(shape, dtype, seed=2)
+    dy = jnp.ones(shape, x.dtype)
+    g = jax.jit(lambda x: jax.vjp(case.fn(self.impl), x)[1](dy)[0])(x)
+    g_ref = jax.jit(lambda x: jax.vjp(case.reference(), x)[1](dy)[0])(x)
+    chex.assert_equal_shape([g, x])
+    self.assertEqual(g.dtype, x.dtype)
+    x64 = np.asarray(x, np.float64)
+    true = case.entry.derivative64(x64, **dict(case.params))
+    g64, gref64 = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
+    tol = grad_tolerance(case, dtype, true)
+    if case.entry.name == "leaky_relu":  # kink convention at -0.0 (see invact_jax.leaky_relu)
+      keep = x64 != 0
+      g64, gref64, true, tol = g64[keep], gref64[keep], true[keep], tol[keep]
+    np.testing.assert_array_less(np.abs(g64 - true), tol + 1e-30)
+    # Against jax.nn's own gradient: within our bound plus jax.nn's own error.
+    np.testing.assert_array_less(np.abs(g64 - gref64), tol + np.abs(gref64 - true) + 1e-30)
+
+  @parameterized.parameters(*CASES)
+  def test_transformations(self, name):
+    case = self.case(name)
+    ours, ref = case.fn(self.impl), case.reference()
+    x = inputs((5, 8, 24), "float32", seed=3)
+    loss = lambda f: (lambda x: jnp.sum(jnp.sin(f(x))))  # noqa: E731
+    g_ref = jax.grad(loss(ref))(x)
+    tol = 1.2 * audit(case.audit_name, "float32").floor + 1e-6
+    variants = {
+        "grad": jax.grad(loss(ours)),
+        "jit_grad": jax.jit(jax.grad(loss(ours))),
+        "value_and_grad": lambda x: jax.value_and_grad(loss(ours))(x)[1],
+        "vmap_grad": jax.vmap(jax.grad(loss(ours))),
+        "jit_vmap_grad": jax.jit(jax.vmap(jax.grad(loss(ours)))),
+        "grad_of_vmap": jax.grad(lambda x: jnp.sum(jnp.sin(jax.vmap(ours)(x)))),
+        "checkpoint": jax.grad(jax.checkpoint(loss(ours))),
+        "remat_policy": jax.grad(jax.checkpoint(
+            loss(ours), policy=jax.checkpoint_policies.nothing_saveable)),
+        "scan": jax.grad(lambda x: jax.lax.scan(
+            lambda c, xi: (c + jnp.sum(jnp.sin(ours(xi))), None), 0.0, x)[0]),
+    }
+    for vname, fn in variants.items():
+      with self.subTest(vname):
+        chex.assert_trees_all_close(fn(x), g_ref, atol=tol, rtol=0)
+
+  @parameterized.parameters(*NONMONOTONE)
+  def test_branch_point_and_minimum(self, name):
+    # Inputs at and around x_min, including those whose output rounds to y_min.
+    case = self.case(name)
+    x_min, _ = accuracy.branch_point64(name)
+    for dtype in DTYPES:
+      dt = np_dtype(dtype)
+      x = (x_min + np.linspace(-0.05, 0.05, 1001)).astype(dt)
+      g = jax.grad(lambda x: case.fn(self.impl)(x).astype(jnp.float32).sum())(jnp.asarray(x))
+      true = accuracy.derivative64(name, x.astype(np.float64))
+      err = np.abs(np.asarray(g, np.float64) - true)
+      self.assertTrue(np.all(np.isfinite(np.asarray(g, np.float64))))
+      np.testing.assert_array_less(err, grad_tolerance(case, dtype, true))
+
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES)
+  def test_nan_and_inf(self, name, dtype):
+    case = self.case(name)
+    ours, ref = case.fn(self.impl), case.reference()
+    x = jnp.asarray(np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0, 1.0]).astype(np_dtype(dtype)))
+    if self.IMPLEMENTATION == "xla":
+      np.testing.assert_array_equal(raw_bits(ours(x)), raw_bits(ref(x)))
+    g = np.asarray(jax.grad(lambda x: ours(x).astype(jnp.float32).sum())(x), np.float64)
+    g_ref = np.asarray(jax.grad(lambda x: ref(x).astype(jnp.float32).sum())(x), np.float64)
+    # NaN input: the same gradient as jax.nn (NaN, or relu's 0 / leaky_relu's slope).
+    np.testing.assert_array_equal(g[:1], g_ref[:1])
+    # Where the true derivative is finite (its limit at +-inf), ours is that value.
+    true = case.entry.derivative64(np.asarray(x, np.float64), **dict(case.params))
+    np.testing.assert_allclose(g[1:], true[1:].astype(np_dtype(dtype)).astype(np.float64),
+                               atol=1.2 * audit(case.audit_name, dtype).floor + 1e-7)
+
+  # -------------------------------------------------------------------- higher order
+  @parameterized.parameters(*CASES)
+  def test_forward_mode_is_a_clear_error(self, name):
+    case = self.case(name)
+    with self.assertRaisesRegex(TypeError, "forward-mode|jvp"):
+      jax.jvp(case.fn(self.impl), (jnp.ones(3),), (jnp.ones(3),))
+
+  @parameterized.parameters(*CASES)
+  def test_second_derivative(self, name):
+    case = self.case(name)
+    f = case.fn(self.impl)
+    grad_sum = lambda x: jax.grad(lambda x: f(x).sum())(x).sum()  # noqa: E731
+    if case.entry.name in ("relu", "leaky_relu") and self.IMPLEMENTATION == "xla":
+      # f' is piecewise constant in y, so no tangent reaches the guard: f'' = 0, as jax.nn.
+      x = jnp.linspace(-2.0, 2.0, 9) + 0.1
+      chex.assert_trees_all_close(jax.hessian(lambda x: f(x).sum())(x),
+                                  jax.hessian(lambda x: case.reference()(x).sum())(x))
+      return
+    with self.assertRaisesRegex(NotImplementedError, "higher-order derivatives are not supported"):
+      jax.grad(grad_sum)(jnp.ones(3))
+
+  # ----------------------------------------------------------------------- sharding
+  @parameterized.product(name=("gelu_tanh", "silu", "tanh", "leaky_relu_with_bit"),
+                         spec=(("data", "model"), ("data", None), (None, "model"),
+                               (("data", "model"), None)))
+  def test_sharded_runs_per_shard(self, name, spec):
+    case = self.case(name)
+    mesh = mesh_2x4()
+    ours = case.fn(self.impl)
+    x = jax.random.normal(jax.random.key(0), (8, 4, 256))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(spec[0], None, spec[1]))
+    xs = jax.device_put(x, sharding)
+    fn = lambda x: jax.vjp(ours, x)[1](jnp.cos(x))[0] + ours(x)  # noqa: E731
+    step = jax.jit(fn, in_shardings=sharding, out_shardings=sharding)
+    hlo = step.lower(xs).compile().as_text()
+    self.assertEqual([c for c in COLLECTIVES if c in hlo], [])
+    out = step(xs)
+    self.assertEqual(out.sharding, sharding)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(fn)(x)))
+
+  @parameterized.parameters((16,), (24,))
+  def test_sharded_last_axis_not_whole_bytes(self, n):
+    # 16 over 8 shards (2 per shard) and 24 over 4: shards cannot hold whole mask bytes.
+    case = self.case("gelu_tanh")
+    mesh = jax.sharding.Mesh(np.array(mesh_2x4().devices).reshape(-1), ("all",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "all"))
+    x = jax.random.normal(jax.random.key(1), (4, n))
+    ours = case.fn(self.impl)
+    fn = lambda x: jax.vjp(ours, x)[1](jnp.cos(x))[0] + ours(x)  # noqa: E731
+    out = jax.jit(fn, in_shardings=sharding, out_shardings=sharding)(jax.device_put(x, sharding))
+    # The surrounding XLA ops (cos, the sum) fuse differently when sharded: ~1 ulp.
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(fn)(x)), rtol=1e-6, atol=1e-7)
+
+  @parameterized.parameters("gelu_tanh", "tanh")
+  def test_inside_shard_map(self, name):
+    case = self.case(name)
+    mesh = mesh_2x4()
+    P = jax.sharding.PartitionSpec
+    ours = case.fn(self.impl)
+    x = jax.random.normal(jax.random.key(2), (8, 64))
+    fn = lambda x: jax.vjp(ours, x)[1](jnp.cos(x))[0]  # noqa: E731
+    sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data", "model"),
+                                    out_specs=P("data", "model")))
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data", "model")))
+    np.testing.assert_array_equal(np.asarray(sharded(xs)), np.asarray(jax.jit(fn)(x)))
+
+  def test_symbolic_batch_in_export(self):
+    from jax import export
+    case = self.case("gelu_tanh")
+    (b,) = export.symbolic_shape("b")
+    f = lambda x: jax.vjp(case.fn(self.impl), x)[1](jnp.cos(x))[0]  # noqa: E731
+    exp = export.export(jax.jit(f))(jax.ShapeDtypeStruct((b, 64), jnp.float32))
+    x = jax.random.normal(jax.random.key(3), (5, 64))
+    if self.IMPLEMENTATION == "xla" or self.INTERPRET:
+      np.testing.assert_allclose(exp.call(x), jax.jit(f)(x), rtol=0, atol=0)
+    else:  # a compiled kernel needs a static grid: the export runs the tile math as XLA ops,
+      # i.e. the XLA implementation's math (compiled kernels use Triton's exp/tanh instead).
+      f_xla = lambda x: jax.vjp(case.fn("xla"), x)[1](jnp.cos(x))[0]  # noqa: E731
+      np.testing.assert_allclose(exp.call(x), jax.jit(f_xla)(x), rtol=1e-6, atol=1e-7)

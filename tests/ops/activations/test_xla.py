@@ -1,0 +1,146 @@
+"""The XLA implementation (the default): the shared base, plus what only it promises."""
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+import invact_jax
+from invact_jax import accuracy
+from invact_jax.ops.activations import base
+from tests.ops.activations import base as test_base
+from tests.ops.activations.cases import CASES, NONMONOTONE
+
+
+class XlaActivationTest(test_base.ActivationTestBase):
+  IMPLEMENTATION = "xla"
+
+  @parameterized.product(name=tuple(CASES), dtype=test_base.DTYPES)
+  def test_forward_bit_identical_inside_grad(self, name, dtype):
+    # The forward inside value_and_grad (the custom_vjp fwd rule) is jax.nn's too.
+    case = CASES[name]
+    x = test_base.inputs((4, 40), dtype, seed=1)
+    def loss(x):
+      y = case.fn()(x)
+      return y.astype(jnp.float32).sum(), y
+    (_, y), _ = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    y_ref = jax.jit(case.reference())(x)
+    np.testing.assert_array_equal(test_base.raw_bits(y), test_base.raw_bits(y_ref))
+
+  @parameterized.parameters(*NONMONOTONE)
+  def test_jit_equals_eager_at_the_minimum(self, name):
+    # XLA must not fold the two-float y_min into one constant: near x_min that loses its
+    # low part and costs up to ~3e-5 of gradient accuracy (float32).
+    op = CASES[name].op
+    x = (accuracy.branch_point64(name)[0] + np.linspace(-2e-3, 2e-3, 4001)).astype(np.float32)
+    y, m = base.forward(op, base.Backend("xla"), jnp.asarray(x))
+    f = lambda y, m: base.derivative_from_packed(op, y, m)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(y, m)), np.asarray(f(y, m)), rtol=0, atol=2e-7)
+
+
+class InputValidationTest(parameterized.TestCase):
+
+  @parameterized.product(name=tuple(CASES),
+                         bad=(np.arange(3), np.array([True, False]), np.ones(2, np.complex64),
+                              np.ones(2, np.uint8), 3, True))
+  def test_rejects_non_float(self, name, bad):
+    with self.assertRaisesRegex(TypeError, r"argument `x`.*float16, bfloat16, float32 or float64"):
+      CASES[name].fn()(bad)
+
+  def test_python_float_accepted(self):
+    self.assertEqual(float(invact_jax.gelu(1.0)), float(jax.nn.gelu(1.0)))
+
+  def test_bad_implementation(self):
+    with self.assertRaisesRegex(ValueError, "argument `implementation`"):
+      invact_jax.gelu(jnp.ones(3), implementation="cuda")
+
+  def test_triton_is_a_clear_error(self):
+    # No op has Triton kernels yet (issue 17); asking for them says so, on every platform.
+    with self.assertRaisesRegex(ValueError, "implementation='triton' is not available for this op"):
+      invact_jax.silu(jnp.ones(3), implementation="triton")
+    with self.assertRaisesRegex(ValueError, "implementation='triton' is not available for this op"):
+      invact_jax.layer_norm(jnp.ones((2, 3)), jnp.ones(3), jnp.zeros(3), implementation="triton")
+    if jax.default_backend() != "gpu":
+      self.assertFalse(invact_jax.available("triton")[0])
+
+  def test_implementation_options(self):
+    x = jnp.linspace(-3, 3, 64 * 40).reshape(40, 64)
+    w = jnp.cos(3.0 * x)  # dy, independent of y
+    g_ref = jax.grad(lambda x: jnp.vdot(invact_jax.gelu(x, implementation="xla"), w))(x)
+    grads = []
+    for block_rows in (1, 4, 256):
+      impl = invact_jax.Implementation(name="pallas", block_rows=block_rows)
+      grads.append(jax.grad(lambda x: jnp.vdot(invact_jax.gelu(x, implementation=impl), w))(x))
+      # The tiling never changes a result.
+      np.testing.assert_array_equal(grads[-1], grads[0])
+    if jax.default_backend() != "gpu":  # interpret mode: XLA's math, so XLA's gradient
+      np.testing.assert_allclose(grads[0], g_ref, rtol=0, atol=1e-6)
+    with self.assertRaisesRegex(ValueError, "argument `block_rows` must be a positive power"):
+      invact_jax.Implementation(name="pallas", block_rows=3)
+    with self.assertRaisesRegex(ValueError, "argument `name`"):
+      invact_jax.Implementation(name="cuda")
+    with self.assertRaisesRegex(ValueError, "no kernel options"):
+      invact_jax.Implementation(name="xla", block_rows=4)
+
+  def test_bad_parameters_name_the_argument(self):
+    with self.assertRaisesRegex(TypeError, "argument `alpha` must be a concrete number"):
+      jax.jit(lambda a: invact_jax.elu(jnp.ones(3), a))(1.0)
+    with self.assertRaisesRegex(TypeError, "argument `negative_slope`"):
+      jax.jit(lambda a: invact_jax.leaky_relu(jnp.ones(3), a))(0.1)
+    with self.assertRaisesRegex(TypeError, "invact_jax.elu: argument `alpha` must be a real number"):
+      invact_jax.elu(jnp.ones(3), "a")
+    with self.assertRaisesRegex(TypeError, "argument `alpha`.*shape"):
+      invact_jax.elu(jnp.ones(3), np.ones(2))
+    self.assertEqual(float(invact_jax.elu(jnp.float32(-1.0), np.float32(0.5))),
+                     float(jax.nn.elu(jnp.float32(-1.0), 0.5)))
+
+  @parameterized.parameters(-0.5, 0.0, 0.3)
+  def test_leaky_relu_any_slope(self, slope):
+    x = jnp.linspace(-3, 3, 25)
+    g = jax.grad(lambda x: invact_jax.leaky_relu(x, slope).sum())(x)
+    g_ref = jax.grad(lambda x: jax.nn.leaky_relu(x, slope).sum())(x)
+    np.testing.assert_allclose(g[x != 0], g_ref[x != 0])
+
+  @parameterized.parameters(-0.5, 0.0, 2.0)
+  def test_elu_any_alpha(self, alpha):
+    x = jnp.linspace(-3, 3, 25)
+    g = jax.grad(lambda x: invact_jax.elu(x, alpha).sum())(x)
+    g_ref = jax.grad(lambda x: jax.nn.elu(x, alpha).sum())(x)
+    np.testing.assert_allclose(g, g_ref, atol=1e-6)
+
+  def test_public_names_mirror_jax_nn(self):
+    import inspect
+    for name in ("gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "elu",
+                 "leaky_relu", "relu"):
+      ours = inspect.signature(getattr(invact_jax, name))
+      ref = inspect.signature(getattr(jax.nn, name))
+      self.assertEqual(list(ours.parameters)[:len(ref.parameters)], list(ref.parameters), name)
+      self.assertIn("implementation", ours.parameters)
+      self.assertTrue(callable(getattr(invact_jax, f"{name}_reference")))
+
+
+def test_float64_under_x64():
+  # Separate process: x64 is a global switch.
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np
+      jax.config.update("jax_enable_x64", True)
+      import invact_jax
+      from invact_jax import accuracy
+      x = jnp.linspace(-8.0, 8.0, 4001, dtype=jnp.float64)
+      for name, f, ref in [("gelu_erf", lambda x: invact_jax.gelu(x, approximate=False),
+                            lambda x: jax.nn.gelu(x, approximate=False)),
+                           ("silu", invact_jax.silu, jax.nn.silu),
+                           ("softplus", invact_jax.softplus, jax.nn.softplus)]:
+        assert f(x).dtype == jnp.float64
+        assert np.array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+        g = jax.grad(lambda x: f(x).sum())(x)
+        assert g.dtype == jnp.float64
+        err = np.max(np.abs(np.asarray(g) - accuracy.derivative64(name, np.asarray(x))))
+        print(name, err)
+        assert err < 2e-6, (name, err)   # the fit's tolerance (see README: float64)
+  """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]

@@ -1,0 +1,22 @@
+"""The base of every op family's test base: which implementation a subclass tests, and the
+skip for compiled kernels without a GPU (the ``INTERPRET = True`` subclass covers CPU)."""
+import jax
+from absl.testing import parameterized
+
+import invact_jax
+
+
+class ImplementationTestCase(parameterized.TestCase):
+  IMPLEMENTATION = "xla"
+  INTERPRET = False
+
+  def setUp(self):
+    super().setUp()
+    if self.IMPLEMENTATION != "xla" and not self.INTERPRET and jax.default_backend() != "gpu":
+      self.skipTest("compiled kernels need a GPU; the interpret-mode subclass covers CPU")
+
+  @property
+  def impl(self):
+    if self.IMPLEMENTATION == "xla":
+      return "xla"
+    return invact_jax.Implementation(name=self.IMPLEMENTATION, interpret=self.INTERPRET)

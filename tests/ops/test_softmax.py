@@ -1,0 +1,67 @@
+"""Softmax keeping only its output: gradients at the storage floor, residuals, errors."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from absl.testing import parameterized
+
+import invact_jax
+from invact_jax import memory
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _np(dt):
+  return np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+
+
+class SoftmaxTest(parameterized.TestCase):
+
+  @parameterized.product(dtype=DTYPES, axis=(-1, 1, np.int64(0)))
+  def test_gradient_vs_float64_at_the_storage_floor(self, dtype, axis):
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(4, 3, 16)) * 4).astype(np.float32)
+    w = rng.normal(size=x.shape)
+    p, vjp = jax.vjp(lambda x: invact_jax.softmax(x, axis=axis, dtype=_np(dtype)), jnp.asarray(x))
+    self.assertEqual(p.dtype, jnp.dtype(_np(dtype)))
+    dp = w.astype(_np(dtype))
+    (dx,) = vjp(jnp.asarray(dp))
+    ax = int(axis)
+    x64, dp64 = x.astype(np.float64), dp.astype(np.float64)
+    p64 = np.exp(x64 - x64.max(ax, keepdims=True))
+    p64 /= p64.sum(ax, keepdims=True)
+    grad = lambda p: p * (dp64 - (p * dp64).sum(ax, keepdims=True))  # noqa: E731
+    want = grad(p64)
+    floor = np.max(np.abs(grad(p64.astype(_np(dtype)).astype(np.float64)) - want))
+    err = np.max(np.abs(np.asarray(dx, np.float64) - want))
+    self.assertLessEqual(err, 1.5 * floor + 4 * np.finfo(np.float32).eps * np.max(np.abs(want)))
+
+  def test_keeps_only_the_output(self):
+    x = jnp.ones((2, 8, 8))
+    kept = [r for r in memory.residuals(
+        lambda x: jnp.sum(jnp.einsum("bqk,bkd->bqd", invact_jax.softmax(x, dtype=jnp.bfloat16),
+                                     jnp.ones((2, 8, 4), jnp.bfloat16)).astype(jnp.float32)), x)
+            if not r.is_argument and r.bytes]
+    # The bf16 probabilities (kept by the matmul too: one buffer) and nothing in float32.
+    self.assertTrue(all(r.dtype == "bfloat16" for r in kept if r.shape == (2, 8, 8)), kept)
+    self.assertFalse([r for r in kept if r.shape == (2, 8, 8) and r.dtype == "float32"])
+
+  def test_masked_rows_and_errors(self):
+    x = jnp.array([[0.0, -jnp.inf], [-jnp.inf, -jnp.inf]])
+    np.testing.assert_array_equal(np.isnan(invact_jax.softmax(x)), np.isnan(jax.nn.softmax(x)))
+    with self.assertRaisesRegex(TypeError, "argument `x`"):
+      invact_jax.softmax(jnp.ones(3, jnp.int32))
+    with self.assertRaisesRegex(TypeError, "argument `dtype`"):
+      invact_jax.softmax(jnp.ones(3), dtype=jnp.int8)
+    with self.assertRaisesRegex(TypeError, "argument `axis` must be an integer"):
+      invact_jax.softmax(jnp.ones(3), axis=(0,))
+    with self.assertRaisesRegex(ValueError, "argument `axis` = 2 is out of range"):
+      invact_jax.softmax(jnp.ones(3), axis=2)
+
+  def test_transforms(self):
+    x = jax.random.normal(jax.random.key(0), (3, 4, 8))
+    f = lambda x: jnp.sum(jnp.sin(invact_jax.softmax(x)))  # noqa: E731
+    fr = lambda x: jnp.sum(jnp.sin(invact_jax.softmax_reference(x)))  # noqa: E731
+    g = jax.grad(fr)(x)
+    for fn in (jax.grad(f), jax.jit(jax.grad(f)), jax.vmap(jax.grad(f)), jax.grad(jax.checkpoint(f))):
+      np.testing.assert_allclose(fn(x), g, rtol=1e-5, atol=1e-6)
