@@ -1,0 +1,360 @@
+"""The GPU report (issue 18): every GPU figure the README promises, from one command.
+
+The logic behind ``scripts/gpu_report.py``.  Sections, each bounded in time:
+
+* ``kernels``: :func:`models.experiments.op_speed.measure` at >= 2^26 elements, bf16 and f32:
+  jax.nn, the XLA path, the Pallas kernels (and Triton when available) against a device copy
+  timed in the same process; GB/s and the fraction of the copy's.
+* ``tests``: the test suite minus the interpret-mode classes (on a GPU that runs the compiled
+  kernels), as pass/fail counts and the failing test ids.
+* ``models``: ViT-B/16 and GPT-2, forward+backward (``value_and_grad``), per configuration
+  the allocator's ``peak_bytes_in_use`` (one child process each: the peak never resets) and
+  the step time (one child process, configurations interleaved, medians).
+* ``max_batch``: the largest ViT-B/16 batch that runs, default vs inverted-all (bisection,
+  one child process per probe, bounded probes).
+* ``planner``: ``scripts/plan_memory.py --device-peak`` for three budgets.
+
+Children are this module's :func:`child` run as ``scripts/gpu_report.py --child JSON``;
+each prints one JSON line last.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from typing import Callable, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_report.py"
+SECTIONS = ("kernels", "tests", "models", "max_batch", "planner")
+CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all")
+# Children share the GPU one at a time: grow on demand, up to (almost) all of it.
+CHILD_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
+             "PYTHONUNBUFFERED": "1"}
+
+__all__ = ["SECTIONS", "environment", "kernels", "tests", "models", "max_batch", "planner",
+           "child", "markdown"]
+
+
+def _versions() -> dict:
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name in ("jax", "jaxlib", "flax", "optax", "triton", "jax-triton", "numpy"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def environment() -> dict:
+  """Device kind, driver, versions, date: the header of every figure."""
+  import jax  # pylint: disable=import-outside-toplevel
+  driver = None
+  try:
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True, timeout=30, check=True
+                            ).stdout.strip().splitlines()[0]
+  except (OSError, subprocess.SubprocessError, IndexError):
+    pass
+  dev = jax.devices()[0]
+  return {"date": datetime.date.today().isoformat(), "platform": jax.default_backend(),
+          "device": str(dev.device_kind), "device_count": jax.device_count(), "driver": driver,
+          "python": platform.python_version(), "versions": _versions()}
+
+
+# --------------------------------------------------------------------------- kernels
+def kernels(*, activations: Sequence[str], sizes: Sequence[int], dtypes: Sequence[str],
+            implementations: Sequence, repeats: int, inner: int,
+            progress: Callable[[str], None]) -> list[dict]:
+  """op_speed rows plus each row's fraction of the same-size, same-dtype copy's GB/s."""
+  from models.experiments import op_speed  # pylint: disable=import-outside-toplevel
+  rows = []
+  for a in activations:
+    got = op_speed.measure(activation=a, sizes=sizes, dtypes=dtypes,
+                           implementations=implementations, repeats=repeats, inner=inner,
+                           progress=progress)
+    copy = {(r.dtype, r.elements): r.gbps for r in got if r.implementation == "copy"}
+    for r in got:
+      d = r.as_dict()
+      d["fraction_of_copy"] = r.gbps / copy[(r.dtype, r.elements)]
+      rows.append(d)
+  return rows
+
+
+# ----------------------------------------------------------------------------- tests
+def tests(out_dir: pathlib.Path, *, paths: Sequence[str], keyword: str, workers: int,
+          timeout_s: float) -> dict:
+  """pytest over ``paths`` (``-k keyword``) with a JUnit XML; counts and failing ids."""
+  xml = out_dir / "gpu_tests.xml"
+  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
+         f"--junitxml={xml}", "-k", keyword, *paths]
+  if workers > 1:
+    cmd += ["-n", str(workers)]
+  env = {**os.environ, **CHILD_ENV, "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / max(workers, 1):.3f}"}
+  t0 = time.perf_counter()
+  try:
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    tail, rc = done.stdout[-4000:] + done.stderr[-2000:], done.returncode
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    tail, rc = f"timed out after {timeout_s:.0f} s:\n{out[-2000:]}", None
+  res = {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - t0,
+         "tail": tail}
+  if rc is None:  # cut short: count the progress characters it printed (-q: . F E s x)
+    dots = "".join(l.split(" [")[0] for l in tail.splitlines() if re.fullmatch(r"[.FEsxXu]+( +\[ *\d+%\])?", l.strip()))
+    res.update(incomplete=True, passed=dots.count("."), failed=dots.count("F") + dots.count("E"),
+               skipped=dots.count("s"))
+  if xml.is_file():
+    cases = list(ET.parse(xml).getroot().iter("testcase"))
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases
+              if c.find("failure") is not None or c.find("error") is not None]
+    skipped = sum(c.find("skipped") is not None for c in cases)
+    res.update(total=len(cases), failed=len(failed), skipped=skipped,
+               passed=len(cases) - len(failed) - skipped, failed_ids=failed)
+  return res
+
+
+# ---------------------------------------------------------------------------- models
+def _step(model: str, dtype: str, batch: int, configuration: str, seq_len: int, depth):
+  import jax  # pylint: disable=import-outside-toplevel
+  from models import options  # pylint: disable=import-outside-toplevel
+  from models.experiments import model_memory  # pylint: disable=import-outside-toplevel
+  overrides = dict(options.configuration(configuration))
+  if depth is not None:
+    overrides["depth"] = depth
+  cfg = model_memory.model_config(model, dtype=dtype, scan_layers=True, **overrides)
+  loss, params, x, y = model_memory.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
+  return jax.jit(jax.value_and_grad(loss)), (params, x, y)
+
+
+def _is_oom(err: BaseException) -> bool:
+  text = str(err)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def child(spec: dict) -> dict:
+  """One measurement in this process (see the module doc); ``spec["kind"]`` names it."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from invact_jax import memory  # pylint: disable=import-outside-toplevel
+  kind = spec["kind"]
+  common = dict(dtype=spec["dtype"], batch=spec["batch"], seq_len=spec["seq_len"],
+                depth=spec.get("depth"))
+  if kind == "peak":
+    step, args = _step(spec["model"], configuration=spec["configuration"], **common)
+    out = {"compiled_temp_bytes": memory.compiled(step, *args).temp}
+    if memory.reports_peak():
+      out.update(memory.device_peak(step, *args))
+    return out
+  if kind == "fits":
+    try:
+      step, args = _step(spec["model"], configuration=spec["configuration"], **common)
+      for _ in range(2):
+        jax.block_until_ready(step(*args))
+    except Exception as e:  # pylint: disable=broad-except
+      if _is_oom(e):
+        return {"fits": False}
+      raise
+    return {"fits": True}
+  if kind == "times":
+    steps = {c: _step(spec["model"], configuration=c, **common) for c in spec["configurations"]}
+    exes = {c: (s.lower(*a).compile(), a) for c, (s, a) in steps.items()}
+    for exe, a in exes.values():
+      jax.block_until_ready(exe(*a))
+    times = {c: [] for c in exes}
+    for _ in range(spec["rounds"]):
+      for c, (exe, a) in exes.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(*a))
+        times[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(v) for c, v in times.items()}
+  raise ValueError(f"argument `spec`: unknown kind {kind!r}")
+
+
+def _run_child(spec: dict, timeout_s: float) -> dict:
+  try:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--child", json.dumps(spec)], cwd=ROOT,
+                          env={**os.environ, **CHILD_ENV}, capture_output=True, text=True,
+                          timeout=max(timeout_s, 1.0), check=False)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout_s:.0f} s"}
+  if done.returncode != 0:
+    return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
+            f"exit {done.returncode}"}
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def models(*, specs: Sequence[dict], rounds: int, deadline: float,
+           progress: Callable[[str], None], previous: Sequence[dict] = (),
+           configurations: Sequence[str] = CONFIGURATIONS) -> list[dict]:
+  """Per (model, dtype, batch): each configuration's peak (own process) and interleaved
+  step times (one process).  ``specs``: dicts with model, dtype, batch, seq_len[, depth].
+
+  Figures already in ``previous`` (an earlier report's groups for the same spec) are kept
+  and not measured again: a report cut short by its time limit resumes where it stopped.
+  """
+  rows = []
+  for s in specs:
+    old = next((g for g in previous if all(g.get(k) == v for k, v in s.items())), {})
+    group = {**s, "peaks": dict(old.get("peaks", {})),
+             "step_time_s": dict(old.get("step_time_s", {}))}
+    for c in configurations:
+      if "error" in group["peaks"].get(c, {"error": None}):
+        progress(f"peak {s['model']} {c}")
+        group["peaks"][c] = _run_child({**s, "kind": "peak", "configuration": c},
+                                       deadline - time.time())
+    if "error" in group["step_time_s"] or not group["step_time_s"]:
+      progress(f"times {s['model']}")
+      group["step_time_s"] = _run_child({**s, "kind": "times", "rounds": rounds,
+                                         "configurations": list(configurations)},
+                                        deadline - time.time())
+    rows.append(group)
+  return rows
+
+
+def _round_batch(b: int) -> int:
+  return b if b < 16 else b // 8 * 8
+
+
+def max_batch(*, model: str, dtype: str, configurations: Sequence[str], start: int,
+              max_probes: int, deadline: float, depth=None, grow: float = 2.0,
+              progress: Callable[[str], None]) -> dict:
+  """Largest batch that runs, per configuration: from ``start`` (a prediction, say) step up
+  by ``grow`` while probes fit, or down while they fail, then bisect; at most
+  ``max_probes`` child processes each (bounded time), batches rounded to multiples of 8."""
+  out = {}
+  for c in configurations:
+    lo, hi, probes = 0, None, []
+    b = _round_batch(start)
+    while len(probes) < max_probes and time.time() < deadline:
+      progress(f"max batch {model} {c} {b}")
+      r = _run_child({"kind": "fits", "model": model, "dtype": dtype, "batch": b, "seq_len": 0,
+                      "configuration": c, "depth": depth}, deadline - time.time())
+      if "error" in r:
+        probes.append({"batch": b, "error": r["error"]})
+        break
+      probes.append({"batch": b, "fits": r["fits"]})
+      if r["fits"]:
+        lo = b
+      else:
+        hi = b
+      if hi is None:
+        b = max(b + 1, _round_batch(int(b * grow)))
+      elif lo == 0:
+        if b <= 1:
+          break
+        b = max(1, _round_batch(int(b / grow)))
+      elif hi - lo <= max(1, lo // 16):  # within ~6 %
+        break
+      else:
+        b = _round_batch((lo + hi) // 2)
+        if b in (lo, hi):
+          break
+    out[c] = {"largest_fitting": lo, "smallest_failing": hi, "probes": probes}
+  return out
+
+
+def planner(out_dir: pathlib.Path, *, model: str, batch: int, timeout_s: float,
+            extra: Sequence[str] = ()) -> dict:
+  """``scripts/plan_memory.py`` for three budgets, with ``--device-peak`` on a GPU."""
+  import jax  # pylint: disable=import-outside-toplevel
+  cmd = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--models", model,
+         "--batch", str(batch), "--points", "3", "--variants", "standard,inverted",
+         "--out", str(out_dir / "gpu_planner"), *extra]
+  if jax.default_backend() == "gpu":
+    cmd.append("--device-peak")
+  try:
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CHILD_ENV}, capture_output=True,
+                          text=True, timeout=max(timeout_s, 1.0), check=False)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout_s:.0f} s", "command": " ".join(cmd[1:])}
+  res = {"command": " ".join(cmd[1:]), "returncode": done.returncode,
+         "tail": done.stderr[-1500:] if done.returncode else ""}
+  path = out_dir / "gpu_planner.json"
+  if done.returncode == 0 and path.is_file():
+    res["results"] = json.loads(path.read_text())["results"]
+  return res
+
+
+# --------------------------------------------------------------------------- report
+def _mib(b):
+  return "n/a" if b is None else f"{b / 2**20:,.0f}"
+
+
+def markdown(report: dict) -> str:
+  """The README's GPU section, from a report JSON."""
+  env = report["environment"]
+  v = env["versions"]
+  lines = [f"Measured by `scripts/gpu_report.py` on {env['device']} (driver {env['driver']}), "
+           f"JAX {v['jax']}, Triton {v['triton']}, Python {env['python']}, {env['date']}; "
+           f"sections took {report['seconds']:.0f} s.", ""]
+  k = report.get("kernels")
+  if k:
+    lines += ["**Kernels** (median of interleaved calls; GB/s counts the least bytes each pass "
+              "must move; copy = `-x`, the bandwidth reference):", "",
+              "| activation | dtype | elements | implementation | pass | ms | GB/s | of copy |",
+              "|---|---|---:|---|---|---:|---:|---:|"]
+    for r in k:
+      lines.append(f"| {r['activation']} | {r['dtype']} | 2^{r['elements'].bit_length() - 1} | "
+                   f"{r['implementation']} | {r['pass']} | {r['seconds'] * 1e3:.3f} | "
+                   f"{r['gbps']:,.0f} | {r['fraction_of_copy']:.0%} |")
+    lines.append("")
+  t = report.get("tests")
+  if t:
+    lines += [("**GPU tests, cut short by the time limit** " if t.get("incomplete") else
+               "**GPU tests** ") + f"(`{t['command']}`): {t.get('passed', '?')} passed, "
+              f"{t.get('failed', '?')} failed, {t.get('skipped', '?')} skipped in "
+              f"{t['seconds']:.0f} s." + ("" if not t.get("failed_ids") else
+                                           " Failing: " + ", ".join(t["failed_ids"][:20]))
+              + (f" ({t['note']})" if t.get("note") else ""), ""]
+  m = report.get("models")
+  if m:
+    lines += ["**Models** (forward+backward, `value_and_grad`, layers under `lax.scan`; peak = "
+              "`peak_bytes_in_use`, one process per configuration; step time: interleaved "
+              "medians):", "",
+              "| model | dtype | batch | configuration | peak MiB | vs standard | compiled temp MiB "
+              "| step ms | vs standard |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for g in m:
+      base_peak = g["peaks"].get("standard", {}).get("peak_bytes_in_use")
+      base_t = g["step_time_s"].get("standard")
+      for c, p in g["peaks"].items():
+        pk = p.get("peak_bytes_in_use")
+        st = g["step_time_s"].get(c)
+        dp = f"{pk / base_peak - 1:+.1%}" if pk and base_peak else "n/a"
+        dt = f"{st / base_t:.3f}x" if st and base_t else "n/a"
+        lines.append(f"| {g['model']} | {g['dtype']} | {g['batch']} | {c} | {_mib(pk)} | {dp} | "
+                     f"{_mib(p.get('compiled_temp_bytes'))} | "
+                     f"{'n/a' if st is None else f'{st * 1e3:.1f}'} | {dt} |"
+                     + (f" error: {p['error']}" if "error" in p else ""))
+    lines.append("")
+  mb = report.get("max_batch")
+  if mb:
+    lines += ["**Largest batch** (" + mb["model"] + ", " + mb["dtype"] + "): " + "; ".join(
+        f"{c}: {r['largest_fitting']} (fails at {r['smallest_failing']})"
+        for c, r in mb["results"].items()), ""]
+  pl = report.get("planner")
+  if pl and "results" in pl:
+    lines += ["**Planner on the device** (`" + pl["command"] + "`):", "",
+              "| model | budget MiB | variant | predicted MiB | device temp MiB | error |",
+              "|---|---:|---|---:|---:|---:|"]
+    for model, fr in pl["results"].items():
+      for p in fr["plans"]:
+        if "infeasible" in p:
+          continue
+        err = p.get("device_prediction_error")
+        lines.append(f"| {model} | {_mib(p['budget'])} | {p['variant']} | "
+                     f"{_mib(p['predicted_bytes'])} | {_mib(p.get('device_temp_bytes'))} | "
+                     f"{'n/a' if err is None else f'{err:+.1%}'} |")
+    lines.append("")
+  elif pl:
+    lines += [f"**Planner on the device**: not measured: {pl.get('note') or pl.get('error') or pl.get('tail', '')[-300:]}", ""]
+  return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""scripts/gpu_report.py --dry-run on CPU: every section's code path runs, the JSON and the
+markdown carry every figure, and the README block regenerates from it (issue 18)."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from models.experiments import gpu_report
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dry_report(tmp_path_factory):
+  out = tmp_path_factory.mktemp("gpu_report")
+  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"), "--dry-run",
+                         "--sections", "kernels,tests,models", "--out-dir", str(out)],
+                        capture_output=True, text=True, check=False, cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  (path,) = out.glob("gpu_*.json")
+  return json.loads(path.read_text()), path
+
+
+def test_dry_run_fills_every_section(dry_report):
+  report, path = dry_report
+  env = report["environment"]
+  assert env["platform"] == "cpu" and env["versions"]["jax"]
+  impls = {(r["implementation"], r["pass"]) for r in report["kernels"]}
+  assert {("copy", "fwd"), ("jax.nn", "fwd+bwd"), ("xla", "bwd")} <= impls
+  assert all(r["gbps"] > 0 and r["fraction_of_copy"] > 0 for r in report["kernels"])
+  t = report["tests"]
+  assert t["returncode"] == 0 and t["passed"] > 0 and t["failed"] == 0
+  (group,) = report["models"]
+  assert set(group["peaks"]) == {"standard", "inverted-all"}
+  assert group["peaks"]["inverted-all"]["compiled_temp_bytes"] < \
+      group["peaks"]["standard"]["compiled_temp_bytes"]
+  assert set(group["step_time_s"]) == {"standard", "inverted-all"}
+  md = path.with_suffix(".md").read_text()
+  for heading in ("**Kernels**", "**GPU tests**", "**Models**"):
+    assert heading in md
+
+
+def _fake_children(monkeypatch, fits_up_to):
+  calls = []
+  monkeypatch.setattr(gpu_report, "_run_child",
+                      lambda spec, t: calls.append(spec["batch"]) or {"fits": spec["batch"] <= fits_up_to})
+  return calls
+
+
+def test_max_batch_steps_from_a_prediction_then_bisects(monkeypatch):
+  calls = _fake_children(monkeypatch, 437)
+  r = gpu_report.max_batch(model="m", dtype="bfloat16", configurations=("c",), start=424,
+                           max_probes=3, deadline=1e12, grow=1.08, progress=lambda m: None)["c"]
+  assert calls == [424, 456, 440] and (r["largest_fitting"], r["smallest_failing"]) == (424, 440)
+  calls = _fake_children(monkeypatch, 300)  # the prediction was too high: step down
+  r = gpu_report.max_batch(model="m", dtype="bfloat16", configurations=("c",), start=424,
+                           max_probes=6, deadline=1e12, grow=1.08, progress=lambda m: None)["c"]
+  assert calls[:4] == [424, 392, 360, 328] and r["largest_fitting"] <= 300 < r["smallest_failing"]
+  calls = _fake_children(monkeypatch, 100)  # no prediction: double, then bisect to ~6 %
+  r = gpu_report.max_batch(model="m", dtype="bfloat16", configurations=("c",), start=8,
+                           max_probes=12, deadline=1e12, progress=lambda m: None)["c"]
+  assert calls[:5] == [8, 16, 32, 64, 128]
+  assert r["largest_fitting"] <= 100 < r["smallest_failing"]
+  assert r["smallest_failing"] - r["largest_fitting"] <= max(8, r["largest_fitting"] // 16)
+
+
+def test_resume_keeps_measured_figures():
+  # A report cut short resumes: measured peaks are not measured again.
+  calls = []
+  old = gpu_report._run_child  # pylint: disable=protected-access
+  gpu_report._run_child = lambda spec, t: calls.append(spec) or {"peak_bytes_in_use": 1}
+  try:
+    spec = {"model": "vit-b16", "dtype": "bfloat16", "batch": 8, "seq_len": 0}
+    prev = [{**spec, "peaks": {"standard": {"peak_bytes_in_use": 5}, "inverted": {"error": "x"}},
+             "step_time_s": {"standard": 0.1, "inverted": 0.1}}]
+    (g,) = gpu_report.models(specs=[spec], rounds=1, deadline=1e12, progress=lambda m: None,
+                             previous=prev, configurations=("standard", "inverted"))
+  finally:
+    gpu_report._run_child = old  # pylint: disable=protected-access
+  assert [c["configuration"] for c in calls] == ["inverted"]
+  assert g["peaks"]["standard"] == {"peak_bytes_in_use": 5}
+
+
+def test_readme_block_is_generated_from_the_committed_report():
+  reports = sorted((ROOT / "bench").glob("gpu_*.json"))
+  if not reports:
+    pytest.skip("no GPU report committed")
+  md = "\n".join(gpu_report.markdown(json.loads(p.read_text())) for p in reports)
+  readme = (ROOT / "README.md").read_text()
+  block = readme.split("<!-- gpu-report:begin -->\n", 1)[1].split("<!-- gpu-report:end -->", 1)[0]
+  assert block.strip() == md.strip()
+
+
+def test_without_a_gpu_it_says_so():
+  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"),
+                         "--sections", "kernels"], capture_output=True, text=True, check=False,
+                        cwd=ROOT)
+  assert done.returncode == 2 and "no GPU" in done.stderr
+  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"), "--dry-run",
+                         "--sections", "bogus"], capture_output=True, text=True, check=False,
+                        cwd=ROOT)
+  assert done.returncode == 2 and "--sections" in done.stderr
