@@ -114,8 +114,8 @@ def reports_peak(device=None) -> bool:
 def device_peak(fn: Callable[..., Any], *args, device=None, **kwargs) -> dict[str, int]:
   """Run ``fn`` once (compiled beforehand) and read ``Device.memory_stats()``.
 
-  Returns ``{"peak_bytes_in_use", "bytes_in_use_before", "peak_increase", "output_bytes"}``
-  (the last from the same executable's ``memory_analysis()``).  The
+  Returns ``{"peak_bytes_in_use", "bytes_in_use_before", "peak_increase", "output_bytes",
+  "temp_bytes"}`` (the last two from the same executable's ``memory_analysis()``).  The
   allocator's peak is process-wide and never resets: ``peak_bytes_in_use`` is this
   run's peak only if it exceeds every earlier one, so measure one configuration per
   process (``scripts/benchmark_memory.py`` does).
@@ -135,4 +135,5 @@ def device_peak(fn: Callable[..., Any], *args, device=None, **kwargs) -> dict[st
   return {"peak_bytes_in_use": int(after["peak_bytes_in_use"]),
           "bytes_in_use_before": int(before["bytes_in_use"]),
           "peak_increase": int(after["peak_bytes_in_use"] - before["bytes_in_use"]),
-          "output_bytes": int(exe.memory_analysis().output_size_in_bytes)}
+          "output_bytes": int(exe.memory_analysis().output_size_in_bytes),
+          "temp_bytes": int(exe.memory_analysis().temp_size_in_bytes)}

@@ -126,15 +126,11 @@ def tests(out_dir: pathlib.Path, *, paths: Sequence[str], keyword: str, workers:
 
 # ---------------------------------------------------------------------------- models
 def _step(model: str, dtype: str, batch: int, configuration: str, seq_len: int, depth):
-  import jax  # pylint: disable=import-outside-toplevel
-  from models import options  # pylint: disable=import-outside-toplevel
   from models.experiments import model_memory  # pylint: disable=import-outside-toplevel
-  overrides = dict(options.configuration(configuration))
-  if depth is not None:
-    overrides["depth"] = depth
-  cfg = model_memory.model_config(model, dtype=dtype, scan_layers=True, **overrides)
-  loss, params, x, y = model_memory.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
-  return jax.jit(jax.value_and_grad(loss)), (params, x, y)
+  _, step, args = model_memory.gradient_step(
+      model, dtype, batch, configuration, seq_len=seq_len,
+      extra=None if depth is None else {"depth": depth})
+  return step, args
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -151,9 +147,10 @@ def child(spec: dict) -> dict:
                 depth=spec.get("depth"))
   if kind == "peak":
     step, args = _step(spec["model"], configuration=spec["configuration"], **common)
-    out = {"compiled_temp_bytes": memory.compiled(step, *args).temp}
-    if memory.reports_peak():
-      out.update(memory.device_peak(step, *args))
+    if not memory.reports_peak():
+      return {"compiled_temp_bytes": memory.compiled(step, *args).temp}
+    out = memory.device_peak(step, *args)  # one compile: the temp is its executable's
+    out["compiled_temp_bytes"] = out["temp_bytes"]
     return out
   if kind == "fits":
     try:

@@ -63,14 +63,22 @@ def _residual_bytes(cfg, batch, seq_len, depth):
   return sum(r.bytes for r in memory.residuals(loss, params, x, y) if not r.is_argument)
 
 
-def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: int = 512,
-            scan_layers: bool = True, time_steps: int = 0, extra: dict | None = None) -> dict:
-  """One row (see module doc)."""
+def gradient_step(model: str, dtype: str, batch: int, configuration: str, *, seq_len: int = 512,
+                  scan_layers: bool = True, extra: dict | None = None):
+  """``(cfg, jit(value_and_grad(loss)), (params, x, y))`` of a model under a named configuration."""
   configuration = options.canonical_configuration(configuration)
   overrides = {**options.configuration(configuration), **(extra or {})}
   cfg = model_config(model, dtype=dtype, scan_layers=scan_layers, **overrides)
   loss, params, x, y = loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
-  step = jax.jit(jax.value_and_grad(loss))
+  return cfg, jax.jit(jax.value_and_grad(loss)), (params, x, y)
+
+
+def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: int = 512,
+            scan_layers: bool = True, time_steps: int = 0, extra: dict | None = None) -> dict:
+  """One row (see module doc)."""
+  configuration = options.canonical_configuration(configuration)
+  cfg, step, (params, x, y) = gradient_step(model, dtype, batch, configuration, seq_len=seq_len,
+                                            scan_layers=scan_layers, extra=extra)
   per_layer = _residual_bytes(cfg, batch, seq_len, 2) - _residual_bytes(cfg, batch, seq_len, 1)
   comp = memory.compiled(step, params, x, y)
   peak = None

@@ -197,16 +197,15 @@ def measure(*, activation: str = "gelu_tanh", sizes: Sequence[int] = (1 << 20,),
         progress(f"{activation} {dt} 2^{n.bit_length() - 1}")
       # Interleave per argument signature (one call set per distinct args tuple).
       times = {}
-      for key in fns:
-        times[key] = None
       groups = collections.defaultdict(dict)
       for key, a in args.items():
         groups[tuple(id(v) for v in a)][key] = fns[key]
-      for ids, group in groups.items():
+      for group in groups.values():
         a = args[next(iter(group))]
         times.update(interleaved(group, a, rounds=repeats, inner=inner))
-      for (impl, pass_), t in times.items():
-        rows.append(Row(activation, impl, dt, n, pass_, t, nbytes[(impl, pass_)]))
+      for impl, pass_ in fns:  # rows in the order the variants were added
+        rows.append(Row(activation, impl, dt, n, pass_, times[(impl, pass_)],
+                        nbytes[(impl, pass_)]))
   return rows
 
 
