@@ -82,6 +82,31 @@ def _grid(m, block_rows):
   return m_pad, m_pad // block_rows
 
 
+def _ptx_f32(asm: str, *args):
+  """One float32 PTX instruction per element (``$0`` the result, ``$1``... the arguments)."""
+  return pltriton.elementwise_inline_asm(
+      asm, args=list(args), constraints="=f" + ",f" * len(args), pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])[0]
+
+
+class ApproxOps:
+  """sqrt, log and divide as single approximate PTX instructions (MUFU based; relative error
+  ~2^-22, subnormals flushed to zero), for math whose output is rounded to 16 bits anyway:
+  IEEE-exact float32 sqrt, log and division cost ~8-20 instructions each in a kernel."""
+
+  @staticmethod
+  def sqrt(x):
+    return _ptx_f32("sqrt.approx.ftz.f32 $0, $1;", x)
+
+  @staticmethod
+  def log(x):
+    return _ptx_f32("lg2.approx.ftz.f32 $0, $1;", x) * math.log(2.0)
+
+  @staticmethod
+  def divide(a, b):
+    return _ptx_f32("div.approx.ftz.f32 $0, $1, $2;", a, b)
+
+
 def _fwd_kernel(f, bit_fn, compute_dtype, n, n8, x_ref, *out_refs):
   x = x_ref[...]
   y_ref = out_refs[0]
@@ -131,8 +156,8 @@ def _bwd_kernel(g_fn, compute_dtype, has_bits, *refs):
     y_ref, m_ref, dy_ref, dx_ref = refs
   else:
     y_ref, dy_ref, dx_ref = refs
-  y = y_ref[...].astype(compute_dtype)
-  bits = None
+  y = y_ref[...]  # in its storage dtype: g_fn computes in compute_dtype, and the storage
+  bits = None     # dtype picks its fit (16-bit outputs get cheaper ones)
   if has_bits:
     packed = m_ref[...].astype(jnp.int32)
     shifts = jax.lax.broadcasted_iota(jnp.int32, y.shape, 1)
@@ -144,7 +169,8 @@ def _bwd_kernel(g_fn, compute_dtype, has_bits, *refs):
 def backward(g_fn: Callable, y: jax.Array, packed: jax.Array | None, dy: jax.Array, *,
              compute_dtype=jnp.float32, block_rows: int | None = None, interpret: bool = False,
              num_warps: int = 4):
-  """``dy * g_fn(y, bits)`` in one pass, bits unpacked from ``packed`` in-kernel."""
+  """``dy * g_fn(y, bits)`` in one pass, bits unpacked from ``packed`` in-kernel; ``g_fn`` gets
+  the tile of y in its storage dtype and returns f'(x) in ``compute_dtype``."""
   rows, shape, n8 = _as_rows(y)
   m = rows.shape[0]
   if isinstance(m, int) and m == 0:

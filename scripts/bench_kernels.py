@@ -3,6 +3,7 @@
 
   python scripts/bench_kernels.py                                  # 2^20..2^28, f32 + bf16
   python scripts/bench_kernels.py --min-log2 20 --max-log2 22 --implementations xla
+  python scripts/bench_kernels.py --cost     # HLO ops of fwd+bwd and time vs jax.nn (issue 13)
 
 On a GPU this compares the XLA path, the Pallas kernels and jax.nn against the device copy
 bandwidth; without one, Pallas runs in interpret mode (correctness only, its timings mean
@@ -34,7 +35,13 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--inner", type=int, default=None,
                  help="calls per timed round (default 10 on a GPU, 1 elsewhere)")
-  p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "kernels.json")
+  p.add_argument("--cost", action="store_true",
+                 help="instead: per activation x dtype, HLO ops of the fused forward+backward "
+                 "and its time vs jax.nn (interleaved medians, --elements); writes "
+                 "bench/activation_cost.{json,md}")
+  p.add_argument("--elements", type=int, default=1 << 23, help="--cost: elements per call")
+  p.add_argument("--out", type=pathlib.Path, default=None,
+                 help="JSON path (default bench/kernels.json, or bench/activation_cost.json)")
   args = p.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   impls = (args.implementations.split(",") if args.implementations
@@ -48,6 +55,12 @@ def main(argv=None) -> int:
     print("error: need 3 <= --min-log2 <= --max-log2", file=sys.stderr)
     return 2
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+          "command": " ".join(sys.argv)}
+  if args.cost:
+    return _cost(args, meta, op_speed, tqdm)
+  args.out = args.out or ROOT / "bench" / "kernels.json"
   sizes = [1 << k for k in range(args.min_log2, args.max_log2 + 1)]
   rows = []
   with tqdm(desc="bench", unit="row") as bar:
@@ -60,12 +73,29 @@ def main(argv=None) -> int:
                                    inner=args.inner or (10 if on_gpu else 1),
                                    progress=progress)
   print(op_speed.table(rows))
-  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-          "command": " ".join(sys.argv)}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
   print(f"wrote {args.out}")
+  return 0
+
+
+def _cost(args, meta, op_speed, tqdm) -> int:
+  names = args.activations.split(",")
+  with tqdm(total=len(names) * len(args.dtypes.split(",")), desc="cost", unit="row") as bar:
+    def progress(msg):
+      bar.set_postfix_str(msg)
+      bar.update()
+    rows = op_speed.cpu_rows(names, args.dtypes.split(","), elements=args.elements,
+                             rounds=args.repeats, progress=progress)
+  md = op_speed.cpu_table(rows)
+  print(md)
+  out = args.out or ROOT / "bench" / "activation_cost.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  out.with_suffix(".md").write_text(
+      f"{md}\n\n{meta['platform']} ({meta['device']}), JAX {meta['jax']}, {meta['date']}; "
+      f"`{meta['command']}`\n")
+  print(f"wrote {out}")
   return 0
 
 

@@ -91,14 +91,19 @@ def fit_pieces(name, var_kind, lo, hi, *, degree, tol, min_width=1e-3):
   }
 
 
+def right_end(name, tol) -> float:
+  """sigma = sqrt(y - y_min) beyond which |f'(x) - 1| < tol/8 for every larger x (g := 1)."""
+  x_min, y_min = accuracy.branch_point64(name)
+  xs = np.linspace(x_min, 60.0, 600_001)
+  dev = np.abs(accuracy.derivative64(name, xs) - 1.0)
+  x_r = xs[np.nonzero(dev > tol / 8)[0][-1] + 1]
+  return float(np.sqrt(accuracy.forward64(name, x_r) - y_min))
+
+
 def fit_activation(name, *, degree, tol):
   x_min, y_min = accuracy.branch_point64(name)
   # Right branch: where |f'(x) - 1| stays below tol/8 for all larger x, g == 1.
-  xs = np.linspace(x_min, 60.0, 600_001)
-  dev = np.abs(accuracy.derivative64(name, xs) - 1.0)
-  bad = np.nonzero(dev > tol / 8)[0]
-  x_r = xs[bad[-1] + 1]
-  s_r = float(np.sqrt(accuracy.forward64(name, x_r) - y_min))
+  s_r = right_end(name, tol)
   right = fit_pieces(name, "sigma_right", 0.0, s_r, degree=degree, tol=tol)
   # Left branch near the minimum: one unit left of x_min.
   y_c = float(accuracy.forward64(name, x_min - 1.0))
@@ -124,6 +129,133 @@ def fit_activation(name, *, degree, tol):
   }
 
 
+# ------------------------------------------------------------ rational fits (issue 13)
+#: Max absolute error of g per storage-dtype class.  The audit's floor is set by the rounding
+#: of y near the minimum (float32 1.5e-4, float16 8e-3, bfloat16 2e-2): 16-bit classes keep
+#: the fit error ~5 % of it, float32 stays at the level of a float32 derivative (2e-6).
+RATIONAL_TOL = {"float32": 2e-6, "float16": 3e-4, "bfloat16": 1e-3}
+RATIONAL_GRID = 600        # Chebyshev points of the minimax LP
+RATIONAL_CHECK = 200_001   # points of the float32 acceptance check
+
+
+def horner32(c, u):
+  """sum_k c[k] u^k by Horner's rule in float32, as the kernels evaluate it."""
+  u = np.asarray(u, np.float32)
+  acc = np.full(u.shape, np.float32(c[-1]), np.float32)
+  for k in range(len(c) - 2, -1, -1):
+    acc = acc * u + np.float32(c[k])
+  return acc
+
+
+def minimax_rational(fn, n, *, weight=None, grid=RATIONAL_GRID, iters=40):
+  """P/Q of degrees (n, n) in u on [-1, 1] (monomial, q[0] = 1) minimizing max w |fn - P/Q|.
+
+  Differential correction (Cheney & Loeb): each step solves one linear program (HiGHS) for
+  the P, Q that most reduce the weighted error of the current level with Q > 0 on the grid.
+  Returns ``(error, p, q)`` in float64.
+  """
+  from scipy.optimize import linprog  # pylint: disable=import-outside-toplevel
+  u = np.concatenate([np.cos(np.pi * (np.arange(grid) + 0.5) / grid), [-1.0, 1.0]])
+  f = fn(u)
+  wt = np.ones_like(u) if weight is None else weight(u)
+  vp = np.vander(u, n + 1, increasing=True)
+  vq = np.vander(u, n + 1, increasing=True)
+  sol = np.linalg.lstsq(np.hstack([vp, -f[:, None] * vq[:, 1:]]), f, rcond=None)[0]
+  p, q = sol[:n + 1], np.concatenate([[1.0], sol[n + 1:]])
+  if np.any(vq @ q <= 0):  # start from the polynomial fit instead
+    p, q = np.polyfit(u, f, n)[::-1], np.eye(n + 1)[0]
+  best = None
+  for _ in range(iters):
+    qv = vq @ q
+    if np.any(qv <= 0):
+      break
+    err = float(np.max(wt * np.abs(f - (vp @ p) / qv)))
+    if best is not None and err >= best[0] * (1 - 1e-9):
+      break
+    best = (err, p.copy(), q.copy())
+    # minimize z:  +-(f Q - P) w - err Q <= z Q_k,  Q >= 1e-3
+    qk = (qv / np.max(qv))[:, None]
+    w = wt[:, None]
+    a_ub = np.vstack([np.hstack([-w * vp, (w * f[:, None] - err) * vq, -qk]),
+                      np.hstack([w * vp, (-w * f[:, None] - err) * vq, -qk]),
+                      np.hstack([np.zeros_like(vp), -vq, np.zeros_like(qk)])])
+    b_ub = np.concatenate([np.zeros(2 * len(u)), np.full(len(u), -1e-3)])
+    bounds = [(None, None)] * (n + 1) + [(-1e3, 1e3)] * (n + 1) + [(None, None)]
+    res = linprog(np.eye(2 * n + 3)[-1], A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
+    if res.status != 0:
+      break
+    p, q = res.x[:n + 1] / res.x[n + 1], res.x[n + 1:2 * n + 2] / res.x[n + 1]
+  return best
+
+
+def _right_target(name, s):
+  """g / s on the right branch as a function of s = sqrt(y - y_min) (g = 0 at s = 0, g ~ c s)."""
+  _, y_min = accuracy.branch_point64(name)
+  s = np.maximum(s, 1e-9)  # the limit at s = 0
+  y = y_min + s * s
+  return accuracy.derivative64(name, accuracy.inverse64(name, y, np.zeros(y.shape, bool))) / s
+
+
+def _left_ratio(name, q):
+  """g / (y q) on the left branch as a function of q = sqrt(-log(y / y_min))."""
+  _, y_min = accuracy.branch_point64(name)
+  q = np.maximum(q, 1e-9)  # the limit at q = 0
+  y = y_min * np.exp(-q * q)
+  g = accuracy.derivative64(name, accuracy.inverse64(name, y, np.ones(y.shape, bool)))
+  return g / (y * q)
+
+
+def _fit_side(fn, weight, tol, max_degree):
+  """The lowest-degree (n, n) fit whose float32 evaluation errs <= tol with Q > 0."""
+  u = np.linspace(-1.0, 1.0, RATIONAL_CHECK)
+  f, w = fn(u), (np.ones_like(u) if weight is None else weight(u))
+  for n in range(1, max_degree + 1):
+    res = minimax_rational(fn, n, weight=weight)
+    if res is None:
+      continue
+    _, p, q = res
+    qv = horner32(q, u)
+    err32 = float(np.max(w * np.abs(horner32(p, u).astype(np.float64) / qv - f)))
+    if np.all(qv > 0) and err32 <= tol:
+      return {"p": [float(c) for c in p], "q": [float(c) for c in q], "error": err32}
+  raise RuntimeError(f"no rational fit of degree <= {max_degree} reaches {tol:g}")
+
+
+def fit_rational(name, tol, *, max_degree=10) -> dict:
+  """One dtype class's fits of ``name``: the two branches' rationals and their domains.
+
+  * right (x >= x_min): g = s P/Q(u), u = s / s_end * 2 - 1, s = sqrt(y - y_min) in
+    [0, s_end]; beyond s_end, g = 1 (|f' - 1| < tol/8 there).
+  * left (x < x_min): g = y q P/Q(u), u = q / q_end * 2 - 1, q = sqrt(-log(y / y_min)):
+    g / (y q) is analytic in q (q ~ s near the minimum, q ~ |x| in the tail), and weighting
+    the fit by |y| q bounds g's absolute error; beyond q_end (|y| < tol/40) it is held.
+  The factors s and q make g exactly 0 at the minimum and relatively accurate near it, so
+  that rounding differences between evaluations (FMA or not) stay at a few ulps of g.
+  """
+  _, y_min = accuracy.branch_point64(name)
+  s_end = right_end(name, tol)
+  q_end = float(np.sqrt(np.log(-y_min / (tol / 40.0))))
+  right = _fit_side(lambda u: _right_target(name, (u + 1) * s_end / 2),
+                    lambda u: (u + 1) * s_end / 2, tol, max_degree)
+  left = _fit_side(lambda u: _left_ratio(name, (u + 1) * q_end / 2),
+                   lambda u: -y_min * (u + 1) * q_end / 2 * np.exp(-((u + 1) * q_end / 2) ** 2),
+                   tol, max_degree)
+  return {"s_end": s_end, "q_end": q_end, "right": right, "left": left}
+
+
+def fit_all_rational(progress=print) -> dict:
+  """RATIONAL of the generated module: activation -> dtype class -> fits."""
+  out = {}
+  for name in accuracy.NONMONOTONE:
+    out[name] = {}
+    for cls, tol in RATIONAL_TOL.items():
+      out[name][cls] = r = fit_rational(name, tol)
+      progress(f"rational {name:10s} {cls:9s} right ({len(r['right']['p']) - 1},"
+               f"{len(r['right']['q']) - 1}) err {r['right']['error']:.2e}  left "
+               f"({len(r['left']['p']) - 1},{len(r['left']['q']) - 1}) err {r['left']['error']:.2e}")
+  return out
+
+
 ERFCX_BREAKS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 10.5)
 
 
@@ -147,14 +279,18 @@ def fit_erfcx(degree: int = 10) -> dict:
   return {"breaks": list(ERFCX_BREAKS), "coeffs": coeffs, "max_rel_error": err}
 
 
-def render_module(fits, degree, tol, erfcx) -> str:
+def render_module(fits, degree, tol, erfcx, rational) -> str:
   """The text of the generated module (tests check the committed file is this rendering)."""
   body = pprint.pformat(fits, width=100, sort_dicts=False)
   return ('"""GENERATED by scripts/fit_inverse.py --write; do not edit by hand.\n\n'
-          f"Piecewise Chebyshev fits (degree {degree}, tol {tol:g}) of f'(f^-1(y)) per branch;\n"
-          "see scripts/fit_inverse.py for the variables and invact_jax/ops/activations/math.py\n"
-          'for their use.\n"""\n\n'
+          "RATIONAL: per storage-dtype class, one minimax rational per branch of f'(f^-1(y))\n"
+          "(float32, float16 and bfloat16 outputs; invact_jax/ops/activations/_rational.py).\n"
+          f"FITS: piecewise Chebyshev fits (degree {degree}, tol {tol:g}) per branch, for float64\n"
+          "outputs (invact_jax/ops/activations/_piecewise.py).  scripts/fit_inverse.py documents\n"
+          'the variables.\n"""\n\n'
           f"DEGREE = {degree}\nTOL = {tol!r}\n\nFITS = {body}\n\n"
+          f"RATIONAL_TOL = {RATIONAL_TOL!r}\n\n"
+          f"RATIONAL = {pprint.pformat(rational, width=100, sort_dicts=False)}\n\n"
           "# erfcx(a) = exp(a^2) erfc(a), piecewise Chebyshev in a (the kernels' float32 erfc)\n"
           f"ERFCX = {pprint.pformat(erfcx, width=100, sort_dicts=False)}\n")
 
@@ -182,7 +318,7 @@ def main(argv=None):
 
   if args.write:
     OUT.write_text(render_module(fit_all(args.degree, args.tol), args.degree, args.tol,
-                                 fit_erfcx()))
+                                 fit_erfcx(), fit_all_rational()))
     print(f"wrote {OUT.relative_to(ROOT)}")
 
   rows = []

@@ -86,7 +86,7 @@ def test_save_names_config_and_grouped_scan_match_unplanned():
   def grads(c):
     model = vit.ViT(c, rngs=nnx.Rngs(0))
     g, p = nnx.split(model, nnx.Param)
-    return jax.grad(lambda p: jnp.sum(nnx.merge(g, p)(x) ** 2))(p)
+    return jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(g, p)(x) ** 2)))(p)
   ref = grads(cfg)
   plan = (("query", "key"), ("query", "key"), ("mlp_pre",), ())  # three scans
   for save in (plan, (("mlp_act",),)):

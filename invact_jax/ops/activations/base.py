@@ -61,6 +61,12 @@ class Op:
       return f(x.astype(jnp.float32)).astype(x.dtype)
     return f(x)
 
+  def kernel_derivative(self, y, bits):
+    """:meth:`derivative` in a compiled kernel: approximate sqrt/log/divide instructions for
+    16-bit outputs (a bound method, so kernels built from it hash alike)."""
+    from pallas_kernels import elementwise  # pylint: disable=import-outside-toplevel
+    return self.derivative(y, bits, approx_ops=elementwise.ApproxOps)
+
   def bit(self, x):
     """The branch bit of ``x`` (already in the compute dtype, so the comparison is exact)."""
     a = self.activation
@@ -68,9 +74,14 @@ class Op:
       return x < jnp.asarray(a.threshold(x.dtype), x.dtype)
     return a.bit(x, **self.kwargs)
 
-  def derivative(self, y, bits):
-    """f'(x) in the compute dtype from the stored output and the unpacked bits."""
+  def derivative(self, y, bits, *, approx_ops=None):
+    """f'(x) in the compute dtype from the stored output and the unpacked bits.
+
+    ``approx_ops``: a kernel's approximate sqrt/log/divide, for fits of 16-bit outputs."""
     yc = y.astype(_common.compute_dtype(y.dtype))
+    if self.activation.nonmonotone:  # the fit depends on the storage dtype
+      return self.activation.grad(yc, bits, storage_dtype=y.dtype, approx_ops=approx_ops,
+                                  **self.kwargs)
     return self.activation.grad(yc, bits, **self.kwargs)
 
 

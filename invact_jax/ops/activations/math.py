@@ -6,7 +6,9 @@ activations) and returns f'(f^-1(y)).  Only arithmetic, comparisons, ``where`` a
 transcendentals, no gathers: the same code runs in XLA and inside kernel bodies.
 
 Non-monotone activations (GELU, SiLU, Mish) evaluate the generated fits of ``_fits``
-(``scripts/fit_inverse.py``); the rest have closed forms.
+(``scripts/fit_inverse.py``): one rational per branch chosen by the storage dtype
+(:mod:`._rational`), or piecewise Chebyshev fits for float64 (:mod:`._piecewise`); the rest
+have closed forms.
 """
 from __future__ import annotations
 
@@ -17,11 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.ops.activations import _piecewise
+from invact_jax.ops.activations import _rational
 
 
-def fitted_grad(name: str, y, bit):
-  """f'(f^-1(y)) of the non-monotone activation ``name`` from its generated fit."""
-  return _piecewise.evaluate(_piecewise.FIT[name], y, bit)
+def fitted_grad(name: str, y, bit, *, storage_dtype=None, approx_ops=None):
+  """f'(f^-1(y)) of the non-monotone activation ``name`` from its generated fit.
+
+  ``y`` is in the compute dtype; ``storage_dtype`` (default: y's) is the dtype it was stored
+  in, which picks the fit: 16-bit outputs cannot use more accuracy than a cheaper fit gives.
+  ``approx_ops`` (sqrt, log, divide; a kernel's approximate instructions) are used for 16-bit
+  outputs only.
+  """
+  if y.dtype == jnp.float64:
+    return _piecewise.evaluate(_piecewise.FIT[name], y, bit)
+  fit = _rational.fit_for(name, y.dtype if storage_dtype is None else storage_dtype)
+  return _rational.evaluate(fit, y, bit, ops=None if fit.exact_min else approx_ops)
 
 
 def branch_threshold(name: str, dtype) -> float:

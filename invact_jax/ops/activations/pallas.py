@@ -39,7 +39,10 @@ def _backward(op, backend, y, packed, dy):
     bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
     g = op.derivative(y, bits)
     return (dy.astype(g.dtype) * g).astype(dy.dtype)
-  return _kernels().backward(op.derivative, y, packed, dy,
+  # Compiled kernels use approximate sqrt/log/divide for 16-bit outputs (not in interpret
+  # mode: they are PTX instructions).
+  g_fn = op.derivative if backend.interpret else op.kernel_derivative
+  return _kernels().backward(g_fn, y, packed, dy,
                              compute_dtype=_common.compute_dtype(y.dtype), **_kw(backend))
 
 

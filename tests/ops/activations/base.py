@@ -65,10 +65,13 @@ def forward_error(case, x, y):
   return float(np.max(err, initial=0.0))
 
 
-def grad_tolerance(case, dtype, true):
-  """The measured floor (1.2x, the audit's bound) plus rounding dx to the input dtype."""
+def grad_tolerance(case, dtype, true, floor=None):
+  """The measured floor (1.2x, the audit's bound) plus rounding dx to the input dtype.
+
+  ``floor``: per-point floors to use where larger than the audit's (default: the audit's)."""
   half_ulp = 0.5 * np.spacing(np.abs(true).astype(np_dtype(dtype))).astype(np.float64)
-  return 1.2 * audit(case.audit_name, dtype).floor + half_ulp
+  bound = audit(case.audit_name, dtype).floor
+  return 1.2 * (bound if floor is None else np.maximum(bound, floor)) + half_ulp
 
 
 def mesh_2x4():
@@ -180,11 +183,15 @@ class ActivationTestBase(ImplementationTestCase):
     for dtype in DTYPES:
       dt = np_dtype(dtype)
       x = (x_min + np.linspace(-0.05, 0.05, 1001)).astype(dt)
-      g = jax.grad(lambda x: case.fn(self.impl)(x).astype(jnp.float32).sum())(jnp.asarray(x))
+      y, vjp = jax.vjp(case.fn(self.impl), jnp.asarray(x))
+      g = vjp(jnp.ones_like(y))[0]
       true = accuracy.derivative64(name, x.astype(np.float64))
       err = np.abs(np.asarray(g, np.float64) - true)
       self.assertTrue(np.all(np.isfinite(np.asarray(g, np.float64))))
-      np.testing.assert_array_less(err, grad_tolerance(case, dtype, true))
+      # The floor of the y actually stored: op-by-op (eager) 16-bit forwards can round y
+      # differently from the jitted audit's, with a larger floor at that point.
+      floor_here = np.abs(accuracy.floor_derivative64(name, np.asarray(y), x) - true)
+      np.testing.assert_array_less(err, grad_tolerance(case, dtype, true, floor_here))
 
   @parameterized.product(name=tuple(CASES), dtype=DTYPES)
   def test_nan_and_inf(self, name, dtype):

@@ -124,5 +124,10 @@ def test_kernels_lower_for_cuda_from_any_platform(name, dtype):
     bwd = export_cuda(lambda y, m, dy: pallas.backward(op, kb, y, m, dy), x, m, x)
   for exp in (fwd, bwd):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+  # Fits of 16-bit outputs run on approximate sqrt/log/divide instructions; float32 ones on
+  # exact (IEEE) ones, which their 2e-6 fits need.
+  approx = [a in bwd.mlir_module() for a in ("sqrt.approx.ftz", "lg2.approx.ftz",
+                                             "div.approx.ftz")]
+  assert approx == [op.activation.nonmonotone and dtype == "bfloat16"] * 3
 
 

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Predicted H100 speed of the Pallas activation kernels, from their compiled SASS (no GPU).
+
+Lowers each kernel (forward and backward, per activation and dtype) through Pallas's Triton
+path for ``cuda`` on any machine, compiles the Triton IR that Pallas emits with the ``triton``
+package for ``GPUTarget("cuda", 90, 32)`` (its bundled ptxas), and counts the SASS
+instructions (nvdisasm), registers and local-memory spills (cuobjdump).
+
+Model (a prediction, not a measurement): every SM issues 4 warp-instructions per cycle, so an
+H100 SXM (132 SMs, 1.755 GHz sustained) retires 132 * 4 * 32 * 1.755e9 = 2.97e13 thread-
+instructions/s; MUFU (exp/log/sqrt/rcp) issue at 16 per SM per cycle.  A kernel moving B bytes
+per element at 3.35 TB/s is memory-bound when its instructions per element fit under the
+memory time:  predicted fraction of bandwidth = min(1, t_memory / max(t_issue, t_mufu)),
+assuming perfect overlap of memory and issue (an upper bound on what the kernel can reach).
+
+Needs ``triton`` (pip install triton; any OS, no GPU) and JAX with Pallas.  Uses JAX's private
+Pallas-Triton lowering hooks (tested with JAX 0.12); prints a markdown table and writes JSON.
+
+  python scripts/sass_roofline.py --out bench/sass_roofline.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NUM_WARPS = 4  # the kernels' default (pallas_kernels.elementwise.compiler_params)
+H100 = {"sms": 132, "clock_hz": 1.755e9, "issue_per_sm_cycle": 4 * 32, "mufu_per_sm_cycle": 16,
+        "hbm_bytes_per_s": 3.35e12}
+
+
+def _capture_ttir():
+  """Make Pallas lower for CUDA without a GPU and keep the Triton IR text of each kernel."""
+  from jax._src.pallas.triton import lowering  # pylint: disable=import-outside-toplevel
+  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=import-outside-toplevel
+  reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability="9.0")
+  captured = []
+  original = lowering.lower_jaxpr_to_triton_module
+
+  def spy(*args, **kwargs):
+    res = original(*args, **kwargs)
+    captured.append(res.module.operation.get_asm(enable_debug_info=False))
+    return res
+  reg.lowering.lower_jaxpr_to_triton_module = spy
+  return captured
+
+
+def _sass_stats(ttir: str, num_warps: int) -> dict:
+  import triton  # pylint: disable=import-outside-toplevel
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  bin_dir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+  with tempfile.TemporaryDirectory() as tmp:
+    src = pathlib.Path(tmp) / "kernel.ttir"
+    src.write_text(ttir)
+    k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps})
+    cubin = pathlib.Path(tmp) / "kernel.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    res = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                         capture_output=True, text=True, check=True).stdout
+  ops: dict[str, int] = {}
+  for line in sass.splitlines():
+    m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+    if m and m.group(1) != "NOP":
+      ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+  regs = int(re.search(r"REG:(\d+)", res).group(1))
+  local = int(re.search(r"LOCAL:(\d+)", res).group(1))
+  return {"instructions": sum(ops.values()), "mufu": ops.get("MUFU", 0), "registers": regs,
+          "local_bytes": local, "by_opcode": ops}
+
+
+def predict(per_elem_instr, per_elem_mufu, bytes_per_elem, hw=H100) -> dict:
+  t_issue = per_elem_instr / (hw["sms"] * hw["issue_per_sm_cycle"] * hw["clock_hz"])
+  t_mufu = per_elem_mufu / (hw["sms"] * hw["mufu_per_sm_cycle"] * hw["clock_hz"])
+  t_mem = bytes_per_elem / hw["hbm_bytes_per_s"]
+  return {"fraction_of_bandwidth": min(1.0, t_mem / max(t_issue, t_mufu)),
+          "bound": "memory" if t_mem >= max(t_issue, t_mufu) else
+                   ("issue" if t_issue >= t_mufu else "MUFU")}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu,mish")
+  p.add_argument("--dtypes", default="bfloat16,float32")
+  p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "sass_roofline.json")
+  args = p.parse_args(argv)
+  try:
+    import triton  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    print("error: needs the `triton` package (pip install triton)", file=sys.stderr)
+    return 2
+  captured = _capture_ttir()
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax import export  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.activations import base, pallas, registry  # pylint: disable=import-outside-toplevel
+
+  rows_n, cols = 4096, 1024
+  kb = base.Backend("pallas", interpret=False)
+  rows = []
+  for name in args.activations.split(","):
+    entry = registry.get(name)
+    op = base.Op(entry, entry.params)
+    for dt in args.dtypes.split(","):
+      itemsize = jnp.dtype(dt).itemsize
+      x = jax.ShapeDtypeStruct((rows_n, cols), jnp.dtype(dt))
+      m = jax.ShapeDtypeStruct((rows_n, cols // 8), jnp.uint8)
+      passes = {"forward": (lambda x: pallas.forward(op, kb, x), (x,), 2 * itemsize + 1 / 8),
+                "backward": (lambda y, m, dy: pallas.backward(op, kb, y, m, dy), (x, m, x),
+                             3 * itemsize + 1 / 8)}
+      for pass_, (fn, avals, nbytes) in passes.items():
+        captured.clear()
+        export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
+        ttir = captured[-1]
+        block = int(re.search(r"tensor<(\d+)x8x", ttir).group(1)) * 8  # elements per program
+        threads = 32 * NUM_WARPS
+        st = _sass_stats(ttir, threads // 32)
+        per_elem = st["instructions"] * threads / block
+        mufu = st["mufu"] * threads / block
+        pred = predict(per_elem, mufu, nbytes)
+        rows.append({"activation": name, "dtype": dt, "pass": pass_, "bytes_per_element": nbytes,
+                     "instructions_per_element": per_elem, "mufu_per_element": mufu,
+                     "registers": st["registers"], "local_bytes": st["local_bytes"], **pred,
+                     "by_opcode": st["by_opcode"]})
+        print(f"{name} {dt} {pass_}: {per_elem:.1f} instr/elem, {st['registers']} regs, "
+              f"{pred['fraction_of_bandwidth']:.0%} of HBM ({pred['bound']}-bound)", flush=True)
+  lines = ["| activation | dtype | pass | SASS instr/elem | MUFU/elem | registers | spills (B) "
+           "| B/elem | predicted % of HBM bandwidth |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['activation']} | {r['dtype']} | {r['pass']} | "
+                 f"{r['instructions_per_element']:.1f} | {r['mufu_per_element']:.1f} | "
+                 f"{r['registers']} | {r['local_bytes']} | {r['bytes_per_element']:.3g} | "
+                 f"{100 * r['fraction_of_bandwidth']:.0f} % ({r['bound']}) |")
+  md = "\n".join(lines)
+  print(md)
+  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+          "triton": triton.__version__, "target": "cuda sm_90 (GPUTarget('cuda', 90, 32))",
+          "model": H100, "command": " ".join(sys.argv)}
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  args.out.with_suffix(".md").write_text(
+      f"{md}\n\nPredicted from compiled SASS (no GPU): JAX {meta['jax']}, Triton "
+      f"{meta['triton']}, {meta['target']}, {meta['date']}; model in scripts/sass_roofline.py.\n")
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
