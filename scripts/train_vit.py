@@ -103,6 +103,9 @@ def main(argv=None) -> int:
   except (data_lib.DataError, training.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except training.TrainingDiverged as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
   print(json.dumps(shown, indent=1))
   print(f"run directory: {workdir}")

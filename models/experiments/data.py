@@ -8,6 +8,12 @@ import zipfile
 import numpy as np
 
 
+#: Labels beyond this imply an absurd classifier head (ImageNet-21k has 21,841 classes).
+MAX_CLASSES = 1 << 16
+#: Float images beyond this magnitude are unscaled or corrupt (uint8 ones are scaled to [0, 1]).
+MAX_PIXEL = 1e4
+
+
 class DataError(ValueError):
   """A dataset is missing, unreadable or malformed (message names the problem)."""
 
@@ -47,7 +53,8 @@ def load_digits(seed: int = 0) -> Dataset:
 def load_npz(path: str | pathlib.Path) -> Dataset:
   """Arrays ``x_train, y_train, x_test, y_test``; images [n,H,W] or [n,H,W,C], square.
 
-  uint8 images are scaled to [0, 1]; labels must be integers in [0, num_classes).
+  uint8 images are scaled to [0, 1]; float ones must be finite and at most ``MAX_PIXEL`` in
+  magnitude; labels must be integers in [0, num_classes), num_classes <= ``MAX_CLASSES``.
   """
   path = pathlib.Path(path)
   if not path.is_file():
@@ -79,17 +86,28 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
     raise DataError(f"x_train images {xs['train'][0].shape[1:]} and x_test images "
                     f"{xs['test'][0].shape[1:]} differ in shape")
   num_classes = int(max(xs["train"][1].max(), xs["test"][1].max())) + 1
+  if num_classes > MAX_CLASSES:
+    raise DataError(f"labels go up to {num_classes - 1}, which would build a {num_classes:,}-class "
+                    f"head (at most {MAX_CLASSES:,}); remap the labels to 0..K-1")
   for split, (_, y) in xs.items():
     if y.min() < 0:
       raise DataError(f"y_{split} has negative labels (min {y.min()})")
   if xs["test"][1].max() > xs["train"][1].max():
     raise DataError(f"y_test has label {xs['test'][1].max()} but y_train's labels stop at "
                     f"{xs['train'][1].max()}")
-  def scale(x):
+  def scale(x, name):
     if x.dtype == np.uint8:
       return x.astype(np.float32) / 255.0
     if not np.issubdtype(x.dtype, np.floating):
       raise DataError(f"images must be uint8 or floating point, got {x.dtype}")
+    bad = ~np.isfinite(x)
+    if bad.any():
+      raise DataError(f"{name} holds {int(bad.sum()):,} non-finite pixel values (NaN/inf)")
+    big = float(np.max(np.abs(x), initial=0.0))
+    if big > MAX_PIXEL:
+      raise DataError(f"{name} holds pixel values up to {big:.3g}; scale them to a small range "
+                      f"such as [0, 1] (at most {MAX_PIXEL:g} in magnitude)")
     return x.astype(np.float32)
-  return Dataset(scale(xs["train"][0]), xs["train"][1].astype(np.int32), scale(xs["test"][0]),
+  return Dataset(scale(xs["train"][0], "x_train"), xs["train"][1].astype(np.int32),
+                 scale(xs["test"][0], "x_test"),
                  xs["test"][1].astype(np.int32), num_classes, path.stem)

@@ -27,6 +27,10 @@ from models import options, vit
 from models.experiments import data as data_lib
 
 
+class TrainingDiverged(RuntimeError):
+  """The loss or the parameters became non-finite; the run stopped before checkpointing them."""
+
+
 class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
 
@@ -89,6 +93,10 @@ def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> Non
     raise ConfigError(f"--schedule must be 'cosine' or 'constant', got {cfg.schedule!r}")
   if cfg.batch_size <= 0:
     raise ConfigError(f"--batch-size must be positive, got {cfg.batch_size}")
+  if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+    raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
+  if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+    raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}")
   if cfg.memory_budget is not None and cfg.memory_budget <= 0:
     raise ConfigError(f"--memory-budget must be positive, got {cfg.memory_budget}")
   n = dataset.x_train.shape[0]
@@ -297,6 +305,23 @@ def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) ->
                       "continue that run or --workdir to start a new one")
 
 
+def _all_finite(tree) -> bool:
+  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def _stop_diverged(manager, bar, what: str):
+  manager.wait_until_finished()
+  last = manager.latest_step()
+  manager.close()
+  if bar is not None:
+    bar.close()
+  kept = (f"the last checkpoint (step {last}) holds finite parameters" if last is not None
+          else "no checkpoint was written")
+  raise TrainingDiverged(f"training diverged: {what}; stopped without saving it, {kept} "
+                         "(lower --lr, or check the data's scale)")
+
+
 def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Path, *,
           resume: bool = False, progress: bool = True, stop_after: int | None = None,
           time_steps: bool = True, devices: int | None = None) -> dict[str, Any]:
@@ -341,6 +366,12 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       jax.block_until_ready(loss)
       step_times.append(time.perf_counter() - t0)
     done = step + 1
+    saving = manager.should_save(done) or done == trainer.total
+    bad = (f"the loss is {float(loss)} at step {done}" if not math.isfinite(float(loss)) else
+           f"the parameters after step {done} are not finite"
+           if saving and not _all_finite(trainer.params) else None)
+    if bad is not None:
+      _stop_diverged(manager, bar, bad)
     if done % cfg.log_every == 0 or done == trainer.total:
       now = time.perf_counter()
       ips = (done - n_last) * cfg.batch_size / max(now - t_last, 1e-9)
