@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import sys
 
@@ -73,9 +72,7 @@ def main(argv=None) -> int:
                                    inner=args.inner or (10 if on_gpu else 1),
                                    progress=progress)
   print(op_speed.table(rows))
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1))
-  print(f"wrote {args.out}")
+  op_speed.write_report(args.out, meta, [r.as_dict() for r in rows])
   return 0
 
 
@@ -89,13 +86,9 @@ def _cost(args, meta, op_speed, tqdm) -> int:
                              rounds=args.repeats, progress=progress)
   md = op_speed.cpu_table(rows)
   print(md)
-  out = args.out or ROOT / "bench" / "activation_cost.json"
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-  out.with_suffix(".md").write_text(
-      f"{md}\n\n{meta['platform']} ({meta['device']}), JAX {meta['jax']}, {meta['date']}; "
-      f"`{meta['command']}`\n")
-  print(f"wrote {out}")
+  op_speed.write_report(args.out or ROOT / "bench" / "activation_cost.json", meta, rows, md,
+                        f"{meta['platform']} ({meta['device']}), JAX {meta['jax']}, "
+                        f"{meta['date']}; `{meta['command']}`")
   return 0
 
 

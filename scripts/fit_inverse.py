@@ -158,8 +158,7 @@ def minimax_rational(fn, n, *, weight=None, grid=RATIONAL_GRID, iters=40):
   u = np.concatenate([np.cos(np.pi * (np.arange(grid) + 0.5) / grid), [-1.0, 1.0]])
   f = fn(u)
   wt = np.ones_like(u) if weight is None else weight(u)
-  vp = np.vander(u, n + 1, increasing=True)
-  vq = np.vander(u, n + 1, increasing=True)
+  vp = vq = np.vander(u, n + 1, increasing=True)  # P and Q have the same degree
   sol = np.linalg.lstsq(np.hstack([vp, -f[:, None] * vq[:, 1:]]), f, rcond=None)[0]
   p, q = sol[:n + 1], np.concatenate([[1.0], sol[n + 1:]])
   if np.any(vq @ q <= 0):  # start from the polynomial fit instead

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import re
@@ -104,6 +103,7 @@ def main(argv=None) -> int:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax import export  # pylint: disable=import-outside-toplevel
   from invact_jax.ops.activations import base, pallas, registry  # pylint: disable=import-outside-toplevel
+  from models.experiments import op_speed  # pylint: disable=import-outside-toplevel
 
   rows_n, cols = 4096, 1024
   kb = base.Backend("pallas", interpret=False)
@@ -147,12 +147,10 @@ def main(argv=None) -> int:
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "triton": triton.__version__, "target": "cuda sm_90 (GPUTarget('cuda', 90, 32))",
           "model": H100, "command": " ".join(sys.argv)}
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-  args.out.with_suffix(".md").write_text(
-      f"{md}\n\nPredicted from compiled SASS (no GPU): JAX {meta['jax']}, Triton "
-      f"{meta['triton']}, {meta['target']}, {meta['date']}; model in scripts/sass_roofline.py.\n")
-  print(f"wrote {args.out}")
+  op_speed.write_report(
+      args.out, meta, rows, md, f"Predicted from compiled SASS (no GPU): JAX {meta['jax']}, "
+      f"Triton {meta['triton']}, {meta['target']}, {meta['date']}; model in "
+      "scripts/sass_roofline.py.")
   return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import re
 import statistics
 import time
@@ -30,7 +31,7 @@ from invact_jax.ops import _implementation
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import registry
 
-__all__ = ["Row", "measure", "table", "hlo_ops", "cpu_rows", "cpu_table", "fwd_bwd",
+__all__ = ["Row", "measure", "table", "hlo_ops", "cpu_rows", "cpu_table", "write_report", "fwd_bwd",
            "interleaved"]
 
 _SKIP = {"parameter", "constant", "broadcast", "tuple", "get-tuple-element", "bitcast", "copy",
@@ -39,8 +40,10 @@ _INSTR = re.compile(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^ ]+\s+([\w\-]+)\(")
 
 
 def hlo_ops(fn: Callable, *args) -> tuple[int, dict[str, int]]:
-  """(count, per-opcode counts) of the optimized HLO of ``jax.jit(fn)(*args)``."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
+  """(count, per-opcode counts) of the optimized HLO of ``jax.jit(fn)(*args)``, or of ``fn``
+  itself when it is already a compiled executable."""
+  compiled = fn if isinstance(fn, jax.stages.Compiled) else jax.jit(fn).lower(*args).compile()
+  text = compiled.as_text()
   ops = collections.Counter(m.group(1) for m in map(_INSTR.match, text.splitlines())
                             if m and m.group(1) not in _SKIP)
   return sum(ops.values()), dict(ops)
@@ -72,8 +75,9 @@ def inverted_fn(name: str, implementation="xla") -> Callable:
 
 def interleaved(fns: dict[str, Callable], args, *, rounds: int = 20, inner: int = 3
                 ) -> dict[str, float]:
-  """Median seconds per call of each jitted fn, calls interleaved round-robin."""
-  jitted = {k: jax.jit(f) for k, f in fns.items()}
+  """Median seconds per call of each jitted fn (or compiled executable), calls interleaved
+  round-robin."""
+  jitted = {k: f if isinstance(f, jax.stages.Compiled) else jax.jit(f) for k, f in fns.items()}
   for f in jitted.values():
     jax.block_until_ready(f(*args))  # compile + warm up
   times = {k: [] for k in jitted}
@@ -104,7 +108,8 @@ def cpu_rows(names: Sequence[str], dtypes: Sequence[str] = ("float32", "bfloat16
       if progress:
         progress(f"{name} {dt}")
       x, dy = _inputs(elements, jnp.dtype(dt))
-      ours, ref = fwd_bwd(inverted_fn(name, implementation)), fwd_bwd(reference_fn(name))
+      ours, ref = (jax.jit(fwd_bwd(f)).lower(x, dy).compile()
+                   for f in (inverted_fn(name, implementation), reference_fn(name)))
       n_ours, by_op = hlo_ops(ours, x, dy)
       n_ref, _ = hlo_ops(ref, x, dy)
       n_fwd, _ = hlo_ops(reference_fn(name), x)
@@ -114,6 +119,16 @@ def cpu_rows(names: Sequence[str], dtypes: Sequence[str] = ("float32", "bfloat16
                    "hlo_by_op": by_op, "seconds": t["ours"], "seconds_jax_nn": t["ref"],
                    "time_ratio": t["ours"] / t["ref"]})
   return rows
+
+
+def write_report(out, meta: dict, rows: list, md: str | None = None, note: str = "") -> None:
+  """``out`` as ``{"meta", "rows"}`` JSON and, with ``md``, ``out.with_suffix(".md")`` holding
+  the table and ``note`` (device, versions, date, command)."""
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  if md is not None:
+    out.with_suffix(".md").write_text(f"{md}\n\n{note}\n")
+  print(f"wrote {out}")
 
 
 def cpu_table(rows: Sequence[dict]) -> str:

@@ -366,8 +366,9 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       jax.block_until_ready(loss)
       step_times.append(time.perf_counter() - t0)
     done = step + 1
+    loss = float(loss)  # one host read per step (timing already waits for it)
     saving = manager.should_save(done) or done == trainer.total
-    bad = (f"the loss is {float(loss)} at step {done}" if not math.isfinite(float(loss)) else
+    bad = (f"the loss is {loss} at step {done}" if not math.isfinite(loss) else
            f"the parameters after step {done} are not finite"
            if saving and not _all_finite(trainer.params) else None)
     if bad is not None:
@@ -376,7 +377,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       now = time.perf_counter()
       ips = (done - n_last) * cfg.batch_size / max(now - t_last, 1e-9)
       t_last, n_last = now, done
-      rec = {"step": done, "loss": float(loss), "acc": float(acc),
+      rec = {"step": done, "loss": loss, "acc": float(acc),
              "lr": float(trainer.lr(step)), "images_per_s": ips}
       log(rec)
       if bar is not None:

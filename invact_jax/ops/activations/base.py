@@ -61,12 +61,6 @@ class Op:
       return f(x.astype(jnp.float32)).astype(x.dtype)
     return f(x)
 
-  def kernel_derivative(self, y, bits):
-    """:meth:`derivative` in a compiled kernel: approximate sqrt/log/divide instructions for
-    16-bit outputs (a bound method, so kernels built from it hash alike)."""
-    from pallas_kernels import elementwise  # pylint: disable=import-outside-toplevel
-    return self.derivative(y, bits, approx_ops=elementwise.ApproxOps)
-
   def bit(self, x):
     """The branch bit of ``x`` (already in the compute dtype, so the comparison is exact)."""
     a = self.activation

@@ -6,6 +6,8 @@ once and writes dx.  Same bit layout as the XLA path, so residuals are interchan
 """
 from __future__ import annotations
 
+import functools
+
 from invact_jax import bitpack
 from invact_jax.ops import _common
 from invact_jax.ops import _partition
@@ -41,7 +43,8 @@ def _backward(op, backend, y, packed, dy):
     return (dy.astype(g.dtype) * g).astype(dy.dtype)
   # Compiled kernels use approximate sqrt/log/divide for 16-bit outputs (not in interpret
   # mode: they are PTX instructions).
-  g_fn = op.derivative if backend.interpret else op.kernel_derivative
+  g_fn = op.derivative if backend.interpret else functools.partial(
+      op.derivative, approx_ops=_kernels().ApproxOps)
   return _kernels().backward(g_fn, y, packed, dy,
                              compute_dtype=_common.compute_dtype(y.dtype), **_kw(backend))
 
