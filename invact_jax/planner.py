@@ -7,13 +7,18 @@ the operator variant (e.g. standard vs inverted activations) by a mixed-integer 
 program solved with HiGHS (``scipy.optimize.milp``), minimizing recompute cost subject to
 
     predicted peak = base[variant] + sum_layers sum_tags keep[l, t] * bytes[variant, t]
-                     - max_{t kept} relief[variant, t] <= budget.
+                     - max_{t kept in every layer} relief[variant, t] <= budget.
 
 ``base`` is the measured peak with nothing kept (every layer fully recomputed), so the
-model is calibrated per platform; ``models.planning`` measures all of it and checks the
-prediction against XLA's compiled memory.  Layers may differ (``uniform=False``; equal
-layers are made contiguous, and ``models`` runs each run as one ``lax.scan``);
-``uniform=True`` gives one set for all layers.
+model is calibrated per platform; ``models.experiments.plan_profiles`` measures all of it and
+checks the prediction against XLA's compiled memory.  ``relief`` is the backward's recompute
+workspace that keeping a tag removes; it is counted only when every layer keeps the tag (a
+layer that still recomputes it needs the workspace), which is exact for uniform plans and
+errs high (safe) for the others.  Layers may differ (``uniform=False``): equal layers are made
+contiguous, runs ordered longest first so that one-layer runs come last (``models`` runs each
+run as its own ``lax.scan`` over its own parameter stack; XLA:CPU schedules a lone layer
+followed by others like unrolled code, +15 … 48 % measured); ``uniform=True`` gives one set
+for all layers.
 
 Variants change ``base`` (the whole model's activations), so the program is solved once
 per variant and the cheapest feasible plan wins; among equally cheap plans (also within a
@@ -52,9 +57,9 @@ class LayerProfile:
     tag_bytes: per tag, bytes one layer adds to the peak when it keeps it.
     tag_gain: per tag, recompute cost (FLOPs) one layer saves when it keeps it.
     full_cost: recompute cost of one layer that keeps nothing.
-    tag_relief: per tag, bytes the peak drops by, once, when some layer keeps it: the
+    tag_relief: per tag, bytes the peak drops by, once, when every layer keeps it: the
       backward's recompute workspace that keeping it removes (measured).  Only the largest
-      relief among kept tags counts (one layer is recomputed at a time).
+      relief among such tags counts (one layer is recomputed at a time).
   """
   variant: str
   depth: int
@@ -65,6 +70,33 @@ class LayerProfile:
   full_cost: float
   tag_relief: tuple[int, ...] = ()
 
+  def __post_init__(self):
+    for name in ("tags", "tag_bytes", "tag_gain", "tag_relief"):
+      value = getattr(self, name)
+      if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"LayerProfile argument `{name}` must be a sequence, got {value!r}")
+      object.__setattr__(self, name, tuple(value))
+    if not isinstance(self.variant, str) or not self.variant:
+      raise ValueError(f"LayerProfile argument `variant` must be a non-empty string, got {self.variant!r}")
+    if isinstance(self.depth, bool) or not isinstance(self.depth, (int, np.integer)) or self.depth < 1:
+      raise ValueError(f"LayerProfile argument `depth` must be a positive integer, got {self.depth!r}")
+    if not all(isinstance(t, str) and t for t in self.tags):
+      raise ValueError(f"LayerProfile argument `tags` must hold non-empty strings, got {self.tags!r}")
+    dup = sorted({t for t in self.tags if self.tags.count(t) > 1})
+    if dup:
+      raise ValueError(f"LayerProfile argument `tags` names {dup} more than once")
+    for name in ("tag_bytes", "tag_gain") + (("tag_relief",) if self.tag_relief else ()):
+      if len(getattr(self, name)) != len(self.tags):
+        raise ValueError(f"LayerProfile argument `{name}` has {len(getattr(self, name))} entries "
+                         f"for {len(self.tags)} tags")
+    for name in ("base_bytes", "full_cost", "tag_bytes", "tag_gain", "tag_relief"):
+      value = getattr(self, name)
+      for v in (value if isinstance(value, tuple) else (value,)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+          raise TypeError(f"LayerProfile argument `{name}` must hold numbers, got {v!r}")
+        if not np.isfinite(v) or v < 0:
+          raise ValueError(f"LayerProfile argument `{name}` must hold finite numbers >= 0, got {v!r}")
+
   def relief(self, t: str) -> int:
     return dict(zip(self.tags, self.tag_relief)).get(t, 0) if self.tag_relief else 0
 
@@ -74,10 +106,17 @@ class LayerProfile:
     return float(sum(max(self.full_cost - sum(gain[t] for t in k), 0.0) for k in keep))
 
   def peak(self, keep: Sequence[Sequence[str]]) -> int:
+    """Predicted peak of keeping ``keep[l]`` in layer l (see module doc)."""
     nbytes = dict(zip(self.tags, self.tag_bytes))
-    kept = {t for k in keep for t in k}
-    relief = max((self.relief(t) for t in kept), default=0)
+    everywhere = set.intersection(*(set(k) for k in keep)) if keep else set()
+    relief = max((self.relief(t) for t in everywhere), default=0)
     return int(self.base_bytes + sum(nbytes[t] for k in keep for t in k) - relief)
+
+  @property
+  def minimum_bytes(self) -> int:
+    """The least predicted peak of any plan (a tag whose relief exceeds its bytes can go
+    below ``base_bytes``)."""
+    return min([self.base_bytes] + [self.peak(((t,),) * self.depth) for t in self.tags])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +148,15 @@ class InfeasibleBudget(ValueError):
 
   def __init__(self, budget: int, minimum_bytes: int):
     super().__init__(f"memory budget {budget:,} bytes is infeasible: the minimum feasible budget "
-                     f"is {minimum_bytes:,} bytes (every layer recomputes everything)")
+                     f"is {minimum_bytes:,} bytes")
     self.budget, self.minimum_bytes = budget, minimum_bytes
 
 
 def _solve_one(p: LayerProfile, budget: int, uniform: bool):
   from scipy import optimize  # pylint: disable=import-outside-toplevel
   n_tags = len(p.tags)
+  if n_tags == 0:  # nothing to choose: every layer recomputes everything
+    return ((),) * p.depth if p.base_bytes <= budget else None
   n_layers = 1 if uniform else p.depth
   mult = p.depth if uniform else 1
   b = np.asarray(p.tag_bytes, float)
@@ -125,14 +166,15 @@ def _solve_one(p: LayerProfile, budget: int, uniform: bool):
   # Variables: x[l, t] in {0, 1} (keep tag t in (group) layer l), then z[t] in {0, 1}
   # (t's relief is the one counted).  Maximize the kept recompute gain subject to
   #   sum mult * b[t] x[l, t] - sum tau[t] z[t] <= budget - base,
-  #   sum z <= 1,  z[t] <= sum_l x[l, t].
+  #   sum z <= 1,  z[t] <= x[l, t] for every l (relief only where every layer keeps t).
   c = np.concatenate([-np.tile(g, n_layers) * mult, np.zeros(n_tags)])
   mem = np.concatenate([np.tile(b, n_layers) * mult, -tau])[None, :]
   one = np.concatenate([np.zeros(nx), np.ones(n_tags)])[None, :]
-  link = np.zeros((n_tags, nx + n_tags))
-  for t in range(n_tags):
-    link[t, nx + t] = 1.0
-    link[t, t:nx:n_tags] = -1.0
+  link = np.zeros((n_layers * n_tags, nx + n_tags))
+  for l in range(n_layers):
+    for t in range(n_tags):
+      link[l * n_tags + t, nx + t] = 1.0
+      link[l * n_tags + t, l * n_tags + t] = -1.0
   cons = [optimize.LinearConstraint(mem, -np.inf, budget - p.base_bytes),
           optimize.LinearConstraint(one, -np.inf, 1.0),
           optimize.LinearConstraint(link, -np.inf, 0.0)]
@@ -150,9 +192,11 @@ def _solve_one(p: LayerProfile, budget: int, uniform: bool):
   keep = [tuple(t for t, k in zip(p.tags, row) if k) for row in x]
   if uniform:
     return tuple(keep) * p.depth
-  # Layers are interchangeable in the model: order them so equal plans are contiguous
-  # (each run is then one lax.scan).
-  return tuple(sorted(keep, key=lambda k: (len(k), k)))
+  # Layers are interchangeable in the model: order them so equal plans are contiguous (each
+  # run is then one lax.scan), longest runs first, so a run of one layer is never followed by
+  # others (see module doc).
+  runs = {k: keep.count(k) for k in keep}
+  return tuple(sorted(keep, key=lambda k: (-runs[k], len(k), k)))
 
 
 def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False) -> Plan:
@@ -165,13 +209,17 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   """
   if not profiles:
     raise ValueError("argument `profiles` must hold at least one LayerProfile")
+  if not all(isinstance(p, LayerProfile) for p in profiles):
+    raise TypeError("argument `profiles` must hold LayerProfile objects")
+  if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
+    raise TypeError(f"argument `budget` must be a number of bytes, got {budget!r}")
+  if not np.isfinite(budget):
+    raise ValueError(f"argument `budget` must be a finite number of bytes, got {budget!r}")
   budget = int(budget)
   t0 = time.perf_counter()
   best = None
   for p in profiles:
-    if len(p.tags) != len(p.tag_bytes) or len(p.tags) != len(p.tag_gain):
-      raise ValueError(f"profile {p.variant!r}: tags, tag_bytes and tag_gain differ in length")
-    if p.base_bytes > budget:
+    if p.minimum_bytes > budget:
       continue
     keep = _solve_one(p, budget, uniform)
     if keep is None:
@@ -180,7 +228,7 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
     if best is None or cand[:2] < best[:2]:
       best = cand
   if best is None:
-    raise InfeasibleBudget(budget, min(p.base_bytes for p in profiles))
+    raise InfeasibleBudget(budget, min(p.minimum_bytes for p in profiles))
   cost, peak, p, keep = best
   return Plan(variant=p.variant, keep=tuple(keep), predicted_bytes=peak, predicted_cost=cost,
               budget=budget, solve_seconds=time.perf_counter() - t0)

@@ -132,6 +132,15 @@ def _add_device_peak(row, model, args):
   row["device_prediction_error"] = row["predicted_bytes"] / row["device_temp_bytes"] - 1.0
 
 
+def describe_keep(keep) -> str:
+  """'mlp_pre, mlp_out' for a uniform plan; '8× {mlp_out} · 4× {mlp_pre, mlp_out}' per layer."""
+  import itertools  # pylint: disable=import-outside-toplevel
+  runs = [(tuple(k), len(list(g))) for k, g in itertools.groupby(tuple(k) for k in keep)]
+  if len(runs) == 1:
+    return ", ".join(runs[0][0]) or "(nothing)"
+  return " · ".join(f"{n}× {{{', '.join(k) or 'nothing'}}}" for k, n in runs)
+
+
 def _table(results) -> str:
   mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
   gf = lambda f: "n/a" if f is None else f"{f / 1e9:,.2f}"  # noqa: E731
@@ -143,11 +152,11 @@ def _table(results) -> str:
   for m, fr in results.items():
     for p in fr["plans"]:
       if "infeasible" in p:
-        lines.append(f"| {m} | {mib(p['budget'])} | infeasible | | | | | | | |"
+        lines.append(f"| {m} | {mib(p['budget'])} | infeasible{' (per layer)' * p.get('per_layer', False)} | | | | | | | |"
                      + (" | |" if dev else ""))
         continue
-      keep = ", ".join(p["keep"][0]) if len({tuple(k) for k in p["keep"]}) == 1 else "per layer"
-      lines.append(f"| {m} | {mib(p['budget'])} | {p['variant']} | {keep or '(nothing)'} | "
+      keep = describe_keep(p["keep"])
+      lines.append(f"| {m} | {mib(p['budget'])} | {p['variant']} | {keep} | "
                    f"{mib(p['predicted_bytes'])} | {mib(p['compiled_temp_bytes'])} | "
                    f"{100 * p['prediction_error']:+.1f}% | {gf(p['recompute_flops'])} | "
                    f"{p['best_fixed'] or 'none fits'} | {gf(p['best_fixed_recompute_flops'])} |"
@@ -162,9 +171,14 @@ def _plot(results, path):
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
   for ax, (m, fr) in zip(axes[0], results.items()):
-    pts = [p for p in fr["plans"] if "infeasible" not in p]
+    pts = [p for p in fr["plans"] if "infeasible" not in p and not p.get("per_layer")]
     ax.plot([p["compiled_temp_bytes"] / 2**20 for p in pts],
-            [p["recompute_flops"] / 1e9 for p in pts], "o-", label="planner (compiled)")
+            [p["recompute_flops"] / 1e9 for p in pts], "o-", label="planner, one set (compiled)")
+    per = [p for p in fr["plans"] if "infeasible" not in p and p.get("per_layer")]
+    if per:
+      ax.scatter([p["compiled_temp_bytes"] / 2**20 for p in per],
+                 [p["recompute_flops"] / 1e9 for p in per], marker="*", s=90, zorder=3,
+                 label="planner, per layer (compiled)")
     markers = dict(zip(sorted({f["variant"] for f in fr["fixed"]}), "s^vDP"))
     for v, marker in markers.items():
       fs = [f for f in fr["fixed"] if f["variant"] == v]

@@ -75,6 +75,8 @@ def _bytes(text: str) -> int:
 
 def main(argv=None) -> int:
   args = parse(argv)
+  import warnings  # pylint: disable=import-outside-toplevel
+  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
   from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
   from models.experiments import compare  # pylint: disable=import-outside-toplevel
@@ -101,6 +103,9 @@ def main(argv=None) -> int:
     summary = training.train(cfg, dataset, workdir / cfg.activations, resume=args.resume,
                              progress=progress)
   except (data_lib.DataError, training.ConfigError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # e.g. the disk filled up or the run directory went away mid-run
     print(f"error: {e}", file=sys.stderr)
     return 2
   except training.TrainingDiverged as e:

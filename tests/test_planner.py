@@ -1,5 +1,7 @@
 """Memory planner: the integer program, plans as model configs, predictions vs XLA."""
 import dataclasses
+import itertools
+import re
 import time
 
 import jax
@@ -25,7 +27,6 @@ def test_solve_picks_cheapest_within_budget_and_counts_one_relief():
   assert plan.keep == (("mlp",),) * 4 and plan.predicted_bytes == 2000
   assert plan.predicted_cost == pytest.approx(4 * 10.0)
   # Brute force over uniform sets agrees with the MILP at several budgets.
-  import itertools
   for budget in (1000, 1350, 1700, 2000, 2400, 3000, 3400):
     best = min((PROFILE.cost((s,) * 4), PROFILE.peak((s,) * 4)) for r in range(4)
                for s in itertools.combinations(PROFILE.tags, r)
@@ -52,6 +53,57 @@ def test_infeasible_budget_names_the_minimum():
     planner.solve([PROFILE, other], 999)
   # The cheaper variant wins where both fit.
   assert planner.solve([PROFILE, other], 5000).variant == "inverted"
+
+
+def test_relief_counts_only_where_every_layer_keeps_the_tag():
+  # "mlp" relieves 200 bytes only if all four layers keep it; in one layer it costs 300.
+  assert PROFILE.peak((("mlp",), (), (), ())) == 1300
+  assert PROFILE.peak((("mlp",),) * 4) == 2000
+  # A tag whose relief exceeds what it adds takes the minimum below base_bytes.
+  cheap = dataclasses.replace(PROFILE, tag_bytes=(100, 100, 30), tag_relief=(0, 0, 200))
+  assert cheap.minimum_bytes == 1000 + 4 * 30 - 200
+  plan = planner.solve([cheap], 950)  # under base_bytes, yet feasible
+  assert plan.keep == (("mlp",),) * 4 and plan.predicted_bytes == 920
+  with pytest.raises(planner.InfeasibleBudget, match="minimum feasible budget is 920 bytes"):
+    planner.solve([cheap], 919)
+
+
+def test_per_layer_runs_are_ordered_longest_first():
+  # Room for "mlp" in one layer and "q" in another: the two one-layer runs come last.
+  p = dataclasses.replace(PROFILE, tag_relief=(0, 0, 0))
+  plan = planner.solve([p], 1000 + 300 + 100, uniform=False)
+  runs = [(k, len(list(g))) for k, g in itertools.groupby(plan.keep)]
+  assert [n for _, n in runs] == sorted((n for _, n in runs), reverse=True), plan.keep
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(tags=("q", "q", "mlp")), "names ['q'] more than once"),
+    (dict(depth=0), "`depth` must be a positive integer"),
+    (dict(full_cost=float("nan")), "`full_cost` must hold finite numbers"),
+    (dict(tag_gain=(1.0, float("inf"), 2.0)), "`tag_gain` must hold finite numbers"),
+    (dict(tag_bytes=(1, -5, 2)), "`tag_bytes` must hold finite numbers >= 0"),
+    (dict(tag_bytes=(1, 2)), "`tag_bytes` has 2 entries for 3 tags"),
+    (dict(tag_relief=(0,)), "`tag_relief` has 1 entries for 3 tags"),
+    (dict(tags="qkv"), "`tags` must be a sequence"),
+    (dict(variant=""), "`variant` must be a non-empty string"),
+])
+def test_profile_rejects_bad_figures_naming_the_argument(change, message):
+  with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+    dataclasses.replace(PROFILE, **change)
+
+
+def test_solve_rejects_bad_budgets_and_plans_an_empty_tag_list():
+  for budget in (float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="argument `budget` must be a finite"):
+      planner.solve([PROFILE], budget)
+  with pytest.raises(TypeError, match="argument `budget`"):
+    planner.solve([PROFILE], "1000")
+  bare = planner.LayerProfile(variant="v", depth=3, base_bytes=500, tags=(), tag_bytes=(),
+                              tag_gain=(), full_cost=7.0)
+  plan = planner.solve([bare], 600)
+  assert plan.keep == ((), (), ()) and plan.predicted_bytes == 500 and plan.predicted_cost == 21.0
+  with pytest.raises(planner.InfeasibleBudget, match="is 500 bytes"):
+    planner.solve([bare], 499)
 
 
 def test_equal_cost_plans_take_the_one_with_less_memory():
@@ -86,11 +138,18 @@ def test_save_names_config_and_grouped_scan_match_unplanned():
   def grads(c):
     model = vit.ViT(c, rngs=nnx.Rngs(0))
     g, p = nnx.split(model, nnx.Param)
-    return jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(g, p)(x) ** 2)))(p)
+    grad = jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(g, p)(x) ** 2)))(p)
+    blocks = grad["encoder"]["blocks"]
+    if isinstance(model.encoder.blocks, nnx.List):  # one parameter stack per run of layers
+      runs = [blocks[i] for i in range(len(model.encoder.blocks))]
+      assert [jax.tree.leaves(r)[0].shape[0] for r in runs] == [2, 1, 1]
+      grad["encoder"]["blocks"] = jax.tree.map(lambda *a: jnp.concatenate(a), *runs)
+    return grad
   ref = grads(cfg)
   plan = (("query", "key"), ("query", "key"), ("mlp_pre",), ())  # three scans
   for save in (plan, (("mlp_act",),)):
     got = grads(cfg.replace(save_names=save))
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="unknown tags"):
@@ -120,6 +179,8 @@ def test_predictions_within_10_percent_of_compiled(frontier):
   for row in fr["plans"]:
     assert "infeasible" not in row, row
     assert abs(row["prediction_error"]) <= 0.10, row
+  # Per-layer plans (one parameter stack and one scan per run of equal layers) are among them.
+  assert any(row["per_layer"] for row in fr["plans"]), fr["plans"]
 
 
 def test_frontier_beats_or_matches_fixed_policies(frontier):

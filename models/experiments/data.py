@@ -59,11 +59,17 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
   path = pathlib.Path(path)
   if not path.is_file():
     raise DataError(f"data file not found: {path}")
+  if not zipfile.is_zipfile(path):
+    with path.open("rb") as f:
+      kind = "a single .npy array" if f.read(6) == b"\x93NUMPY" else "not a zip archive"
+    raise DataError(f"cannot read {path} as .npz: it is {kind}; write the data with "
+                    "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
   try:
     with np.load(path, allow_pickle=False) as f:
       arrays = {k: f[k] for k in f.files}
   except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-    raise DataError(f"cannot read {path} as .npz: {e}") from None
+    why = "it holds object (pickled) arrays; store numeric arrays" if "pickle" in str(e) else e
+    raise DataError(f"cannot read {path} as .npz: {why}") from None
   missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
   if missing:
     raise DataError(f"{path} lacks arrays {missing} (has {sorted(arrays)})")
@@ -72,9 +78,9 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
     x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
     if x.ndim == 3:
       x = x[..., None]
-    if x.ndim != 4 or x.shape[1] != x.shape[2]:
-      raise DataError(f"x_{split} must have shape [n, H, W] or [n, H, W, C] with H == W, "
-                      f"got {x.shape}")
+    if x.ndim != 4 or x.shape[1] != x.shape[2] or min(x.shape[1:]) < 1:
+      raise DataError(f"x_{split} must have shape [n, H, W] or [n, H, W, C] with H == W and "
+                      f"H, W, C >= 1, got {x.shape}")
     if y.ndim != 1 or y.shape[0] != x.shape[0]:
       raise DataError(f"y_{split} must have shape [{x.shape[0]}] to match x_{split}, got {y.shape}")
     if not np.issubdtype(y.dtype, np.integer):

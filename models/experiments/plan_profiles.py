@@ -158,8 +158,9 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
 
   The linear model is calibrated, not exact (XLA overlaps a layer's recompute with what it
   frees); each round lowers the target by the measured excess.  ``uniform`` (default): one
-  set for every layer, one ``lax.scan``, predicted within a few percent; per-layer plans run
-  as several scans, whose extra transients the model does not see (up to ~16 % measured).
+  set for every layer, one ``lax.scan``; ``uniform=False``: per-layer plans, one scan per run
+  of equal layers over its own parameter stack (README "Memory-budget planner" has both
+  measured against their predictions).
   """
   target = int(budget)
   for _ in range(max_rounds):
@@ -170,15 +171,36 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
     # Lower the target by the excess, and by at least 2 % of the budget per round.
     target -= max(m.compiled_temp_bytes - budget, budget // 50)
   else:
-    raise planner.InfeasibleBudget(int(budget), min(p.base_bytes for p in profiles))
+    raise planner.InfeasibleBudget(int(budget), min(p.minimum_bytes for p in profiles))
   return dataclasses.replace(plan, budget=int(budget)), m
 
 
+def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
+  try:
+    plan, m = plan_for_budget(cfg, batch, b, profiles, seq_len=seq_len, uniform=uniform)
+  except planner.InfeasibleBudget as e:
+    return {"budget": int(b), "per_layer": not uniform, "infeasible": str(e)}
+  fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
+  best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
+  return {"budget": int(b), "per_layer": not uniform, "variant": plan.variant,
+          "keep": [list(k) for k in plan.keep],
+          "predicted_bytes": plan.predicted_bytes,
+          "compiled_temp_bytes": m.compiled_temp_bytes,
+          "prediction_error": plan.predicted_bytes / m.compiled_temp_bytes - 1.0,
+          "recompute_flops": m.flops - ref[plan.variant],
+          "solve_seconds": plan.solve_seconds,
+          "best_fixed": None if best is None else f"{best['policy']} ({best['variant']})",
+          "best_fixed_recompute_flops": None if best is None else best["recompute_flops"]}
+
+
 def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner.LayerProfile],
-             *, seq_len: int = 128, progress: Callable[[str], None] | None = None) -> dict:
+             *, seq_len: int = 128, per_layer: bool = True,
+             progress: Callable[[str], None] | None = None) -> dict:
   """Plans and fixed policies, each compiled: memory, recompute FLOPs, prediction error.
 
-  Recompute FLOPs are measured: the step's FLOPs minus the keep-every-tag step's.
+  Recompute FLOPs are measured: the step's FLOPs minus the keep-every-tag step's.  With
+  ``per_layer``, each budget where the per-layer solution differs between layers adds a row
+  (``"per_layer": True``) compiled the same way.
   """
   ref = {p.variant: measure(cfg, batch, p.variant, (options.TAGS,), seq_len=seq_len).flops
          for p in profiles}
@@ -198,20 +220,15 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
   for b in budgets:
     if progress:
       progress(f"plan at {b:,} bytes")
-    try:
-      plan, m = plan_for_budget(cfg, batch, b, profiles, seq_len=seq_len)
-    except planner.InfeasibleBudget as e:
-      plans.append({"budget": int(b), "infeasible": str(e)})
-      continue
-    fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
-    best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
-    plans.append({"budget": int(b), "variant": plan.variant,
-                  "keep": [list(k) for k in plan.keep],
-                  "predicted_bytes": plan.predicted_bytes,
-                  "compiled_temp_bytes": m.compiled_temp_bytes,
-                  "prediction_error": plan.predicted_bytes / m.compiled_temp_bytes - 1.0,
-                  "recompute_flops": m.flops - ref[plan.variant],
-                  "solve_seconds": plan.solve_seconds,
-                  "best_fixed": None if best is None else f"{best['policy']} ({best['variant']})",
-                  "best_fixed_recompute_flops": None if best is None else best["recompute_flops"]})
+    plans.append(_plan_row(cfg, batch, b, profiles, fixed, ref, seq_len=seq_len, uniform=True))
+    if per_layer:
+      try:
+        differs = not planner.solve(profiles, b, uniform=False).uniform
+      except planner.InfeasibleBudget:
+        differs = False
+      if differs:
+        if progress:
+          progress(f"per-layer plan at {b:,} bytes")
+        plans.append(_plan_row(cfg, batch, b, profiles, fixed, ref, seq_len=seq_len,
+                               uniform=False))
   return {"fixed": fixed, "plans": plans}

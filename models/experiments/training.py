@@ -11,8 +11,10 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -97,6 +99,10 @@ def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> Non
     raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
   if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
     raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}")
+  if cfg.checkpoint_every < 1:
+    raise ConfigError(f"--checkpoint-every must be a positive number of steps, got {cfg.checkpoint_every}")
+  if cfg.log_every < 1:
+    raise ConfigError(f"log_every must be a positive number of steps, got {cfg.log_every}")
   if cfg.memory_budget is not None and cfg.memory_budget <= 0:
     raise ConfigError(f"--memory-budget must be positive, got {cfg.memory_budget}")
   n = dataset.x_train.shape[0]
@@ -265,13 +271,25 @@ class Trainer:
     return {"params": self.params, "opt_state": self.opt_state}
 
   def restore(self, manager) -> int:
-    step = manager.latest_step()
+    """Restore the latest readable checkpoint; an unreadable one is set aside with a warning
+    (renamed ``<step>.unreadable``) and the one before it is tried."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state())
-    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    self.params, self.opt_state = restored["params"], restored["opt_state"]
-    self.step = step
-    return step
+    for step in sorted(manager.all_steps(), reverse=True):
+      try:
+        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+      except Exception as e:  # pylint: disable=broad-except  # orbax raises many kinds
+        bad = manager.directory / str(step)
+        bad.rename(bad.with_name(f"{step}.unreadable"))
+        manager.reload()
+        warnings.warn(f"checkpoint step {step} is unreadable ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); moved it to {bad.name}"
+                      ".unreadable and falling back to the previous checkpoint", stacklevel=2)
+        continue
+      self.params, self.opt_state = restored["params"], restored["opt_state"]
+      self.step = step
+      return step
+    raise ConfigError(f"--resume: no readable checkpoint in {manager.directory}")
 
 
 def _checkpoint_manager(workdir: pathlib.Path, every: int):
@@ -288,8 +306,20 @@ def _existing_step(workdir: pathlib.Path) -> int | None:
   return max(steps) if steps else None
 
 
+def _check_writable(workdir: pathlib.Path) -> None:
+  """ConfigError unless ``workdir`` (or the nearest existing parent) can be written."""
+  probe = workdir
+  while not probe.exists() and probe != probe.parent:
+    probe = probe.parent
+  if not probe.is_dir():
+    raise ConfigError(f"--workdir {workdir}: {probe} exists and is not a directory")
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir {workdir}: {probe} is not writable")
+
+
 def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) -> None:
   """Check the run directory before anything is written to it."""
+  _check_writable(workdir)
   existing = _existing_step(workdir)
   cfg_file = workdir / "config.json"
   if resume:

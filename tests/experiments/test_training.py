@@ -30,10 +30,20 @@ def _leaves(params):
 
 
 def test_resume_after_kill_matches_uninterrupted(digits, tmp_path):
+  """Killed after step 11 (checkpoints 5 and 10), the latest checkpoint then corrupted: the
+  resume sets it aside with a warning, continues from step 5, and ends bit-identical."""
   full = training.train(SMALL, digits, tmp_path / "full", progress=False, devices=1)
-  part = training.train(SMALL, digits, tmp_path / "part", progress=False, stop_after=8, devices=1)
-  assert part["steps"] == 8 and not part["finished"]
-  resumed = training.train(SMALL, digits, tmp_path / "part", resume=True, progress=False, devices=1)
+  part = training.train(SMALL, digits, tmp_path / "part", progress=False, stop_after=11, devices=1)
+  assert part["steps"] == 11 and not part["finished"]
+  ckpt = tmp_path / "part" / "checkpoints"
+  assert sorted(p.name for p in ckpt.iterdir()) == ["10", "5"]
+  for f in (ckpt / "10").rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"torn write")
+  with pytest.warns(UserWarning, match=r"checkpoint step 10 is unreadable.*falling back"):
+    resumed = training.train(SMALL, digits, tmp_path / "part", resume=True, progress=False,
+                             devices=1)
+  assert (ckpt / "10.unreadable").is_dir()
   assert resumed["finished"] and resumed["steps"] == SMALL.steps
   for a, b in zip(_leaves(full["trainer"].params), _leaves(resumed["trainer"].params)):
     np.testing.assert_array_equal(a, b)
@@ -105,6 +115,44 @@ def test_cli_bad_inputs(tmp_path):
   for args, pattern in cases:
     _assert_one_line_error(_run_cli(*args, "--workdir", wd), pattern)
   assert not pathlib.Path(wd).exists(), "nothing may be written on bad input"
+
+
+def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
+  npy = tmp_path / "array.npz"
+  with npy.open("wb") as f:
+    np.save(f, np.zeros((3, 4)))
+  text = tmp_path / "notes.txt"
+  text.write_text("hello")
+  objects = tmp_path / "objects.npz"
+  np.savez(objects, x_train=np.array([None, 1], dtype=object))
+  no_channels = tmp_path / "no_channels.npz"
+  x = np.zeros((4, 8, 8, 0), np.float32)
+  np.savez(no_channels, x_train=x, y_train=np.zeros(4, int), x_test=x, y_test=np.zeros(4, int))
+  for path, pattern in [(npy, "single .npy array"), (text, "not a zip archive"),
+                        (objects, "object (pickled) arrays"), (no_channels, "C >= 1")]:
+    with pytest.raises(data_lib.DataError, match=re.escape(pattern)):
+      data_lib.load_npz(path)
+
+
+def test_bad_options_and_unwritable_workdir_fail_before_writing(digits, tmp_path, monkeypatch):
+  for field, value, pattern in [("checkpoint_every", 0, "--checkpoint-every"),
+                                ("checkpoint_every", -3, "--checkpoint-every"),
+                                ("log_every", 0, "log_every")]:
+    with pytest.raises(training.ConfigError, match=pattern):
+      training.validate(dataclasses.replace(SMALL, **{field: value}), digits, 1)
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  with pytest.raises(training.ConfigError, match="exists and is not a directory"):
+    training.train(SMALL, digits, afile / "run", progress=False, devices=1)
+  real_access = os.access
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  # Root may write anywhere, so the read-only directory is simulated at the permission check.
+  monkeypatch.setattr(os, "access", lambda p, m: False if pathlib.Path(p) == locked
+                      else real_access(p, m))
+  with pytest.raises(training.ConfigError, match="is not writable"):
+    training.train(SMALL, digits, locked / "run", progress=False, devices=1)
+  assert list(locked.iterdir()) == []
 
 
 def test_cli_never_overwrites_checkpoints(tmp_path):
