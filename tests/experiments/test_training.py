@@ -94,7 +94,20 @@ def _assert_one_line_error(out, pattern):
   assert pattern in lines[0], lines[0]
 
 
-def test_cli_bad_inputs(tmp_path):
+def _train_vit_main():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("train_vit", ROOT / "scripts" / "train_vit.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  return script.main
+
+
+def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
+  """Each case through the script's main() in this process (the exit code and stderr of a
+  real process are checked by test_cli_never_overwrites_checkpoints)."""
+  import warnings
+  monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets it
+  main = _train_vit_main()
   corrupt = tmp_path / "corrupt.npz"
   corrupt.write_bytes(b"not a zip file")
   bad_shape = tmp_path / "shape.npz"
@@ -113,7 +126,10 @@ def test_cli_bad_inputs(tmp_path):
       (["--preset", "vit-huge"], "unknown preset"),
   ]
   for args, pattern in cases:
-    _assert_one_line_error(_run_cli(*args, "--workdir", wd), pattern)
+    code = main(["--no-progress", *args, "--workdir", wd])
+    cap = capsys.readouterr()
+    assert code == 2, cap.err
+    _assert_one_line_error(subprocess.CompletedProcess(args, code, cap.out, cap.err), pattern)
   assert not pathlib.Path(wd).exists(), "nothing may be written on bad input"
 
 
