@@ -37,6 +37,9 @@ def main(argv=None) -> int:
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq-len", type=int, default=512, help="text models")
   p.add_argument("--points", type=int, default=6, help="budgets between min and max")
+  p.add_argument("--depth", type=int, default=None, help="override the preset's depth")
+  p.add_argument("--image-size", type=int, default=None, help="ViT: override the image size")
+  p.add_argument("--patch-size", type=int, default=None, help="ViT: override the patch size")
   p.add_argument("--variants", default="standard,inverted,inverted-norms",
                  help="operator variants the planner may choose (models.experiments.plan_profiles.VARIANTS)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.peak_of is not None:
     row = json.loads(args.peak_of)
-    cfg = benchmark.model_config(row["model"], dtype=row["dtype"])
+    cfg = benchmark.model_config(row["model"], dtype=row["dtype"], **row.get("overrides", {}))
     print(json.dumps(planning.device_peak(cfg, row["batch"], row["variant"], row["keep"],
                                           seq_len=row["seq_len"])))
     return 0
@@ -87,8 +90,14 @@ def main(argv=None) -> int:
     bar.set_postfix_str(msg)
     bar.update()
 
+  overrides = {k: v for k, v in (("depth", args.depth), ("image_size", args.image_size),
+                                  ("patch_size", args.patch_size)) if v is not None}
   for m in models:
-    cfg = benchmark.model_config(m, dtype=args.dtype)
+    try:
+      cfg = benchmark.model_config(m, dtype=args.dtype, **overrides)
+    except (TypeError, ValueError) as e:
+      print(f"error: model {m}: {e}", file=sys.stderr)
+      return 2
     profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len, variants=variants,
                                 progress=progress)
     lo = min(q.base_bytes for q in profiles)
@@ -100,14 +109,14 @@ def main(argv=None) -> int:
     if args.device_peak:
       for row in fr["fixed"] + [r for r in fr["plans"] if "infeasible" not in r]:
         progress(f"device peak {row.get('policy') or row['budget']} {row['variant']}")
-        _add_device_peak(row, m, args)
+        _add_device_peak(row, m, args, overrides)
     results[m] = fr
   bar.close()
   print(_table(results))
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv), "dtype": args.dtype, "batch": args.batch,
-          "seq_len": args.seq_len, "variants": variants}
+          "seq_len": args.seq_len, "variants": variants, "overrides": overrides}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
                                                       indent=1, default=list))
@@ -117,9 +126,10 @@ def main(argv=None) -> int:
   return 0
 
 
-def _add_device_peak(row, model, args):
+def _add_device_peak(row, model, args, overrides):
   """One child process per row: the allocator's peak never resets within a process."""
   spec = {"model": model, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+          "overrides": overrides,
           "variant": row["variant"], "keep": row["keep"] if "budget" in row else [row["keep"]]}
   done = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()),
                          "--peak-of", json.dumps(spec)],

@@ -256,7 +256,7 @@ def test_device_peak_check(monkeypatch, capsys):
   monkeypatch.setattr(planning, "device_peak", lambda *a, **k: {
       "peak_bytes_in_use": 900, "peak_increase": 700, "output_bytes": 200})
   row = {"model": "gpt2", "dtype": "float32", "batch": 2, "seq_len": 8,
-         "variant": "inverted", "keep": [["query"]]}
+         "variant": "inverted", "keep": [["query"]], "overrides": {"depth": 2}}
   assert script.main(["--peak-of", json.dumps(row)]) == 0
   child_out = capsys.readouterr().out
   assert json.loads(child_out)["peak_increase"] == 700
@@ -270,16 +270,17 @@ def test_device_peak_check(monkeypatch, capsys):
   plan_row = {"budget": 1000, "variant": "inverted", "keep": [["query"], []],
               "predicted_bytes": 550}
   fixed_row = {"policy": "full", "variant": "inverted", "keep": [], "predicted_bytes": 450}
-  script._add_device_peak(plan_row, "gpt2", args)  # pylint: disable=protected-access
-  script._add_device_peak(fixed_row, "gpt2", args)  # pylint: disable=protected-access
+  script._add_device_peak(plan_row, "gpt2", args, {"depth": 2})  # pylint: disable=protected-access
+  script._add_device_peak(fixed_row, "gpt2", args, {})  # pylint: disable=protected-access
   assert calls[0]["keep"] == [["query"], []] and calls[1]["keep"] == [[]]
+  assert calls[0]["overrides"] == {"depth": 2}
   assert plan_row["device_temp_bytes"] == 500
   assert plan_row["device_prediction_error"] == pytest.approx(0.1)
   assert fixed_row["device_prediction_error"] == pytest.approx(-0.1)
   monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(
       returncode=1, stdout="", stderr="CUDA out of memory"))
   with pytest.raises(RuntimeError, match="CUDA out of memory"):
-    script._add_device_peak(dict(plan_row), "gpt2", args)  # pylint: disable=protected-access
+    script._add_device_peak(dict(plan_row), "gpt2", args, {})  # pylint: disable=protected-access
   # No allocator statistics on this device: a clear error, before any compiling.
   if not memory.reports_peak():
     assert script.main(["--device-peak", "--models", "gpt2"]) == 2
