@@ -17,8 +17,7 @@ layer that still recomputes it needs the workspace), which is exact for uniform 
 errs high (safe) for the others.  Layers may differ (``uniform=False``): equal layers are made
 contiguous, runs ordered longest first so that one-layer runs come last (``models`` runs each
 run as its own ``lax.scan`` over its own parameter stack; XLA:CPU schedules a lone layer
-followed by others like unrolled code, +15 … 48 % measured); ``uniform=True`` gives one set
-for all layers.
+followed by others like unrolled code); ``uniform=True`` gives one set for all layers.
 
 Variants change ``base`` (the whole model's activations), so the program is solved once
 per variant and the cheapest feasible plan wins; among equally cheap plans (also within a

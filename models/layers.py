@@ -264,14 +264,6 @@ class Stack(nnx.Module):
 
   @staticmethod
   def _scan(blocks, x, keys, apply):
-    if jax.tree.leaves(nnx.state(blocks))[0].shape[0] == 1:
-      # A run of one layer is called directly: XLA inlines a one-trip loop, and without the
-      # loop boundary CSE merges the backward's recompute with the forward, keeping the whole
-      # layer's activations from the forward to the end of the backward (ViT-B/16 bf16: +48 %).
-      # Called directly, remat's optimization barrier prevents that.
-      graphdef, state = nnx.split(blocks)
-      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-      return apply(block, x, None if keys is None else keys[0])
     if keys is None:
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
       def body(x, block):

@@ -14,6 +14,7 @@ import pytest
 
 from models.experiments import data as data_lib
 from models.experiments import training
+from tests import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = training.TrainConfig(steps=12, batch_size=32, checkpoint_every=5, log_every=2,
@@ -94,20 +95,12 @@ def _assert_one_line_error(out, pattern):
   assert pattern in lines[0], lines[0]
 
 
-def _train_vit_main():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("train_vit", ROOT / "scripts" / "train_vit.py")
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
-  return script.main
-
-
 def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
   """Each case through the script's main() in this process (the exit code and stderr of a
   real process are checked by test_cli_never_overwrites_checkpoints)."""
   import warnings
   monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets it
-  main = _train_vit_main()
+  main = load_script("train_vit").main
   corrupt = tmp_path / "corrupt.npz"
   corrupt.write_bytes(b"not a zip file")
   bad_shape = tmp_path / "shape.npz"

@@ -1,22 +1,19 @@
 """The generated fits are what scripts/fit_inverse.py generates (issue 12): the committed
 module is the script's rendering of its own data, and refitting reproduces that data."""
-import importlib.util
 import pathlib
 
 import numpy as np
 import pytest
 
 from invact_jax.ops.activations import _fits
+from tests import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def fit_inverse():
-  spec = importlib.util.spec_from_file_location("fit_inverse", ROOT / "scripts" / "fit_inverse.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_script("fit_inverse")
 
 
 def test_committed_module_is_the_scripts_rendering(fit_inverse):
