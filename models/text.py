@@ -31,6 +31,9 @@ PRESETS = {
     "bert-base": TextConfig(family="bert", vocab=30522, max_len=512, activation="gelu_erf",
                             norm_eps=1e-12),
     "gpt2": TextConfig(family="gpt2"),
+    # A few-layer GPT-2 for byte-level text on a CPU (training parity study); vocab from the data.
+    "gpt2-tiny": TextConfig(family="gpt2", vocab=256, max_len=512, hidden=128, depth=2, heads=4,
+                            mlp_dim=512, dropout=0.1),
     "llama-small": TextConfig(family="llama", vocab=32000, max_len=2048, hidden=768, depth=12,
                               heads=12, mlp_dim=2048, activation="silu", norm_eps=1e-6),
     "llama-1b": TextConfig(family="llama", vocab=32000, max_len=2048, hidden=2048, depth=16,

@@ -56,6 +56,27 @@ def test_infeasible_budget_names_the_minimum():
   assert planner.solve([PROFILE, other], 5000).variant == "inverted"
 
 
+def test_per_layer_search_falls_back_to_the_uniform_plan_and_names_the_budget(monkeypatch):
+  # Lone layers between runs can compile far above the linear model (XLA:CPU: a 4-layer ViT
+  # plan with runs of 2, 1, 1 layers measured +46 %).  Model that: non-uniform plans compile
+  # 50 % above their prediction, uniform ones as predicted.
+  def measure(cfg, batch, variant, keep, *, seq_len=128):
+    keep = tuple(keep)
+    peak = PROFILE.peak(keep if len(keep) == PROFILE.depth else keep * PROFILE.depth)
+    return planning.Measured(int(peak * (1.0 if len(set(keep)) <= 1 else 1.5)), 0.0)
+  monkeypatch.setattr(planning, "measure", measure)
+  budget = 1600
+  assert not planner.solve([PROFILE], budget, uniform=False).uniform
+  plan, m = planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=False)
+  assert plan.uniform and m.compiled_temp_bytes <= budget and plan.budget == budget
+  assert plan.keep == planner.solve([PROFILE], budget, uniform=True).keep
+  # When nothing fits, the error names the caller's budget, not a lowered search target.
+  monkeypatch.setattr(planning, "measure",
+                      lambda *a, **k: planning.Measured(10 ** 6, 0.0))
+  with pytest.raises(planner.InfeasibleBudget, match="memory budget 1,600 bytes .* 1,000 bytes"):
+    planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=False)
+
+
 def test_relief_counts_only_where_every_layer_keeps_the_tag():
   # "mlp" relieves 200 bytes only if all four layers keep it; in one layer it costs 300.
   assert PROFILE.peak((("mlp",), (), (), ())) == 1300

@@ -1,8 +1,15 @@
-"""Image-classification datasets for the training job: the embedded default and ``.npz`` files."""
+"""Datasets for the training job: images (the embedded digits, ``.npz`` files) and byte-level text.
+
+A :class:`Dataset` holds inputs and targets as arrays the trainer batches by index: images
+``[n, H, W, C]`` with class labels ``[n]``, or text windows ``[n, seq_len]`` of byte tokens
+with the next byte of every position as targets ``[n, seq_len]``.
+"""
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import sys
+import sysconfig
 import zipfile
 
 import numpy as np
@@ -20,12 +27,17 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  x_train: np.ndarray  # [n, H, W, C] float32
-  y_train: np.ndarray  # [n] int32 in [0, num_classes)
+  x_train: np.ndarray  # images [n, H, W, C] float32, or text windows [n, seq_len] int32
+  y_train: np.ndarray  # labels [n], or next-byte targets [n, seq_len]; int32 in [0, num_classes)
   x_test: np.ndarray
   y_test: np.ndarray
-  num_classes: int
+  num_classes: int     # classes, or the vocabulary (256 byte values)
   name: str
+  modality: str = "image"  # "image" or "text"
+
+  @property
+  def seq_len(self) -> int:
+    return self.x_train.shape[1]
 
   @property
   def image_size(self) -> int:
@@ -117,3 +129,47 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
   return Dataset(scale(xs["train"][0], "x_train"), xs["train"][1].astype(np.int32),
                  scale(xs["test"][0], "x_test"),
                  xs["test"][1].astype(np.int32), num_classes, path.stem)
+
+
+def python_stdlib_files() -> list[pathlib.Path]:
+  """The running Python's standard-library modules (``<stdlib>/*.py``), sorted by name."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  return sorted(root.glob("*.py"))
+
+
+def load_text(*, seq_len: int = 128, files: list[pathlib.Path] | None = None,
+              heldout_every: int = 10, max_test_windows: int = 512) -> Dataset:
+  """Byte-level language-modelling data: the Python standard library's own source.
+
+  Every file on a fresh machine has it, nothing is downloaded.  Tokens are bytes (vocabulary
+  256); file ``i`` of the sorted list is held out when ``i % heldout_every == heldout_every // 2``
+  (a split by file, so no held-out text appears in training).  Each split is the concatenation
+  of its files cut into non-overlapping windows of ``seq_len`` inputs; the targets are the same
+  windows shifted by one byte.  The held-out set is capped at ``max_test_windows`` windows,
+  taken evenly over the held-out text.
+  """
+  if not isinstance(seq_len, int) or seq_len < 2:
+    raise DataError(f"seq_len must be an integer >= 2, got {seq_len!r}")
+  files = python_stdlib_files() if files is None else [pathlib.Path(f) for f in files]
+  if len(files) < heldout_every:
+    raise DataError(f"text corpus: need at least {heldout_every} files, found {len(files)} "
+                    f"(looked in {sysconfig.get_paths()['stdlib']})")
+  parts = {"train": [], "test": []}
+  for i, f in enumerate(files):
+    split = "test" if i % heldout_every == heldout_every // 2 else "train"
+    parts[split].append(f.read_bytes())
+  def windows(chunks, cap=None):
+    data = np.frombuffer(b"\n".join(chunks), np.uint8)
+    n = (data.size - 1) // seq_len
+    if n < 1:
+      raise DataError(f"text corpus: {data.size} bytes do not fill one window of {seq_len}")
+    starts = np.arange(n) * seq_len
+    if cap is not None and n > cap:
+      starts = starts[np.linspace(0, n - 1, cap).astype(np.int64)]
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    w = data[idx].astype(np.int32)
+    return w[:, :-1], w[:, 1:]
+  xtr, ytr = windows(parts["train"])
+  xte, yte = windows(parts["test"], max_test_windows)
+  name = f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
+  return Dataset(xtr, ytr, xte, yte, 256, name, modality="text")

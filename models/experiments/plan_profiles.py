@@ -151,6 +151,22 @@ def recompute_flops(cfg, batch: int, variant: str, keep, *, seq_len: int = 128) 
   return m.flops - ref.flops
 
 
+def _fit_rounds(cfg, batch, budget, profiles, *, seq_len, max_rounds, uniform):
+  """The first solved plan whose compiled step fits ``budget`` (None if no round gives one)."""
+  target = int(budget)
+  for _ in range(max_rounds):
+    try:
+      plan = planner.solve(profiles, target, uniform=uniform)
+    except planner.InfeasibleBudget:  # the lowered target went below every plan
+      return None
+    m = measure(cfg, batch, plan.variant, plan.keep, seq_len=seq_len)
+    if m.compiled_temp_bytes <= budget:
+      return dataclasses.replace(plan, budget=int(budget)), m
+    # Lower the target by the excess, and by at least 2 % of the budget per round.
+    target -= max(m.compiled_temp_bytes - budget, budget // 50)
+  return None
+
+
 def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.LayerProfile], *,
                     seq_len: int = 128, max_rounds: int = 6,
                     uniform: bool = True) -> tuple[planner.Plan, Measured]:
@@ -160,19 +176,22 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
   frees); each round lowers the target by the measured excess.  ``uniform`` (default): one
   set for every layer, one ``lax.scan``; ``uniform=False``: per-layer plans, one scan per run
   of equal layers over its own parameter stack (README "Memory-budget planner" has both
-  measured against their predictions).
+  measured against their predictions).  A per-layer search that finds no plan within the
+  budget falls back to the uniform one (lone layers between runs can compile far above the
+  linear model on XLA:CPU), so ``uniform=False`` never does worse than ``uniform=True``.
+
+  Raises:
+    planner.InfeasibleBudget: no plan compiles within ``budget`` (names ``budget`` and the
+      model's minimum).
   """
-  target = int(budget)
-  for _ in range(max_rounds):
-    plan = planner.solve(profiles, target, uniform=uniform)
-    m = measure(cfg, batch, plan.variant, plan.keep, seq_len=seq_len)
-    if m.compiled_temp_bytes <= budget:
-      break
-    # Lower the target by the excess, and by at least 2 % of the budget per round.
-    target -= max(m.compiled_temp_bytes - budget, budget // 50)
-  else:
+  found = _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
+                      uniform=uniform)
+  if found is None and not uniform:
+    found = _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
+                        uniform=True)
+  if found is None:
     raise planner.InfeasibleBudget(int(budget), min(p.minimum_bytes for p in profiles))
-  return dataclasses.replace(plan, budget=int(budget)), m
+  return found
 
 
 def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
@@ -182,7 +201,8 @@ def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
     return {"budget": int(b), "per_layer": not uniform, "infeasible": str(e)}
   fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
   best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
-  return {"budget": int(b), "per_layer": not uniform, "variant": plan.variant,
+  # A per-layer request that fell back to the uniform plan is reported as uniform.
+  return {"budget": int(b), "per_layer": not plan.uniform, "variant": plan.variant,
           "keep": [list(k) for k in plan.keep],
           "predicted_bytes": plan.predicted_bytes,
           "compiled_temp_bytes": m.compiled_temp_bytes,
@@ -200,7 +220,8 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
 
   Recompute FLOPs are measured: the step's FLOPs minus the keep-every-tag step's.  With
   ``per_layer``, each budget where the per-layer solution differs between layers adds a row
-  (``"per_layer": True``) compiled the same way.
+  (``"per_layer": True``) compiled the same way; where no per-layer plan compiles within the
+  budget, the uniform row gets ``"per_layer_fell_back": True`` instead.
   """
   ref = {p.variant: measure(cfg, batch, p.variant, (options.TAGS,), seq_len=seq_len).flops
          for p in profiles}
@@ -229,6 +250,9 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
       if differs:
         if progress:
           progress(f"per-layer plan at {b:,} bytes")
-        plans.append(_plan_row(cfg, batch, b, profiles, fixed, ref, seq_len=seq_len,
-                               uniform=False))
+        row = _plan_row(cfg, batch, b, profiles, fixed, ref, seq_len=seq_len, uniform=False)
+        if row.get("per_layer", True):
+          plans.append(row)
+        else:  # no per-layer plan compiled within the budget: the uniform row stands
+          plans[-1]["per_layer_fell_back"] = True
   return {"fixed": fixed, "plans": plans}

@@ -1,4 +1,5 @@
-"""Image-classifier training for ViT: data order, AdamW schedule, checkpoints, data parallelism.
+"""Training for ViT image classifiers and GPT-style byte LMs: data order, AdamW schedule,
+checkpoints, data parallelism.
 
 Importable logic behind ``scripts/train_vit.py``.  Everything that changes the result is
 a field of :class:`TrainConfig`; the data order of epoch ``e`` is a permutation drawn from
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from invact_jax import memory
-from models import options, vit
+from models import options, text, vit
 from models.experiments import data as data_lib
 
 
@@ -62,7 +63,9 @@ class TrainConfig:
   log_every: int = 20
   shift: int | None = None       # random-translation augmentation in pixels (None: image_size // 8)
 
-  def model_config(self, dataset: data_lib.Dataset) -> vit.ViTConfig:
+  def model_config(self, dataset: data_lib.Dataset) -> vit.ViTConfig | text.TextConfig:
+    if dataset.modality == "text":
+      return self._text_config(dataset)
     if self.preset not in vit.PRESETS:
       raise ConfigError(f"unknown preset {self.preset!r}; choose from {sorted(vit.PRESETS)}")
     base = vit.PRESETS[self.preset]
@@ -75,6 +78,18 @@ class TrainConfig:
     try:
       return base.replace(image_size=dataset.image_size, patch_size=patch,
                           channels=dataset.channels, num_classes=dataset.num_classes,
+                          **options.configuration(self.activations), dtype=self.dtype,
+                          scan_layers=self.scan_layers, remat=self.remat)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  def _text_config(self, dataset: data_lib.Dataset) -> text.TextConfig:
+    if self.preset not in text.PRESETS or text.PRESETS[self.preset].family == "bert":
+      raise ConfigError(f"unknown preset {self.preset!r} for text data; choose from "
+                        f"{sorted(k for k, v in text.PRESETS.items() if v.family != 'bert')}")
+    base = text.PRESETS[self.preset]
+    try:
+      return base.replace(vocab=dataset.num_classes, max_len=max(base.max_len, dataset.seq_len),
                           **options.configuration(self.activations), dtype=self.dtype,
                           scan_layers=self.scan_layers, remat=self.remat)
     except ValueError as e:
@@ -154,15 +169,15 @@ def dropout_key(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1), step)
 
 
-def plan_model(model_cfg, budget: int, batch: int):
+def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
   """The model config under the planner's cheapest plan whose compiled gradient step
   (per device, layers scanned) fits ``budget`` bytes; raises ConfigError if none does."""
   from invact_jax import planner  # pylint: disable=import-outside-toplevel
   from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
   cfg = model_cfg.replace(scan_layers=True)
-  profiles = planning.profile(cfg, batch)
+  profiles = planning.profile(cfg, batch, seq_len=seq_len)
   try:
-    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles)
+    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles, seq_len=seq_len)
   except planner.InfeasibleBudget as e:
     raise ConfigError(f"--memory-budget: {e}") from None
   return cfg.replace(save_names=plan.save_names(), **options.CONFIGURATIONS[plan.variant]), plan
@@ -186,9 +201,11 @@ class Trainer:
     self.model_cfg = self.cfg.model_config(self.dataset)
     self.plan = None
     if self.cfg.memory_budget is not None:
-      self.model_cfg, self.plan = plan_model(self.model_cfg, self.cfg.memory_budget,
-                                             self.cfg.batch_size // self.mesh.size)
-    model = vit.ViT(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))
+      self.model_cfg, self.plan = plan_model(
+          self.model_cfg, self.cfg.memory_budget, self.cfg.batch_size // self.mesh.size,
+          **({"seq_len": self.dataset.seq_len} if self.dataset.modality == "text" else {}))
+    module = text.TextTransformer if self.dataset.modality == "text" else vit.ViT
+    model = module(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))
     self.graphdef, params = nnx.split(model, nnx.Param)
     self.total = self.cfg.total_steps(self.dataset.x_train.shape[0])
     self.lr = schedule(self.cfg, self.total)
@@ -218,13 +235,16 @@ class Trainer:
     logits = self._logits(params, x, None)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     correct = (jnp.argmax(logits, -1) == y)
+    valid = valid.reshape(valid.shape + (1,) * (y.ndim - 1))  # text: every position of a window
     return jnp.sum(jnp.where(valid, loss, 0.0)), jnp.sum(correct & valid)
 
   # -- host-side helpers
   def batch(self, step: int):
     idx = batch_indices(self.cfg.seed, step, self.dataset.x_train.shape[0], self.cfg.batch_size)
-    shift = self.dataset.image_size // 8 if self.cfg.shift is None else self.cfg.shift
-    x = random_shift(self.dataset.x_train[idx], shift, self.cfg.seed, step)
+    x = self.dataset.x_train[idx]
+    if self.dataset.modality == "image":
+      shift = self.dataset.image_size // 8 if self.cfg.shift is None else self.cfg.shift
+      x = random_shift(x, shift, self.cfg.seed, step)
     x = jax.device_put(x, self.batch_sharding)
     y = jax.device_put(self.dataset.y_train[idx], self.batch_sharding)
     return x, y
@@ -235,6 +255,15 @@ class Trainer:
     self.params, self.opt_state, loss, acc = self.train_step_fn(self.params, self.opt_state, x, y, key)
     self.step = step + 1
     return loss, acc
+
+  def gradients(self, step: int = 0):
+    """(loss, gradient of the loss w.r.t. the parameters) on the batch and dropout key of
+    ``step``, at the current parameters (no update)."""
+    x, y = self.batch(step)
+    def loss_fn(p):
+      logits = self._logits(p, x, dropout_key(self.cfg.seed, step))
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return jax.jit(jax.value_and_grad(loss_fn))(self.params)
 
   def compiled_memory(self) -> memory.CompiledMemory:
     x, y = self.batch(0)
@@ -249,6 +278,7 @@ class Trainer:
                               dropout_key(self.cfg.seed, 0))
 
   def evaluate(self) -> dict[str, float]:
+    """Mean loss and accuracy over the test set (per image, or per byte of text)."""
     x, y = self.dataset.x_test, self.dataset.y_test
     b = self.cfg.batch_size
     loss_sum, correct = 0.0, 0
@@ -264,7 +294,8 @@ class Trainer:
       l, c = self._eval_step(self.params, put(xb), put(yb), put(valid))
       loss_sum += float(l)
       correct += int(c)
-    return {"test_loss": loss_sum / x.shape[0], "test_acc": correct / x.shape[0]}
+    n = y.size  # images, or predicted bytes
+    return {"test_loss": loss_sum / n, "test_acc": correct / n}
 
   # -- checkpoints (orbax)
   def state(self) -> dict[str, Any]:
@@ -298,7 +329,7 @@ def _checkpoint_manager(workdir: pathlib.Path, every: int):
   return ocp.CheckpointManager(workdir.resolve() / "checkpoints", options=opts)
 
 
-def _existing_step(workdir: pathlib.Path) -> int | None:
+def latest_checkpoint_step(workdir: pathlib.Path) -> int | None:
   ckpt = workdir / "checkpoints"
   if not ckpt.is_dir():
     return None
@@ -320,7 +351,7 @@ def _check_writable(workdir: pathlib.Path) -> None:
 def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) -> None:
   """Check the run directory before anything is written to it."""
   _check_writable(workdir)
-  existing = _existing_step(workdir)
+  existing = latest_checkpoint_step(workdir)
   cfg_file = workdir / "config.json"
   if resume:
     if existing is None:
@@ -381,7 +412,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   if progress:
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
-               desc=f"vit-{cfg.preset} {cfg.activations}")
+               desc=f"{cfg.preset} {cfg.activations}")
   def log(record):
     history.append(record)
     with metrics_path.open("a") as f:
