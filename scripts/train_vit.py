@@ -8,6 +8,11 @@ nothing downloaded), inverted activations, on every local device.
   python scripts/train_vit.py --compare             # standard vs inverted, same seed
   python scripts/train_vit.py --data cifar10.npz --preset ti16 --dtype bfloat16
   python scripts/train_vit.py --resume              # continue the latest run
+
+Several processes (one per host; each sees its local devices, the mesh spans all of them):
+
+  python scripts/train_vit.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...
+  python scripts/train_vit.py --coordinator host0:1234 --num-processes 2 --process-id 1 ...
 """
 from __future__ import annotations
 
@@ -52,6 +57,17 @@ def parse(argv=None):
   p.add_argument("--workdir", type=pathlib.Path, help="run directory (default: runs/<preset>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                 help="stop once STEP is reached, as if killed (continue later with --resume)")
+  g = p.add_argument_group("several processes (JAX multi-controller; give all processes the "
+                           "same options and --workdir on a shared file system)")
+  g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+  g.add_argument("--num-processes", type=int, help="how many processes take part")
+  g.add_argument("--process-id", type=int, help="this process's rank, 0 .. N-1")
+  g.add_argument("--distributed", action="store_true",
+                 help="join the cluster JAX detects (SLURM, Open MPI, ...) with no addresses")
+  g.add_argument("--distributed-timeout", type=int, default=120,
+                 help="seconds to wait for every process to join (default 120)")
   return p.parse_args(argv)
 
 
@@ -80,7 +96,16 @@ def main(argv=None) -> int:
   from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
   from models.experiments import compare  # pylint: disable=import-outside-toplevel
+  from models.experiments import distributed  # pylint: disable=import-outside-toplevel
   try:
+    several = args.coordinator is not None or args.distributed
+    if several and args.workdir is None:
+      raise training.ConfigError("--workdir is required with several processes (the same "
+                                 "directory for all, on a shared file system)")
+    if several and args.compare:
+      raise training.ConfigError("--compare runs in one process; drop --coordinator/--distributed")
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                           auto=args.distributed, timeout_s=args.distributed_timeout)
     dataset = data_lib.load_npz(args.data) if args.data else data_lib.load_digits(args.seed)
     workdir = args.workdir
     if workdir is None:
@@ -101,7 +126,7 @@ def main(argv=None) -> int:
       print(f"\nwrote {result['json']}\nwrote {result['png']}")
       return 0
     summary = training.train(cfg, dataset, workdir / cfg.activations, resume=args.resume,
-                             progress=progress)
+                             progress=progress, stop_after=args.stop_after)
   except (data_lib.DataError, training.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -111,9 +136,11 @@ def main(argv=None) -> int:
   except training.TrainingDiverged as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
-  print(json.dumps(shown, indent=1))
-  print(f"run directory: {workdir}")
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.process_index() == 0:
+    shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
+    print(json.dumps(shown, indent=1))
+    print(f"run directory: {workdir}")
   return 0
 
 

@@ -16,7 +16,7 @@ import os
 import pathlib
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -152,13 +152,23 @@ def batch_indices(seed: int, step: int, n: int, batch: int) -> np.ndarray:
   return _epoch_permutation(seed, epoch, n)[i * batch:(i + 1) * batch]
 
 
-def random_shift(images: np.ndarray, shift: int, seed: int, step: int) -> np.ndarray:
-  """Translate each image by up to ``shift`` pixels (zero fill), deterministic in (seed, step)."""
+def shift_offsets(shift: int, seed: int, step: int, batch: int) -> np.ndarray:
+  """[2, batch] per-image offsets in [0, 2 * shift] of :func:`random_shift` for (seed, step)."""
+  rng = np.random.default_rng([seed, step, 7])
+  return rng.integers(0, 2 * shift + 1, size=(2, batch))
+
+
+def random_shift(images: np.ndarray, shift: int, seed: int, step: int,
+                 offsets: np.ndarray | None = None) -> np.ndarray:
+  """Translate each image by up to ``shift`` pixels (zero fill), deterministic in (seed, step).
+
+  ``offsets``: the rows of :func:`shift_offsets` for these images (a process building its
+  part of a global batch passes its rows); default: those of the whole batch.
+  """
   if shift <= 0:
     return images
   b, h, w, _ = images.shape
-  rng = np.random.default_rng([seed, step, 7])
-  dy, dx = rng.integers(0, 2 * shift + 1, size=(2, b))
+  dy, dx = shift_offsets(shift, seed, step, b) if offsets is None else offsets
   padded = np.pad(images, ((0, 0), (shift, shift), (shift, shift), (0, 0)))
   rows = dy[:, None] + np.arange(h)[None, :]
   cols = dx[:, None] + np.arange(w)[None, :]
@@ -191,7 +201,9 @@ class Trainer:
   devices: int | None = None  # data-parallel over the first N local devices (None: all)
 
   def __post_init__(self):
-    devs = jax.devices()
+    devs = jax.devices()  # every process's devices (multi-process: a global mesh)
+    if self.devices is not None and jax.process_count() > 1:
+      raise ConfigError("devices: a multi-process run uses every process's devices")
     if self.devices is not None:
       if not 1 <= self.devices <= len(devs):
         raise ConfigError(f"devices must be in [1, {len(devs)}], got {self.devices}")
@@ -239,14 +251,25 @@ class Trainer:
     return jnp.sum(jnp.where(valid, loss, 0.0)), jnp.sum(correct & valid)
 
   # -- host-side helpers
+  def _sharded(self, shape, rows: Callable[[slice], np.ndarray]) -> jax.Array:
+    """A global array split over the data axis; each process builds only the rows of its own
+    devices (``rows(slice)``), so every process reads only its part of a global batch."""
+    return jax.make_array_from_callback(
+        tuple(shape), self.batch_sharding, lambda index: rows(index[0])[(slice(None),) + index[1:]])
+
   def batch(self, step: int):
-    idx = batch_indices(self.cfg.seed, step, self.dataset.x_train.shape[0], self.cfg.batch_size)
-    x = self.dataset.x_train[idx]
-    if self.dataset.modality == "image":
-      shift = self.dataset.image_size // 8 if self.cfg.shift is None else self.cfg.shift
-      x = random_shift(x, shift, self.cfg.seed, step)
-    x = jax.device_put(x, self.batch_sharding)
-    y = jax.device_put(self.dataset.y_train[idx], self.batch_sharding)
+    """The global batch of ``step`` (same data order for any number of processes/devices)."""
+    b, d = self.cfg.batch_size, self.dataset
+    idx = batch_indices(self.cfg.seed, step, d.x_train.shape[0], b)
+    shift = 0
+    if d.modality == "image":
+      shift = d.image_size // 8 if self.cfg.shift is None else self.cfg.shift
+    offsets = shift_offsets(shift, self.cfg.seed, step, b) if shift > 0 else None
+    def x_rows(sl):
+      x = d.x_train[idx[sl]]
+      return x if offsets is None else random_shift(x, shift, self.cfg.seed, step, offsets[:, sl])
+    x = self._sharded((b, *d.x_train.shape[1:]), x_rows)
+    y = self._sharded((b, *d.y_train.shape[1:]), lambda sl: d.y_train[idx[sl]])
     return x, y
 
   def train_step(self, step: int):
@@ -290,7 +313,7 @@ class Trainer:
         valid[b - pad:] = False
         xb = np.concatenate([xb, np.zeros((pad, *xb.shape[1:]), xb.dtype)])
         yb = np.concatenate([yb, np.zeros(pad, yb.dtype)])
-      put = lambda a: jax.device_put(a, self.batch_sharding)
+      put = lambda a: self._sharded(a.shape, lambda sl, a=a: a[sl])  # noqa: E731
       l, c = self._eval_step(self.params, put(xb), put(yb), put(valid))
       loss_sum += float(l)
       correct += int(c)
@@ -311,7 +334,8 @@ class Trainer:
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
       except Exception as e:  # pylint: disable=broad-except  # orbax raises many kinds
         bad = manager.directory / str(step)
-        bad.rename(bad.with_name(f"{step}.unreadable"))
+        if jax.process_index() == 0:  # every process saw the same files; one sets them aside
+          bad.rename(bad.with_name(f"{step}.unreadable"))
         manager.reload()
         warnings.warn(f"checkpoint step {step} is unreadable ({type(e).__name__}: "
                       f"{str(e).splitlines()[0][:200] if str(e) else ''}); moved it to {bad.name}"
@@ -393,8 +417,12 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   workdir = pathlib.Path(workdir)
   trainer = Trainer(cfg, dataset, devices)  # validates before anything is written
   prepare_workdir(cfg, workdir, resume=resume)
+  # Multi-process: every process trains and checkpoints (orbax writes collectively); only
+  # process 0 writes the logs and shows progress.
+  main = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+  if main:
+    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
   manager = _checkpoint_manager(workdir, cfg.checkpoint_every)
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   start = trainer.restore(manager) if resume else 0
@@ -402,21 +430,23 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   kept = []
   if resume and metrics_path.is_file():  # drop what the interrupted run logged past the checkpoint
     kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
-  metrics_path.write_text("".join(l + "\n" for l in kept))
+  if main:
+    metrics_path.write_text("".join(l + "\n" for l in kept))
   n = dataset.x_train.shape[0]
   per_epoch = n // cfg.batch_size
   history = [json.loads(l) for l in kept]
   step_times = []
 
   bar = None
-  if progress:
+  if progress and main:
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
                desc=f"{cfg.preset} {cfg.activations}")
   def log(record):
     history.append(record)
-    with metrics_path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    if main:
+      with metrics_path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
 
   t_last, n_last = time.perf_counter(), start
   end = trainer.total if stop_after is None else min(trainer.total, stop_after)
@@ -466,13 +496,15 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       "final_test_loss": evals[-1]["test_loss"] if evals else None,
       "final_train_loss": trains[-1]["loss"] if trains else None,
       "step_time_s_median": float(np.median(step_times[len(step_times) // 5:])) if step_times else None,
-      "devices": trainer.mesh.size, "platform": jax.default_backend(),
+      "devices": trainer.mesh.size, "processes": jax.process_count(),
+      "platform": jax.default_backend(),
       "memory_plan": None if trainer.plan is None else {
           "budget": trainer.plan.budget, "variant": trainer.plan.variant,
           "keep": [list(k) for k in trainer.plan.save_names()],
           "predicted_bytes": trainer.plan.predicted_bytes},
   }
-  (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+  if main:
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
   summary["history"] = history
   summary["trainer"] = trainer
   return summary

@@ -1,0 +1,83 @@
+"""train_vit.py on JAX's multi-controller runtime (issue 19): two processes on localhost (CPU,
+gloo) train like one, write one set of logs and collective checkpoints, and a run they stop
+resumes in one process on another device count; bad launches fail with one line."""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from models.experiments import data as data_lib
+from models.experiments import training
+from tests import load_script
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one_and_resume_elsewhere(tmp_path):
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
+  work = tmp_path / "run"
+  # Each process sees 2 CPU devices: a global mesh of 4.
+  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=2")}
+  argv = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "12",
+          "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
+          "--workdir", str(work), "--coordinator", f"localhost:{_free_port()}",
+          "--num-processes", "2", "--stop-after", "6", "--distributed-timeout", "60"]
+  procs = [subprocess.Popen(argv + ["--process-id", str(i)], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=400) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+  # stdout: the summary (process 0 only) among gloo's connection messages.
+  block = lambda out: re.search(r"^\{$.*?^\}$", out, re.S | re.M)  # noqa: E731
+  summary = json.loads(block(outs[0][0]).group(0))
+  assert (summary["devices"], summary["processes"], summary["steps"]) == (4, 2, 6)
+  assert block(outs[1][0]) is None and "run directory" not in outs[1][0]
+  run = work / "inverted"
+  assert training.latest_checkpoint_step(run) == 5  # written by both processes together
+  # Resume the two-process run here: one process, 4 devices; and the same run from scratch.
+  cfg = training.TrainConfig(**json.loads((run / "config.json").read_text()))
+  digits = data_lib.load_digits(cfg.seed)
+  resumed = training.train(cfg, digits, run, resume=True, progress=False, devices=4)
+  fresh = training.train(cfg, digits, tmp_path / "fresh", progress=False, devices=4)
+  assert resumed["finished"] and resumed["steps"] == fresh["steps"] == 12
+  assert abs(resumed["final_train_loss"] / fresh["final_train_loss"] - 1) <= 1e-3
+  # Parameters: as close as 1 vs 4 devices in one process (max |diff| 3.1e-3 after these 12
+  # steps: AdamW turns reduction-order noise in near-zero early gradients into lr-sized steps).
+  for a, b in zip(jax.tree.leaves(resumed["trainer"].params), jax.tree.leaves(fresh["trainer"].params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--coordinator", "localhost:{port}", "--num-processes", "2", "--process-id", "1",
+      "--distributed-timeout", "2"], "nothing answered within 2 s"),
+    (["--coordinator", "localhost:99999", "--num-processes", "2", "--process-id", "1"],
+     "--coordinator must be HOST:PORT"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     r"--process-id must be in \[0, 1\]"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2"], "go together"),
+])
+def test_bad_launch_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+  port = _free_port()  # nothing listens there
+  argv = [a.format(port=port) for a in args] + ["--workdir", str(tmp_path / "w"), "--no-progress"]
+  assert load_script("train_vit").main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and len(err.splitlines()) == 1
+  assert re.search(message, err), err
+  assert not (tmp_path / "w").exists()
