@@ -97,6 +97,8 @@ def main(argv=None) -> int:
   from models.experiments import training  # pylint: disable=import-outside-toplevel
   from models.experiments import compare  # pylint: disable=import-outside-toplevel
   from models.experiments import distributed  # pylint: disable=import-outside-toplevel
+  from jax import errors as jax_errors  # pylint: disable=import-outside-toplevel
+  several = False
   try:
     several = args.coordinator is not None or args.distributed
     if several and args.workdir is None:
@@ -135,6 +137,13 @@ def main(argv=None) -> int:
     return 2
   except training.TrainingDiverged as e:
     print(f"error: {e}", file=sys.stderr)
+    return 1
+  except jax_errors.JaxRuntimeError as e:
+    if not several:
+      raise
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    print(f"error: lost the other processes ({first}); once all are back, continue with --resume",
+          file=sys.stderr)
     return 1
   import jax  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
