@@ -154,7 +154,8 @@ def _t975(dof: int) -> float:
 
 def summarize(runs: list[dict], tasks: dict[str, Task]) -> list[dict[str, Any]]:
   """Per task x dtype x configuration: mean/std of the task's metric, and for non-standard
-  configurations the paired difference to standard (by seed) with its 95 % CI."""
+  configurations the paired difference to standard in the same dtype (by seed) with its 95 %
+  CI; standard in a 16-bit dtype is paired with standard in float32 (the control)."""
   cells: dict[tuple, dict[int, float]] = {}
   for r in runs:
     task = tasks[r["task"]]
@@ -167,8 +168,13 @@ def summarize(runs: list[dict], tasks: dict[str, Task]) -> list[dict[str, Any]]:
     row = {"task": tname, "dtype": dtype, "configuration": configuration, "metric": task.metric,
            "seeds": len(vals), "mean": float(vals.mean()),
            "std": float(vals.std(ddof=1)) if len(vals) > 1 else None}
-    std = cells.get((tname, dtype, "standard"))
-    if configuration != "standard" and std:
+    # Non-standard configurations pair with standard in the same dtype; standard in a 16-bit
+    # dtype pairs with standard in float32: the control, how far a change of rounding alone
+    # moves the metric seed by seed.
+    against = ("standard", dtype) if configuration != "standard" else ("standard", "float32")
+    std = cells.get((tname, against[1], against[0]))
+    if (configuration, dtype) != against and std:
+      row["against"] = f"{against[0]} ({against[1]})"
       seeds = sorted(set(by_seed) & set(std))
       a, b = np.array([by_seed[s] for s in seeds]), np.array([std[s] for s in seeds])
       d = (a - b) * 100.0 if task.diff_units == "points" else (a - b) / b * 100.0
@@ -183,8 +189,8 @@ def summarize(runs: list[dict], tasks: dict[str, Task]) -> list[dict[str, Any]]:
 
 def table(summary: list[dict], tasks: dict[str, Task]) -> str:
   """Markdown: per cell mean ± std, and the paired difference with its 95 % CI."""
-  lines = ["| task | dtype | configuration | metric: mean ± std (seeds) | paired diff vs standard "
-           "[95 % CI] | within margin |", "|---|---|---|---|---|---|"]
+  lines = ["| task | dtype | configuration | metric: mean ± std (seeds) | paired diff [95 % CI] "
+           "| against | within margin |", "|---|---|---|---|---|---|---|"]
   for r in summary:
     scale = 100.0 if tasks[r["task"]].diff_units == "points" else 1.0
     unit = " %" if scale == 100.0 else ""
@@ -199,7 +205,11 @@ def table(summary: list[dict], tasks: dict[str, Task]) -> str:
             False: f"**no** (> {r['margin']:g}{u})"}[r["equivalent"]]
     else:
       diff, ok = "(baseline)", ""
-    lines.append(f"| {r['task']} | {r['dtype']} | {r['configuration']} | {cell} | {diff} | {ok} |")
+    against = r.get("against", "")
+    if against.endswith("(float32)") and r["configuration"] == "standard":
+      against += ", control"
+    lines.append(f"| {r['task']} | {r['dtype']} | {r['configuration']} | {cell} | {diff} | "
+                 f"{against} | {ok} |")
   return "\n".join(lines)
 
 

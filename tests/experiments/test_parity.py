@@ -50,6 +50,12 @@ def test_paired_difference_and_its_confidence_interval():
   assert r["diff_mean"] == pytest.approx(d.mean()) and r["diff_ci95_half_width"] == pytest.approx(hw)
   assert abs(d.mean()) + hw <= 1.0 and r["equivalent"] is True
   assert rows["standard"]["mean"] == pytest.approx(np.mean(base)) and "diff_mean" not in rows["standard"]
+  # Standard in bfloat16 pairs with standard in float32 (the control for a change of rounding).
+  bf16 = [dict(r, dtype="bfloat16", value=r["value"] + 0.01) for r in runs
+          if r["configuration"] == "standard" and r["metric"] == "test_accuracy"]
+  control = [r for r in parity.summarize(runs + bf16, tasks) if r["dtype"] == "bfloat16"]
+  assert len(control) == 1 and control[0]["against"] == "standard (float32)"
+  assert control[0]["diff_mean"] == pytest.approx(1.0) and control[0]["diff_ci95_half_width"] < 1e-9
   # A 2-point drop on every seed is not equivalent; the table says so.
   worse = [dict(r, value=r["value"] - 0.02) if r["configuration"] == "inverted" else r for r in runs]
   rows = {r["configuration"]: r for r in parity.summarize(worse, tasks)}
@@ -88,7 +94,7 @@ def test_quick_study_end_to_end_resumes_and_never_recomputes(tmp_path):
   assert ours["rel_l2"] < noise["rel_l2"] and ours["cosine"] > 0.999
   assert report["meta"]["seeds"] == 2 and report["meta"]["quick"] is True
   assert out.with_suffix(".png").stat().st_size > 10_000
-  assert "paired diff vs standard" in out.with_suffix(".md").read_text()
+  assert "paired diff [95 % CI]" in out.with_suffix(".md").read_text()
   # A second call recomputes nothing.
   stamps = {p: p.stat().st_mtime_ns for p in work.rglob("parity_run.json")}
   assert len(stamps) == 4

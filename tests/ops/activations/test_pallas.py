@@ -10,6 +10,8 @@ import pytest
 from absl.testing import parameterized
 from jax import export
 
+import tests
+
 from invact_jax import accuracy
 from invact_jax import bitpack
 from invact_jax.ops.activations import base
@@ -30,11 +32,11 @@ class PallasActivationTest(test_base.ActivationTestBase):
     op = case.op
     x = test_base.inputs(shape, dtype)
     xla = base.Backend("xla")
-    y, m = jax.jit(lambda x: base.forward(op, xla, x))(x)  # the XLA path's residuals
+    y, m = tests.jit(lambda x: base.forward(op, xla, x))(x)  # the XLA path's residuals
     dy = jnp.asarray(np.random.default_rng(1).normal(size=shape).astype(test_base.np_dtype(dtype)))
-    dx_ref = jax.jit(lambda y, m, dy: base.backward(op, xla, y, m, dy))(y, m, dy)
+    dx_ref = tests.jit(lambda y, m, dy: base.backward(op, xla, y, m, dy))(y, m, dy)
     kb = base.Backend("pallas", interpret=self.INTERPRET, block_rows=block_rows)
-    dx = jax.jit(lambda y, m, dy: pallas.backward(op, kb, y, m, dy))(y, m, dy)
+    dx = tests.jit(lambda y, m, dy: pallas.backward(op, kb, y, m, dy))(y, m, dy)
     self.assertLessEqual(float(np.max(test_base.ulp_diff(dx, dx_ref, dtype), initial=0)), 1.0)
 
 
