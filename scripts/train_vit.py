@@ -57,6 +57,9 @@ def parse(argv=None):
   p.add_argument("--workdir", type=pathlib.Path, help="run directory (default: runs/<preset>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--shard-params", action="store_true",
+                 help="FSDP: split parameters and optimizer state over the devices (data axis) "
+                      "instead of replicating them; a run may resume with or without it")
   p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                  help="stop once STEP is reached, as if killed (continue later with --resume)")
   g = p.add_argument_group("several processes (JAX multi-controller; give all processes the "
@@ -123,12 +126,14 @@ def main(argv=None) -> int:
         checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget)
     progress = not args.no_progress
     if args.compare:
-      result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress)
+      result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress,
+                               shard_params=args.shard_params)
       print(result["table"])
       print(f"\nwrote {result['json']}\nwrote {result['png']}")
       return 0
     summary = training.train(cfg, dataset, workdir / cfg.activations, resume=args.resume,
-                             progress=progress, stop_after=args.stop_after)
+                             progress=progress, stop_after=args.stop_after,
+                             shard_params=args.shard_params)
   except (data_lib.DataError, training.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

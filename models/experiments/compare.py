@@ -24,7 +24,8 @@ def _device_peak(trainer: training.Trainer) -> int | None:
 
 
 def compare(cfg: training.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, *,
-            resume: bool = False, progress: bool = True) -> dict[str, Any]:
+            resume: bool = False, progress: bool = True,
+            shard_params: bool = False) -> dict[str, Any]:
   """Train both implementations; write compare.json and compare.png; return the table."""
   workdir = pathlib.Path(workdir)
   impls = _impls(cfg)
@@ -35,7 +36,8 @@ def compare(cfg: training.TrainConfig, dataset: data_lib.Dataset, workdir: pathl
   runs = {}
   for impl in impls:
     c = dataclasses.replace(cfg, activations=impl)
-    s = training.train(c, dataset, workdir / impl, resume=resume, progress=progress)
+    s = training.train(c, dataset, workdir / impl, resume=resume, progress=progress,
+                       shard_params=shard_params)
     trainer = s.pop("trainer")
     s["compiled_temp_bytes"] = trainer.compiled_memory().temp
     s["device_peak_bytes"] = _device_peak(trainer)

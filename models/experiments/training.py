@@ -199,6 +199,7 @@ class Trainer:
   cfg: TrainConfig
   dataset: data_lib.Dataset
   devices: int | None = None  # data-parallel over the first N local devices (None: all)
+  shard_params: bool = False  # FSDP: parameters and optimizer state split over the data axis
 
   def __post_init__(self):
     devs = jax.devices()  # every process's devices (multi-process: a global mesh)
@@ -224,11 +225,34 @@ class Trainer:
     self.tx = optax.adamw(self.lr, weight_decay=self.cfg.weight_decay)
     self.replicated = NamedSharding(self.mesh, P())
     self.batch_sharding = NamedSharding(self.mesh, P("data"))
-    self.params = jax.device_put(params, self.replicated)
-    self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+    self.param_sharding = jax.tree.map(self._state_sharding, params)
+    self.params = jax.device_put(params, self.param_sharding)
+    opt_state = self.tx.init(self.params)
+    self.opt_sharding = jax.tree.map(self._state_sharding, opt_state)
+    self.opt_state = jax.device_put(opt_state, self.opt_sharding)
     self.step = 0
-    self.train_step_fn = jax.jit(self._train_step_fn, donate_argnums=(0, 1))
+    # The state keeps its layout across steps (sharding propagation alone may pick another).
+    self.train_step_fn = jax.jit(
+        self._train_step_fn, donate_argnums=(0, 1),
+        out_shardings=(self.param_sharding, self.opt_sharding, self.replicated, self.replicated))
     self._eval_step = jax.jit(self._eval_step_fn)
+
+  def _state_sharding(self, leaf) -> NamedSharding:
+    """Replicated, or with ``shard_params`` split over the data axis along the leaf's largest
+    dimension that the mesh divides (FSDP / ZeRO-3: XLA gathers each weight where a step
+    uses it and reduce-scatters its gradient; the batch stays split as before).  A leaf with
+    no such dimension (a step counter) stays replicated."""
+    shape = getattr(leaf, "shape", ())
+    n = self.mesh.size
+    dims = [i for i, d in enumerate(shape) if d % n == 0 and d >= n]
+    if not self.shard_params or n == 1 or not dims:
+      return self.replicated
+    axis = max(dims, key=lambda i: (shape[i], -i))
+    return NamedSharding(self.mesh, P(*([None] * axis), "data"))
+
+  def state_bytes_per_device(self) -> int:
+    """Bytes of parameters + optimizer state one device holds."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state()))
 
   # -- compiled functions
   def _logits(self, params, x, key):
@@ -236,10 +260,15 @@ class Trainer:
 
   def _train_step_fn(self, params, opt_state, x, y, key):
     def loss_fn(p):
+      # FSDP: gather the weights, not the activations (left alone, sharding propagation may
+      # split a layer's output features over the devices and all-gather its batch instead:
+      # measured on the digits ViT, its input images, logits and attention scores).
+      p = jax.lax.with_sharding_constraint(p, jax.tree.map(lambda _: self.replicated, p))
       logits = self._logits(p, x, key)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss, jnp.mean(jnp.argmax(logits, -1) == y)
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.lax.with_sharding_constraint(grads, self.param_sharding)  # reduce-scatter
     updates, opt_state = self.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, acc
 
@@ -409,13 +438,16 @@ def _stop_diverged(manager, bar, what: str):
 
 def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Path, *,
           resume: bool = False, progress: bool = True, stop_after: int | None = None,
-          time_steps: bool = True, devices: int | None = None) -> dict[str, Any]:
+          time_steps: bool = True, devices: int | None = None,
+          shard_params: bool = False) -> dict[str, Any]:
   """Train (or resume) a run in ``workdir``; returns the summary (also in summary.json).
 
   ``stop_after``: stop once this step is reached, as if killed (checkpoints as usual).
+  ``shard_params``: FSDP (see :meth:`Trainer._state_sharding`); a run may resume with or
+  without it (the layout is not part of the config; checkpoints restore into either).
   """
   workdir = pathlib.Path(workdir)
-  trainer = Trainer(cfg, dataset, devices)  # validates before anything is written
+  trainer = Trainer(cfg, dataset, devices, shard_params)  # validates before anything is written
   prepare_workdir(cfg, workdir, resume=resume)
   # Multi-process: every process trains and checkpoints (orbax writes collectively); only
   # process 0 writes the logs and shows progress.
@@ -497,6 +529,8 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       "final_train_loss": trains[-1]["loss"] if trains else None,
       "step_time_s_median": float(np.median(step_times[len(step_times) // 5:])) if step_times else None,
       "devices": trainer.mesh.size, "processes": jax.process_count(),
+      "shard_params": trainer.shard_params,
+      "state_bytes_per_device": trainer.state_bytes_per_device(),
       "platform": jax.default_backend(),
       "memory_plan": None if trainer.plan is None else {
           "budget": trainer.plan.budget, "variant": trainer.plan.variant,
