@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     summary = training.train(cfg, dataset, workdir / cfg.activations, resume=args.resume,
                              progress=progress, stop_after=args.stop_after,
                              shard_params=args.shard_params)
+    distributed.finished()
   except (data_lib.DataError, training.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -7,8 +7,12 @@ anything else touches JAX's devices.  On CPU the processes talk through gloo.
 """
 from __future__ import annotations
 
+import atexit
+import os
 import re
 import socket
+import sys
+import threading
 import time
 
 import jax
@@ -50,8 +54,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     _preflight(coordinator, process_id, timeout_s)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; GPUs use NCCL
   try:
-    # The heartbeat bounds how long the others wait for a process that died (they then
-    # abort; JAX's client offers no Python-level error for it).
+    # The heartbeat bounds how long the others wait for a process that died (the watchdog
+    # below turns it into one line before XLA aborts).
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                initialization_timeout=int(timeout_s),
                                heartbeat_timeout_seconds=max(int(timeout_s), 10))
@@ -64,7 +68,82 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if num_processes is not None and jax.process_count() != num_processes:
     raise ConfigError(f"--num-processes {num_processes}: the coordinator at {coordinator} runs "
                       f"{jax.process_count()} processes; give every process the same value")
+  _Watchdog.start(stale_s=max(int(timeout_s), 10) / 2)
   return True
+
+
+def finished() -> None:
+  """Tell the other processes this one ends normally (its silence is not a failure)."""
+  _Watchdog.finish()
+
+
+class _Watchdog:
+  """Each process bumps a counter in the coordination service's key-value store every
+  ``poll_s`` and watches the others'.  A counter that stops moving for ``stale_s`` (half of
+  XLA's heartbeat timeout, so this fires first), or a service that stops answering, ends the
+  process with one line and exit code 1.  Without it the others wait in a collective until
+  XLA's heartbeat check aborts them (exit 134, a C++ stack dump); XLA's client has a
+  missed-heartbeat callback, but a Python callable cannot receive its status (std::bad_cast).
+  A thread, not the training loop, bumps the counter: a process that compiles or checkpoints
+  for a long time is alive."""
+  _PREFIX = "invact_jax/watchdog"
+  _instance = None
+
+  def __init__(self, stale_s: float, poll_s: float):
+    from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+    self.client = jax_distributed.global_state.client
+    self.me, self.n = jax.process_index(), jax.process_count()
+    self.stale_s, self.poll_s = stale_s, poll_s
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self._run, name="invact_jax-watchdog", daemon=True)
+
+  @classmethod
+  def start(cls, stale_s: float, poll_s: float = 0.5) -> None:
+    if cls._instance is None and jax.process_count() > 1:
+      cls._instance = cls(stale_s, poll_s)
+      cls._instance.thread.start()
+      atexit.register(cls._instance.stop.set)  # before JAX's own shutdown (atexit is LIFO)
+
+  @classmethod
+  def finish(cls) -> None:
+    w = cls._instance
+    if w is not None and not w.stop.is_set():
+      w.stop.set()
+      w.thread.join()
+      w.client.key_value_set(f"{cls._PREFIX}/done/{w.me}", "1", allow_overwrite=True)
+
+  def _run(self) -> None:
+    seen = {p: (None, time.monotonic()) for p in range(self.n) if p != self.me}
+    beat = 0
+    while not self.stop.wait(self.poll_s):
+      try:
+        beat += 1
+        self.client.key_value_set(f"{self._PREFIX}/alive/{self.me}", str(beat),
+                                  allow_overwrite=True)
+        alive = {k.rsplit("/", 1)[-1]: v
+                 for k, v in self.client.key_value_dir_get(f"{self._PREFIX}/alive/")}
+        done = {k.rsplit("/", 1)[-1] for k, _ in
+                self.client.key_value_dir_get(f"{self._PREFIX}/done/")}
+      except Exception as e:  # pylint: disable=broad-except  # XLA raises runtime errors
+        if self.stop.is_set():
+          return
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        _lost(f"the coordination service stopped answering: {first}")
+      now = time.monotonic()
+      for p, (value, since) in seen.items():
+        if str(p) in done:
+          continue
+        if alive.get(str(p)) != value:
+          seen[p] = (alive.get(str(p)), now)
+        elif now - since > self.stale_s:
+          _lost(f"process {p} stopped answering for {self.stale_s:g} s")
+
+
+def _lost(reason: str) -> None:
+  sys.stderr.write(f"error: lost the other processes ({reason}); once all are back, continue "
+                   "with --resume\n")
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access  # the main thread is stuck in a collective
 
 
 def _preflight(coordinator: str, process_id: int, timeout_s: float) -> None:
