@@ -36,7 +36,7 @@ def _list(choices):
 def parse(argv=None):
   from models.experiments import parity  # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--seeds", type=int, default=5, help="seeds per cell (K; --quick: 2)")
+  p.add_argument("--seeds", type=int, default=None, help="seeds per cell (K; default 5, --quick: 2)")
   p.add_argument("--tasks", type=_list(tuple(parity.TASKS)), default=list(parity.TASKS))
   p.add_argument("--dtypes", type=_list(parity.DTYPES), default=list(parity.DTYPES))
   p.add_argument("--configurations", type=_list(parity.CONFIGURATIONS),
@@ -50,8 +50,8 @@ def parse(argv=None):
                  help="run directories (default: runs/parity, or runs/parity-quick)")
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
-  if args.quick and "--seeds" not in " ".join(argv if argv is not None else sys.argv[1:]):
-    args.seeds = 2
+  if args.seeds is None:
+    args.seeds = 2 if args.quick else 5
   if args.seeds < 1:
     p.error(f"--seeds must be at least 1, got {args.seeds}")
   if "standard" not in args.configurations:

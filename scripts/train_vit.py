@@ -147,9 +147,7 @@ def main(argv=None) -> int:
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-    print(f"error: lost the other processes ({first}); once all are back, continue with --resume",
-          file=sys.stderr)
+    print(distributed.lost_message(training.first_line(e)), file=sys.stderr)
     return 1
   import jax  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:

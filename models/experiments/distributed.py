@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from models.experiments.training import ConfigError
+from models.experiments.training import ConfigError, first_line
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
@@ -53,22 +53,22 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if coordinator is not None:
     _preflight(coordinator, process_id, timeout_s)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; GPUs use NCCL
+  # The heartbeat bounds how long the others wait for a process that died (the watchdog
+  # below turns that into one line before XLA aborts).
+  heartbeat_s = max(int(timeout_s), 10)
   try:
-    # The heartbeat bounds how long the others wait for a process that died (the watchdog
-    # below turns it into one line before XLA aborts).
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                initialization_timeout=int(timeout_s),
-                               heartbeat_timeout_seconds=max(int(timeout_s), 10))
+                               heartbeat_timeout_seconds=heartbeat_s)
   except Exception as e:  # pylint: disable=broad-except  # XLA raises runtime errors of many kinds
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     where = f"coordinator {coordinator}" if coordinator else "the detected cluster"
     raise ConfigError(f"could not join {where} within {timeout_s} s as process {process_id} of "
-                      f"{num_processes} ({first}); check --coordinator, --num-processes and that "
-                      "every process was started") from None
+                      f"{num_processes} ({first_line(e)}); check --coordinator, --num-processes "
+                      "and that every process was started") from None
   if num_processes is not None and jax.process_count() != num_processes:
     raise ConfigError(f"--num-processes {num_processes}: the coordinator at {coordinator} runs "
                       f"{jax.process_count()} processes; give every process the same value")
-  _Watchdog.start(stale_s=max(int(timeout_s), 10) / 2)
+  _Watchdog.start(stale_s=heartbeat_s / 2)
   return True
 
 
@@ -127,8 +127,7 @@ class _Watchdog:
       except Exception as e:  # pylint: disable=broad-except  # XLA raises runtime errors
         if self.stop.is_set():
           return
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        _lost(f"the coordination service stopped answering: {first}")
+        _lost(f"the coordination service stopped answering: {first_line(e, 200)}")
       now = time.monotonic()
       for p, (value, since) in seen.items():
         if str(p) in done:
@@ -139,9 +138,13 @@ class _Watchdog:
           _lost(f"process {p} stopped answering for {self.stale_s:g} s")
 
 
+def lost_message(reason: str) -> str:
+  """The one-line error of a process that lost the others (watchdog, or a failed collective)."""
+  return f"error: lost the other processes ({reason}); once all are back, continue with --resume"
+
+
 def _lost(reason: str) -> None:
-  sys.stderr.write(f"error: lost the other processes ({reason}); once all are back, continue "
-                   "with --resume\n")
+  sys.stderr.write(lost_message(reason) + "\n")
   sys.stderr.flush()
   os._exit(1)  # pylint: disable=protected-access  # the main thread is stuck in a collective
 

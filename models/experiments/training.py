@@ -38,6 +38,12 @@ class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """The first line of an exception's message (its type's name if empty), for one-line errors."""
+  text = str(error).strip()
+  return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 # --activations choices: the configurations of models.options (same vocabulary everywhere).
 CONFIGURATION_CHOICES = ("standard", "checkpointed", "inverted", "inverted-norms", "inverted-all")
 
@@ -258,16 +264,18 @@ class Trainer:
   def _logits(self, params, x, key):
     return nnx.merge(self.graphdef, params)(x, key)
 
+  def _loss(self, params, x, y, key):
+    """(mean cross-entropy, accuracy) of one batch."""
+    # FSDP: gather the weights, not the activations (left alone, sharding propagation may
+    # split a layer's output features over the devices and all-gather its batch instead:
+    # measured on the digits ViT, its input images, logits and attention scores).
+    params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: self.replicated, params))
+    logits = self._logits(params, x, key)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+
   def _train_step_fn(self, params, opt_state, x, y, key):
-    def loss_fn(p):
-      # FSDP: gather the weights, not the activations (left alone, sharding propagation may
-      # split a layer's output features over the devices and all-gather its batch instead:
-      # measured on the digits ViT, its input images, logits and attention scores).
-      p = jax.lax.with_sharding_constraint(p, jax.tree.map(lambda _: self.replicated, p))
-      logits = self._logits(p, x, key)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss, jnp.mean(jnp.argmax(logits, -1) == y)
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, acc), grads = jax.value_and_grad(self._loss, has_aux=True)(params, x, y, key)
     grads = jax.lax.with_sharding_constraint(grads, self.param_sharding)  # reduce-scatter
     updates, opt_state = self.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, acc
@@ -312,10 +320,9 @@ class Trainer:
     """(loss, gradient of the loss w.r.t. the parameters) on the batch and dropout key of
     ``step``, at the current parameters (no update)."""
     x, y = self.batch(step)
-    def loss_fn(p):
-      logits = self._logits(p, x, dropout_key(self.cfg.seed, step))
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return jax.jit(jax.value_and_grad(loss_fn))(self.params)
+    loss_and_grad = jax.jit(jax.value_and_grad(lambda p: self._loss(p, x, y, dropout_key(
+        self.cfg.seed, step))[0]))
+    return loss_and_grad(self.params)
 
   def compiled_memory(self) -> memory.CompiledMemory:
     x, y = self.batch(0)
@@ -367,7 +374,7 @@ class Trainer:
           bad.rename(bad.with_name(f"{step}.unreadable"))
         manager.reload()
         warnings.warn(f"checkpoint step {step} is unreadable ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); moved it to {bad.name}"
+                      f"{first_line(e, 200)}); moved it to {bad.name}"
                       ".unreadable and falling back to the previous checkpoint", stacklevel=2)
         continue
       self.params, self.opt_state = restored["params"], restored["opt_state"]
