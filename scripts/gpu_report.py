@@ -5,7 +5,7 @@ the planner's device check; one command on one NVIDIA GPU (issue 18).
   python scripts/gpu_report.py                         # everything, ~8 min on an H100
   python scripts/gpu_report.py --sections kernels,tests
   python scripts/gpu_report.py --dry-run               # CPU, tiny sizes (the test suite runs this)
-  python scripts/gpu_report.py --readme bench/gpu_*.json   # regenerate the README's GPU section
+  python scripts/gpu_report.py --readme bench/gpu_*.json   # the README's GPU section (newest per device)
 
 On the GPU machine (Python 3.12, JAX 0.11.2, nothing to download): ``pip install --no-deps -e .``
 or ``PYTHONPATH=.``.  Writes ``<out-dir>/gpu_<device>_<date>.json`` and ``.md``; sections
@@ -33,12 +33,13 @@ def _slug(text: str) -> str:
 
 def readme(paths, readme_path: pathlib.Path) -> int:
   from models.experiments import gpu_report  # pylint: disable=import-outside-toplevel
-  parts = []
-  for p in paths:
+  latest = {}  # gpu_<device>_<date>.json: the newest report of each device goes in
+  for p in sorted(paths):
     if not p.is_file():
       print(f"error: --readme: no such file {str(p)!r}", file=sys.stderr)
       return 2
-    parts.append(gpu_report.markdown(json.loads(p.read_text())))
+    latest[p.stem.rsplit("_", 1)[0]] = p
+  parts = [gpu_report.markdown(json.loads(p.read_text())) for p in sorted(latest.values())]
   text = readme_path.read_text()
   if BEGIN not in text or END not in text:
     print(f"error: {readme_path} has no {BEGIN} ... {END} block", file=sys.stderr)
@@ -120,7 +121,7 @@ def _kernels(report, args, dry, on_gpu, progress, section_deadline, deadline):
   del args, section_deadline, deadline
   impls = ["xla"] + [i for i in ("pallas", "triton") if on_gpu and available(i)[0]]
   report["kernels"] = gpu_report.kernels(
-      activations=("gelu_tanh",) if dry else ("gelu_tanh", "gelu_erf", "silu"),
+      activations=("gelu_tanh",) if dry else ("gelu_tanh", "gelu_erf", "silu", "mish"),
       sizes=(1 << 10,) if dry else (1 << 26,), dtypes=("bfloat16", "float32"),
       implementations=impls, repeats=3 if dry else 15, inner=1 if dry else 10,
       progress=progress)
@@ -170,7 +171,7 @@ def _max_batch(report, args, dry, on_gpu, progress, section_deadline, deadline):
     res.update(gpu_report.max_batch(
         model=model, dtype="bfloat16", configurations=(c,), start=starts.get(c, start),
         grow=1.08 if c in starts else 2.0,
-        max_probes=1 if dry else 3, depth=1 if dry else None,
+        max_probes=1 if dry else 5, depth=1 if dry else None,
         deadline=section_deadline(0.5), progress=progress))
   report["max_batch"] = {"model": model, "dtype": "bfloat16", "results": res}
 

@@ -162,8 +162,8 @@ def elementwise(fn: Callable, kinds_in: str, kinds_out: str, *args):
   single = len(kinds_out) == 1
 
   def call(*a):
-    if a[0].ndim == 0 or in_manual_context():
-      return fn(*a)
+    if a[0].ndim == 0 or in_manual_context() or has_symbolic_dims(*a):
+      return fn(*a)  # symbolic shapes run plain XLA ops (no kernel): XLA partitions them
     shape = a[0].shape
     lead = [f"b{i}" for i in range(len(shape) - 1)]
     sizes = {f: _size(n) for f, n in zip(lead, shape[:-1])}

@@ -1,6 +1,7 @@
 """scripts/gpu_report.py --dry-run on CPU: every section's code path runs, the JSON and the
 markdown carry every figure, and the README block regenerates from it (issue 18)."""
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def test_max_batch_steps_from_a_prediction_then_bisects(monkeypatch):
   calls = _fake_children(monkeypatch, 300)  # the prediction was too high: step down
   r = gpu_report.max_batch(model="m", dtype="bfloat16", configurations=("c",), start=424,
                            max_probes=6, deadline=1e12, grow=1.08, progress=lambda m: None)["c"]
-  assert calls[:4] == [424, 392, 360, 328] and r["largest_fitting"] <= 300 < r["smallest_failing"]
+  # Steps down grow (/1.08, /1.17, /1.36): bracketed by the fourth probe.
+  assert calls[:4] == [424, 392, 336, 240] and r["largest_fitting"] <= 300 < r["smallest_failing"]
   calls = _fake_children(monkeypatch, 100)  # no prediction: double, then bisect to ~6 %
   r = gpu_report.max_batch(model="m", dtype="bfloat16", configurations=("c",), start=8,
                            max_probes=12, deadline=1e12, progress=lambda m: None)["c"]
@@ -84,7 +86,10 @@ def test_resume_keeps_measured_figures():
 
 
 def test_readme_block_is_generated_from_the_committed_report():
-  reports = sorted((ROOT / "bench").glob("gpu_*.json"))
+  latest = {}  # gpu_<device>_<date>.json: the newest report of each device
+  for p in sorted((ROOT / "bench").glob("gpu_*_????-??-??.json")):
+    latest[p.stem.rsplit("_", 1)[0]] = p
+  reports = sorted(latest.values())
   if not reports:
     pytest.skip("no GPU report committed")
   md = "\n".join(gpu_report.markdown(json.loads(p.read_text())) for p in reports)
@@ -102,3 +107,23 @@ def test_without_a_gpu_it_says_so():
                          "--sections", "bogus"], capture_output=True, text=True, check=False,
                         cwd=ROOT)
   assert done.returncode == 2 and "--sections" in done.stderr
+
+
+def test_largest_batch_says_when_no_probe_fitted():
+  # A prediction off by more than the probes could correct once read "inverted-all: 0".
+  probes = [{"batch": b, "fits": False} for b in (1344, 1240, 1056)]
+  assert gpu_report._largest({"largest_fitting": 0, "smallest_failing": 1056, "probes": probes}) \
+      == "not found (every probe failed: 1344, 1240, 1056)"
+  assert gpu_report._largest({"largest_fitting": 64, "smallest_failing": None,
+                              "probes": [{"batch": 64, "fits": True}]}) == ">= 64 (no probe failed: 64)"
+  assert gpu_report._largest({"largest_fitting": 1040, "smallest_failing": 1056,
+                              "probes": []}) == "1040 (fails at 1056)"
+
+
+def test_kernel_blocks_needs_a_gpu(tmp_path):
+  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_blocks.py"), "--out",
+                         str(tmp_path / "k.json")], capture_output=True, text=True, check=False,
+                        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines() == ["error: needs a GPU (JAX backend 'cpu')"]
+  assert not (tmp_path / "k.json").exists()

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from invact_jax.ops.activations import _fits as _inverse_fits
 
-__all__ = ["InverseFit", "FIT", "ERFCX", "evaluate", "clenshaw", "chebyshev_pieces", "piece_index"]
+__all__ = ["InverseFit", "FIT", "evaluate", "clenshaw", "chebyshev_pieces", "piece_index"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,6 @@ def piece_index(var, pieces):
     idx = idx + (var >= jnp.asarray(p.lo, var.dtype)).astype(jnp.int32)
   return idx
 
-
-ERFCX = _pieces(_inverse_fits.ERFCX)
 
 
 def evaluate(fit: InverseFit, y, left):

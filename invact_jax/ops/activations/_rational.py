@@ -95,5 +95,6 @@ def evaluate(fit: RationalFit, y, left, *, ops=None):
   far = ~left & (d >= np.float32(fit.s_end) ** 2)
   g = jnp.where(far, jnp.ones_like(num), divide(num, den))
   # y = NaN: from x = NaN (bit 0) -> NaN; from x = -inf (bit 1; jax.nn gives -inf * 0 = NaN)
-  # -> the limit f'(-inf) = 0.
-  return jnp.where(jnp.isnan(y) & left, jnp.zeros_like(g), g)
+  # -> the limit f'(-inf) = 0.  Said explicitly, not left to the arithmetic: compiled Triton
+  # kernels lower min/max to minnumf/maxnumf, which drop a NaN operand.
+  return jnp.where(jnp.isnan(y), jnp.where(left, jnp.zeros_like(g), y), g)

@@ -122,7 +122,7 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
            bit=lambda x, negative_slope: x >= 0, bit_when=lambda negative_slope: negative_slope <= 0,
            piecewise_linear=True),
     _entry("relu", "relu", "ReLU; f' = [y > 0] (f'(0) = 0 as in jax.nn.relu)",
-           original=_NN["relu"], piecewise_linear=True),
+           original=_NN["relu"], piecewise_linear=True, kernel_forward=_math.relu_kernel_forward),
 )}
 
 

@@ -22,28 +22,59 @@ def test_committed_module_is_the_scripts_rendering(fit_inverse):
                                           _fits.RATIONAL)
 
 
-def _assert_close(a, b, path=""):
+_U = np.linspace(-1.0, 1.0, 2001)
+
+
+def _assert_close(a, b, path="", *, tol):
+  """Refitted data ``a`` vs committed ``b``.  Coefficients are compared as the functions they
+  make, against the fit's error budget ``tol``: the fits come from solvers (least squares,
+  HiGHS LPs) whose builds stop at different last digits, so single coefficients may move
+  while the function does not (measured on the GPU machine's SciPy: a rational moved by 1.8 %
+  of its budget, a Chebyshev piece by 1e-15)."""
+  if isinstance(a, dict) and {"p", "q"} <= a.keys():  # a rational P/Q in u on [-1, 1]
+    fa = np.polyval(a["p"][::-1], _U) / np.polyval(a["q"][::-1], _U)
+    fb = np.polyval(b["p"][::-1], _U) / np.polyval(b["q"][::-1], _U)
+    assert len(a["p"]) == len(b["p"]) and len(a["q"]) == len(b["q"]), f"{path}: degree changed"
+    diff = float(np.max(np.abs(fa - fb) / np.abs(fb)))
+    assert diff <= 0.05 * tol, f"{path}: refitted P/Q differs by {diff:.2e} (budget {tol:.1e})"
+    a, b = ({k: v for k, v in d.items() if k not in ("p", "q")} for d in (a, b))
   if isinstance(a, dict):
     assert a.keys() == b.keys(), path
     for k in a:
-      _assert_close(a[k], b[k], f"{path}.{k}")
+      if k == "coeffs":  # Chebyshev pieces: |T_k| <= 1, so sum |dc| bounds the change
+        assert len(a[k]) == len(b[k]), f"{path}: number of pieces changed"
+        for i, (ca, cb) in enumerate(zip(a[k], b[k])):
+          diff = float(np.sum(np.abs(np.subtract(ca, cb))))
+          assert diff <= 1e-3 * tol, f"{path}.coeffs[{i}]: refit differs by {diff:.2e}"
+      else:
+        _assert_close(a[k], b[k], f"{path}.{k}", tol=tol)
   elif isinstance(a, (list, tuple)):
     assert len(a) == len(b), path
     for i, (x, y) in enumerate(zip(a, b)):
-      _assert_close(x, y, f"{path}[{i}]")
-  else:  # last-bit differences between NumPy/SciPy builds are not a different fit; the
-    # recorded fit_error is a max over a check grid of differences, so it moves more
-    rtol = 1e-6 if path.endswith("fit_error") else 1e-9
-    if "RATIONAL" in path:  # LP solutions: HiGHS builds may stop at a different last digit
-      rtol = 1e-5 if path.endswith("error") else 1e-7
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-15, err_msg=path)
+      _assert_close(x, y, f"{path}[{i}]", tol=tol)
+  elif path.endswith("error"):  # a recorded max error moves with the fit, within its budget
+    assert abs(a - b) <= 0.05 * tol, f"{path}: {a:.3e} vs committed {b:.3e} (budget {tol:.1e})"
+  else:  # domain ends, breaks
+    np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-15, err_msg=path)
 
 
 def test_refitting_reproduces_the_committed_fits(fit_inverse):
-  _assert_close(fit_inverse.fit_all(_fits.DEGREE, _fits.TOL, progress=lambda m: None), _fits.FITS)
-  _assert_close(fit_inverse.fit_erfcx(), _fits.ERFCX)
+  _assert_close(fit_inverse.fit_all(_fits.DEGREE, _fits.TOL, progress=lambda m: None), _fits.FITS,
+                tol=_fits.TOL)
+  _assert_close(fit_inverse.fit_erfcx(), _fits.ERFCX, "ERFCX", tol=fit_inverse.ERFCX_TOL)
 
 
 def test_refitting_reproduces_the_committed_rational_fits(fit_inverse):
-  _assert_close(fit_inverse.fit_all_rational(progress=lambda m: None), _fits.RATIONAL, "RATIONAL")
+  got = fit_inverse.fit_all_rational(progress=lambda m: None)
+  assert got.keys() == _fits.RATIONAL.keys()
+  for name in got:
+    for cls, tol in _fits.RATIONAL_TOL.items():
+      _assert_close(got[name][cls], _fits.RATIONAL[name][cls], f"RATIONAL.{name}.{cls}", tol=tol)
   assert fit_inverse.RATIONAL_TOL == _fits.RATIONAL_TOL
+
+
+def test_erfcx_fit_meets_its_tolerance_as_the_kernels_evaluate_it(fit_inverse):
+  from scipy import special  # pylint: disable=import-outside-toplevel
+  a = np.linspace(0.0, _fits.ERFCX["a_end"], 100_001).astype(np.float32)
+  err = np.abs(fit_inverse.erfcx32(_fits.ERFCX, a) / special.erfcx(a.astype(np.float64)) - 1)
+  assert err.max() <= fit_inverse.ERFCX_TOL

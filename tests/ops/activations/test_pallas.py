@@ -62,9 +62,10 @@ def test_kernel_math_accuracy():
     err, err_nn = (np.abs(y - true) / ulp)[normal], (np.abs(y_nn - true) / ulp)[normal]
     if name == "gelu_erf":
       # Its own erfc (no erf lowering in Triton): a different algorithm, so not pointwise
-      # comparable to XLA's; measured <= 5.1 ulp everywhere (jax.nn: up to ~210 ulp in the
-      # left tail, where XLA's erfc rounds x^2 / 2 before the exp) and better on average.
-      assert err.max() <= 6.0, (name, float(x[normal][np.argmax(err)]), float(err.max()))
+      # comparable to XLA's; measured <= 5.4 ulp on CPU and 6.3 on an H100 (2026-11-23;
+      # jax.nn: up to ~235 ulp in the left tail, where XLA's erfc rounds x^2 / 2 before the
+      # exp) and better on average.
+      assert err.max() <= 6.5, (name, float(x[normal][np.argmax(err)]), float(err.max()))
       assert err.mean() <= err_nn.mean(), (err.mean(), err_nn.mean())
     else:
       # Same formulas in float32: no less accurate than jax.nn's own forward, up to 2 ulp.
@@ -80,7 +81,11 @@ def test_erfc_f32_accuracy():
   ulp = np.spacing(np.abs(true).astype(np.float32)).astype(np.float64)
   normal = true >= np.finfo(np.float32).tiny
   err = (np.abs(got - true) / ulp)[normal]
-  assert err.max() <= 4.0, (float(z[normal][np.argmax(err)]), float(err.max()))
+  # One rational for erfcx (~70 SASS instructions per GELU element instead of ~380 with the
+  # selected 8-piece fit, which measured 3.5 ulp): 4.7 ulp at XLA:CPU's default optimization
+  # level, 5.4 at the suite's -O0, 6.1 on an H100 (XLA:GPU's exp, 2026-11-23).
+  assert err.max() <= 6.5, (float(z[normal][np.argmax(err)]), float(err.max()))
+  assert err.mean() <= 1.0, float(err.mean())
   assert np.asarray(act_math.erfc_f32(jnp.float32(11.0))) == 0.0
   assert np.asarray(act_math.erfc_f32(jnp.float32(-11.0))) == 2.0
   assert np.isnan(np.asarray(act_math.erfc_f32(jnp.float32(np.nan))))
@@ -133,3 +138,75 @@ def test_kernels_lower_for_cuda_from_any_platform(name, dtype):
   assert approx == [op.activation.nonmonotone and dtype == "bfloat16"] * 3
 
 
+
+
+# ------------------------------------------------- NaN under Triton's min/max semantics
+def _eval_with_nan_dropping_min_max(closed, *args):
+  """Evaluate a closed jaxpr with float min/max as compiled Triton kernels lower them
+  (``arith.minnumf``/``maxnumf``: a NaN operand is dropped, the other one returned); XLA and
+  interpret mode propagate it, so a kernel's NaN handling cannot be checked there."""
+  def run(jaxpr, consts, *vals):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, vals))
+    read = lambda v: v.val if hasattr(v, "val") else env[v]  # noqa: E731  (a Literal)
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      if eqn.primitive in (jax.lax.max_p, jax.lax.min_p) and jnp.issubdtype(ins[0].dtype, jnp.floating):
+        a, b = ins
+        outs = [jnp.where(jnp.isnan(a), b, jnp.where(jnp.isnan(b), a, eqn.primitive.bind(a, b)))]
+      elif eqn.primitive is jax.lax.clamp_p and jnp.issubdtype(ins[1].dtype, jnp.floating):
+        lo, x, hi = ins
+        outs = [jnp.where(jnp.isnan(x), jnp.where(jnp.isnan(lo), hi, lo), jax.lax.clamp(lo, x, hi))]
+      elif sub is not None and hasattr(sub, "jaxpr"):  # jit / custom_jvp: the primal body
+        outs = run(sub.jaxpr, sub.consts, *ins)
+      else:
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+  return run(closed.jaxpr, closed.consts, *args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", tuple(CASES))
+def test_kernel_math_propagates_nan_like_xla_under_triton_min_max(name, dtype):
+  """The kernels' tile math (forward and backward bodies, as the compiled kernels run them)
+  gives the XLA path's value where the input is NaN or infinite, with min/max dropping NaN
+  (found on an H100: softplus and the fitted gradients returned finite values for NaN)."""
+  op = CASES[name].op
+  x = jnp.asarray(np.array([np.nan, np.inf, -np.inf, 1.0, -1.0]).astype(test_base.np_dtype(dtype)))
+  cdt = jnp.float32
+  y = op.kernel_forward(x)
+  y_triton, = _eval_with_nan_dropping_min_max(jax.make_jaxpr(op.kernel_forward)(x), x)
+  np.testing.assert_array_equal(np.isnan(np.asarray(y_triton, np.float32)),
+                                np.isnan(np.asarray(y, np.float32)))
+  xla = base.Backend("xla")
+  y_ref, m = base.forward(op, xla, x)
+  dy = jnp.ones_like(x)
+  dx_ref = base.backward(op, xla, y_ref, m, dy)
+  bits = None if m is None else bitpack.unpack_bits(m, x.shape)
+  tile = lambda y, dy, *b: (dy.astype(cdt) * op.derivative(y, b[0] if b else None)).astype(dy.dtype)  # noqa: E731
+  args = (y_ref, dy) + (() if bits is None else (bits,))
+  dx, = _eval_with_nan_dropping_min_max(jax.make_jaxpr(tile)(*args), *args)
+  np.testing.assert_array_equal(np.asarray(dx, np.float64), np.asarray(dx_ref, np.float64))
+
+
+@pytest.mark.parametrize("name", ("gelu_tanh", "gelu_erf", "silu", "relu"))
+def test_compiled_backend_exports_with_a_symbolic_batch_on_any_platform(name):
+  """A compiled-kernel backend with a symbolic batch runs its tile math as XLA ops; traced
+  inside ``custom_partitioning`` that math's constants failed an assertion (found on an
+  H100); the same path is taken here on CPU (no kernel is built)."""
+  op = CASES[name].op
+  kb, xla = base.Backend("pallas", interpret=False), base.Backend("xla")
+
+  def f(x, backend, mod):
+    y, m = mod.forward(op, backend, x)
+    return mod.backward(op, backend, y, m, jnp.cos(x))
+  (b,) = export.symbolic_shape("b")
+  exp = export.export(jax.jit(lambda x: f(x, kb, pallas)))(
+      jax.ShapeDtypeStruct((b, 64), jnp.float32))
+  x = jax.random.normal(jax.random.key(3), (5, 64))
+  def ref(x):  # the XLA path from the kernel's forward (gelu_erf's is its own erfc)
+    return base.backward(op, xla, op.kernel_forward(x), base.forward(op, xla, x)[1], jnp.cos(x))
+  np.testing.assert_allclose(exp.call(x), tests.jit(ref)(x), rtol=1e-6, atol=1e-7)
