@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Predicted H100 speed of the Pallas activation kernels, from their compiled SASS (no GPU).
+"""Predicted H100 speed of the Pallas kernels, from their compiled SASS (no GPU).
 
-Lowers each kernel (forward and backward, per activation and dtype) through Pallas's Triton
+Lowers each kernel (forward and backward, per activation and dtype, and the LayerNorm/RMSNorm
+row kernels per width) through Pallas's Triton
 path for ``cuda`` on any machine, compiles the Triton IR that Pallas emits with the ``triton``
 package for ``GPUTarget("cuda", 90, 32)`` (its bundled ptxas), and counts the SASS
 instructions (nvdisasm), registers and local-memory spills (cuobjdump).
@@ -87,10 +88,59 @@ def predict(per_elem_instr, per_elem_mufu, bytes_per_elem, hw=H100) -> dict:
                    ("issue" if t_issue >= t_mufu else "MUFU")}
 
 
+def _norm_rows(captured, widths, dtypes) -> list[dict]:
+  """The row kernels of LayerNorm/RMSNorm (one program per row of ``n``; its loops run once
+  for n <= 4096, so static SASS counts what a row executes): instructions per element =
+  instructions x threads / n.  Bytes per element: forward reads x, writes z and xhat; backward
+  reads xhat and dz, writes dx; plus the float32 rstd per row (rows stay in cache between the
+  passes over them)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax import export  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.norms import pallas as norm_pallas  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.activations import base  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import norms  # pylint: disable=import-outside-toplevel
+  kb = base.Backend("pallas", interpret=False)
+  out = []
+  for rms in (False, True):
+    name = "rms_norm" if rms else "layer_norm"
+    for n in widths:
+      warps = norms._params(norms.chunk_for(n)).num_warps  # pylint: disable=protected-access
+      for dt in dtypes:
+        size = jnp.dtype(dt).itemsize
+        x = jax.ShapeDtypeStruct((64, n), jnp.dtype(dt))
+        vec = jax.ShapeDtypeStruct((n,), jnp.float32)
+        r = jax.ShapeDtypeStruct((64, 1), jnp.float32)
+        bias = None if rms else vec
+        passes = {
+            "forward": (lambda x, s, *b, rms=rms, dt=dt: norm_pallas.forward(
+                kb, rms, 1e-6, jnp.dtype(dt), x, s, b[0] if b else None),
+                (x, vec) + (() if bias is None else (bias,)), 3 * size + 4 / n),
+            "backward": (lambda xh, rs, dz, s, rms=rms, dt=dt: norm_pallas.backward_dx(
+                kb, rms, xh, rs, dz, s, jnp.dtype(dt)), (x, r, x, vec), 3 * size + 4 / n)}
+        for pass_, (fn, avals, nbytes) in passes.items():
+          captured.clear()
+          export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+              export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
+          st = _sass_stats(captured[-1], warps)
+          per_elem = st["instructions"] * 32 * warps / n
+          mufu = st["mufu"] * 32 * warps / n
+          pred = predict(per_elem, mufu, nbytes)
+          out.append({"activation": f"{name} (n={n})", "dtype": dt, "pass": pass_,
+                      "bytes_per_element": nbytes, "instructions_per_element": per_elem,
+                      "mufu_per_element": mufu, "registers": st["registers"],
+                      "local_bytes": st["local_bytes"], **pred, "by_opcode": st["by_opcode"]})
+          print(f"{name} n={n} {dt} {pass_}: {per_elem:.1f} instr/elem, {st['registers']} regs, "
+                f"{pred['fraction_of_bandwidth']:.0%} of HBM ({pred['bound']}-bound)", flush=True)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu,mish")
   p.add_argument("--dtypes", default="bfloat16,float32")
+  p.add_argument("--norm-widths", default="768,4096",
+                 help="row widths of the LayerNorm/RMSNorm kernels ('' to skip them)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "sass_roofline.json")
   args = p.parse_args(argv)
   try:
@@ -135,6 +185,8 @@ def main(argv=None) -> int:
                      "by_opcode": st["by_opcode"]})
         print(f"{name} {dt} {pass_}: {per_elem:.1f} instr/elem, {st['registers']} regs, "
               f"{pred['fraction_of_bandwidth']:.0%} of HBM ({pred['bound']}-bound)", flush=True)
+  rows += _norm_rows(captured, [int(w) for w in args.norm_widths.split(",") if w],
+                     args.dtypes.split(","))
   lines = ["| activation | dtype | pass | SASS instr/elem | MUFU/elem | registers | spills (B) "
            "| B/elem | predicted % of HBM bandwidth |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
