@@ -94,12 +94,19 @@ def _bytes(text: str) -> int:
 
 def main(argv=None) -> int:
   args = parse(argv)
+  from models.experiments import distributed  # pylint: disable=import-outside-toplevel
+  if (args.coordinator is not None or args.distributed) and not distributed.as_worker():
+    # One process of several: run it under a supervisor that turns XLA's aborts (a peer or the
+    # coordinator gone, processes that never all join) into one line and an exit code.
+    return distributed.supervise(
+        [sys.executable, str(pathlib.Path(__file__).resolve()),
+         *(sys.argv[1:] if argv is None else argv)],
+        coordinator=args.coordinator, timeout_s=args.distributed_timeout)
   import warnings  # pylint: disable=import-outside-toplevel
   warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
   from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
   from models.experiments import compare  # pylint: disable=import-outside-toplevel
-  from models.experiments import distributed  # pylint: disable=import-outside-toplevel
   from jax import errors as jax_errors  # pylint: disable=import-outside-toplevel
   several = False
   try:
@@ -136,14 +143,11 @@ def main(argv=None) -> int:
                              shard_params=args.shard_params)
     distributed.finished()
   except (data_lib.DataError, training.ConfigError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    return distributed.fail(str(e), 2)
   except OSError as e:  # e.g. the disk filled up or the run directory went away mid-run
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    return distributed.fail(str(e), 2)
   except training.TrainingDiverged as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+    return distributed.fail(str(e), 1)
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise

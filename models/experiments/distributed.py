@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -72,6 +74,124 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   return True
 
 
+def fail(message: str, code: int) -> int:
+  """Print ``error: <message>``; in a multi-process run also tell the other processes (their
+  watchdogs stop with the same line and code) and exit at once: a normal exit would wait in
+  JAX's shutdown barrier for processes that wait for this one, until XLA aborts it.  Returns
+  ``code`` when there are no others."""
+  sys.stderr.write(f"error: {message}\n")
+  sys.stderr.flush()
+  client = _client()
+  if client is None:
+    return code
+  try:
+    client.key_value_set(f"{_Watchdog.PREFIX}/error/{jax.process_index()}", f"{code} {message}",
+                         allow_overwrite=True)
+  except Exception:  # pylint: disable=broad-except  # the service may be gone already
+    pass
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def _client():
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  return jax_distributed.global_state.client
+
+
+WORKER_ENV = "INVACT_JAX_WORKER"  # set in the supervised child
+# absl log lines of XLA's C++ code ("F1123 06:47:53.861659  4045 client.h:80] ..."); after a
+# fatal ("F") one, everything (gRPC details, the stack dump) belongs to the abort.
+_NATIVE = re.compile(rb"^[FEW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]")
+_GRPC_MORE = re.compile(rb"^(?:Additional GRPC error information|:[A-Z]+:|RPC: |\s*$)")
+
+
+def supervise(argv: list[str], *, coordinator: str | None, timeout_s: int) -> int:
+  """Run ``argv`` (this script, one process of a multi-process run) as a child and turn the way
+  XLA ends a process whose peers or coordinator vanish -- abort() with a C++ stack dump, exit
+  134, from a thread Python cannot intercept -- into one line and exit code: 2 when the
+  processes never all joined (e.g. process 0 waits for more processes than were started), 1 when
+  a running peer or the coordinator (process 0) went away.  The child's own output passes
+  through unchanged; XLA's native log lines are held back and only summarized.  The child dies
+  with its supervisor (:func:`as_worker`), so killing this process kills the worker."""
+  child = subprocess.Popen(argv, env={**os.environ, WORKER_ENV: str(os.getpid())},
+                           stderr=subprocess.PIPE)
+  previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s))
+              for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return _relay(child, coordinator, timeout_s)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def as_worker() -> bool:
+  """In a child of :func:`supervise`: die with the supervisor (Linux PR_SET_PDEATHSIG, set here
+  rather than between fork and exec, which is unsafe in a threaded parent); True if this is
+  such a child."""
+  parent = os.environ.get(WORKER_ENV)
+  if not parent:
+    return False
+  if sys.platform == "linux":
+    import ctypes  # pylint: disable=import-outside-toplevel
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the supervisor died before the line above
+      os._exit(1)  # pylint: disable=protected-access
+  return True
+
+
+def _relay(child, coordinator, timeout_s) -> int:
+  native: list[bytes] = []  # held back: shown as they were if the child ends normally
+  fatal = in_native = said_error = False
+  pending = b""
+  out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+
+  def emit(data: bytes) -> None:
+    if out is not None:
+      out.write(data)
+      out.flush()
+    else:  # e.g. pytest's capture
+      sys.stderr.write(data.decode(errors="replace"))
+      sys.stderr.flush()
+  while True:
+    chunk = os.read(child.stderr.fileno(), 65536)
+    if not chunk:
+      break
+    pending += chunk
+    *lines, pending = pending.split(b"\n")
+    for line in lines:
+      if fatal or _NATIVE.match(line) or (in_native and _GRPC_MORE.match(line)):
+        native.append(line)
+        fatal = fatal or line.startswith(b"F")
+        in_native = True
+      else:
+        emit(line + b"\n")
+        in_native = False
+        said_error = said_error or line.startswith(b"error: ")
+    if pending and not fatal and not re.match(rb"^[FEW]\d", pending):
+      emit(pending)  # a progress bar's partial line: show it now
+      pending = b""
+  if pending:
+    emit(pending)
+  code = child.wait()
+  if code not in (-signal.SIGABRT, 128 + signal.SIGABRT):
+    if native and not said_error:  # the child's own one-line error says what happened
+      emit(b"\n".join(native) + b"\n")
+    return code if code >= 0 else 128 - code
+  text = b"\n".join(native).decode(errors="replace")
+  if "RegisterTask" in text:
+    sys.stderr.write(f"error: could not join coordinator {coordinator} within {timeout_s} s (XLA "
+                     "gave up registering this process); check --coordinator, --num-processes "
+                     "and that every process was started\n")
+    sys.stderr.flush()
+    return 2
+  status = re.search(r"absl::Status: (\w+)", text)
+  reason = ("the coordination service (process 0) went away" if status and status.group(1) in (
+      "UNAVAILABLE", "CANCELLED", "ABORTED") else
+      f"XLA aborted: {status.group(1) if status else 'no status'}")
+  sys.stderr.write(lost_message(reason) + "\n")
+  sys.stderr.flush()
+  return 1
+
+
 def finished() -> None:
   """Tell the other processes this one ends normally (its silence is not a failure)."""
   _Watchdog.finish()
@@ -86,12 +206,11 @@ class _Watchdog:
   missed-heartbeat callback, but a Python callable cannot receive its status (std::bad_cast).
   A thread, not the training loop, bumps the counter: a process that compiles or checkpoints
   for a long time is alive."""
-  _PREFIX = "invact_jax/watchdog"
+  PREFIX = "invact_jax/watchdog"
   _instance = None
 
   def __init__(self, stale_s: float, poll_s: float):
-    from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
-    self.client = jax_distributed.global_state.client
+    self.client = _client()
     self.me, self.n = jax.process_index(), jax.process_count()
     self.stale_s, self.poll_s = stale_s, poll_s
     self.stop = threading.Event()
@@ -110,7 +229,7 @@ class _Watchdog:
     if w is not None and not w.stop.is_set():
       w.stop.set()
       w.thread.join()
-      w.client.key_value_set(f"{cls._PREFIX}/done/{w.me}", "1", allow_overwrite=True)
+      w.client.key_value_set(f"{cls.PREFIX}/done/{w.me}", "1", allow_overwrite=True)
 
   def _run(self) -> None:
     seen = {p: (None, time.monotonic()) for p in range(self.n) if p != self.me}
@@ -118,16 +237,22 @@ class _Watchdog:
     while not self.stop.wait(self.poll_s):
       try:
         beat += 1
-        self.client.key_value_set(f"{self._PREFIX}/alive/{self.me}", str(beat),
+        self.client.key_value_set(f"{self.PREFIX}/alive/{self.me}", str(beat),
                                   allow_overwrite=True)
         alive = {k.rsplit("/", 1)[-1]: v
-                 for k, v in self.client.key_value_dir_get(f"{self._PREFIX}/alive/")}
+                 for k, v in self.client.key_value_dir_get(f"{self.PREFIX}/alive/")}
         done = {k.rsplit("/", 1)[-1] for k, _ in
-                self.client.key_value_dir_get(f"{self._PREFIX}/done/")}
+                self.client.key_value_dir_get(f"{self.PREFIX}/done/")}
+        errors = self.client.key_value_dir_get(f"{self.PREFIX}/error/")
       except Exception as e:  # pylint: disable=broad-except  # XLA raises runtime errors
         if self.stop.is_set():
           return
         _lost(f"the coordination service stopped answering: {first_line(e, 200)}")
+      for key, value in errors:  # another process failed with a one-line error: same line
+        code, message = value.split(" ", 1)
+        sys.stderr.write(f"error: process {key.rsplit('/', 1)[-1]}: {message}\n")
+        sys.stderr.flush()
+        os._exit(int(code))  # pylint: disable=protected-access
       now = time.monotonic()
       for p, (value, since) in seen.items():
         if str(p) in done:

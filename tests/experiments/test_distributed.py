@@ -41,13 +41,42 @@ def _finish(procs, timeout):
       p.kill()
 
 
+def _two_device_env():
+  """Each process sees 2 CPU devices (conftest.py sets 8)."""
+  return {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=2")}
+
+
+def _long_run(work) -> list[str]:
+  return [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "5000",
+          "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
+          "--workdir", str(work), "--num-processes", "2"]
+
+
+def _kill_mid_run(procs, run, victim: int):
+  """Kill process ``victim`` once ``run`` has a checkpoint; the other's (stderr, seconds it took
+  to end after the kill)."""
+  other = procs[1 - victim]
+  try:
+    deadline = time.monotonic() + 400
+    while training.latest_checkpoint_step(run) is None and time.monotonic() < deadline:
+      assert other.poll() is None, other.communicate()[1][-2000:]
+      time.sleep(0.05)
+    procs[victim].kill()
+    killed = time.monotonic()
+    err = other.communicate(timeout=60)[1]
+    return err, time.monotonic() - killed
+  finally:
+    for p in procs:
+      p.kill()
+
+
 def test_two_processes_train_like_one_and_resume_elsewhere(tmp_path):
   if len(jax.devices()) < 4:
     pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
   work = tmp_path / "run"
   # Each process sees 2 CPU devices: a global mesh of 4.
-  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
-      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=2")}
+  env = _two_device_env()
   argv = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "12",
           "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
           "--workdir", str(work), "--coordinator", f"localhost:{_free_port()}",
@@ -91,25 +120,11 @@ def test_a_killed_process_stops_the_other_with_one_line_and_both_resume(tmp_path
     pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
   work = tmp_path / "run"
   run = work / "inverted"
-  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
-      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=2")}
-  base = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "5000",
-          "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
-          "--workdir", str(work), "--num-processes", "2"]
+  env = _two_device_env()
+  base = _long_run(work)
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}",
                           "--distributed-timeout", "10"], env)
-  try:
-    deadline = time.monotonic() + 400
-    while training.latest_checkpoint_step(run) is None and time.monotonic() < deadline:
-      assert procs[0].poll() is None, procs[0].communicate()[1][-2000:]
-      time.sleep(0.05)
-    procs[1].kill()
-    killed = time.monotonic()
-    err = procs[0].communicate(timeout=60)[1]
-    waited = time.monotonic() - killed
-  finally:
-    for p in procs:
-      p.kill()
+  err, waited = _kill_mid_run(procs, run, victim=1)
   assert procs[0].returncode == 1, err[-2000:]
   assert err.strip() == ("error: lost the other processes (process 1 stopped answering for 5 s); "
                          "once all are back, continue with --resume"), err[-2000:]
@@ -178,3 +193,69 @@ def test_fsdp_shards_the_state_gathers_only_weights_and_trains_the_same(tmp_path
   assert abs(runs[True]["final_train_loss"] / runs[False]["final_train_loss"] - 1) <= 1e-6
   for a, b in zip(jax.tree.leaves(fsdp.params), jax.tree.leaves(rep.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_mismatched_num_processes_is_one_line_and_exit_2_on_both(tmp_path):
+  """Process 1 says 3 processes where process 0 says 2: process 1 finds out after joining and
+  says so; process 0 hears it through the coordination service and stops with the same line;
+  both exit 2 within seconds (before: process 1 waited in JAX's shutdown barrier until XLA
+  aborted it, and process 0 reported process 1 as lost)."""
+  env = _two_device_env()
+  base = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "3", "--batch-size",
+          "32", "--no-progress", "--workdir", str(tmp_path / "w"), "--coordinator",
+          f"localhost:{_free_port()}", "--distributed-timeout", "20"]
+  start = time.monotonic()
+  procs = _launch(base, env, extra=(("--num-processes", "2"), ("--num-processes", "3")))
+  outs = _finish(procs, 60)
+  took = time.monotonic() - start
+  assert [p.returncode for p in procs] == [2, 2], [e[-2000:] for _, e in outs]
+  line = ("--num-processes 3: the coordinator at {} runs 2 processes; give every process the "
+          "same value").format(base[base.index("--coordinator") + 1])
+  assert outs[1][1].strip() == f"error: {line}"
+  assert outs[0][1].strip() == f"error: process 1: {line}"
+  assert took < 20  # well inside --distributed-timeout: nobody waited for a timeout
+
+
+def test_process_0_waiting_for_more_processes_is_one_line_and_exit_2(tmp_path):
+  """Process 0 says 3 processes, process 1 says 2: XLA's registration barrier times out and
+  aborts both (no Python exception); their supervisors turn that into one line and exit 2."""
+  env = _two_device_env()
+  coordinator = f"localhost:{_free_port()}"
+  base = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "3", "--batch-size",
+          "32", "--no-progress", "--workdir", str(tmp_path / "w"), "--coordinator", coordinator,
+          "--distributed-timeout", "3"]
+  outs = _finish(_launch(base, env, extra=(("--num-processes", "3"), ("--num-processes", "2"))),
+                 90)
+  line = (f"error: could not join coordinator {coordinator} within 3 s (XLA gave up registering "
+          "this process); check --coordinator, --num-processes and that every process was started")
+  assert [e.strip() for _, e in outs] == [line, line], [e[-2000:] for _, e in outs]
+
+
+def _workers(marker: str) -> list[int]:
+  """PIDs of processes whose command line contains ``marker``."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if marker in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace"):
+        found.append(int(pid))
+    except OSError:
+      pass
+  return found
+
+
+def test_killing_process_0_stops_the_others_with_one_line(tmp_path):
+  """Process 0 hosts the coordination service: killed mid-run (its supervisor, whose worker
+  dies with it), process 1's worker is aborted by XLA at once, and its supervisor says so in
+  one line with exit 1 (before: exit 134 and a C++ stack dump)."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
+  work = tmp_path / "run"
+  procs = _launch(_long_run(work) + ["--coordinator", f"localhost:{_free_port()}",
+                                     "--distributed-timeout", "10"], _two_device_env())
+  err, waited = _kill_mid_run(procs, work / "inverted", victim=0)
+  assert procs[1].returncode == 1, err[-2000:]
+  assert err.strip() == ("error: lost the other processes (the coordination service (process 0) "
+                         "went away); once all are back, continue with --resume"), err[-2000:]
+  assert waited < 15
+  time.sleep(1)
+  assert _workers(str(work)) == []  # no orphaned worker: each died with its supervisor
