@@ -94,14 +94,15 @@ def _bytes(text: str) -> int:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from models.experiments import distributed  # pylint: disable=import-outside-toplevel
-  if (args.coordinator is not None or args.distributed) and not distributed.as_worker():
+  from models.experiments import supervisor  # pylint: disable=import-outside-toplevel
+  if (args.coordinator is not None or args.distributed) and not supervisor.as_worker():
     # One process of several: run it under a supervisor that turns XLA's aborts (a peer or the
     # coordinator gone, processes that never all join) into one line and an exit code.
-    return distributed.supervise(
+    return supervisor.supervise(
         [sys.executable, str(pathlib.Path(__file__).resolve()),
          *(sys.argv[1:] if argv is None else argv)],
         coordinator=args.coordinator, timeout_s=args.distributed_timeout)
+  from models.experiments import distributed  # pylint: disable=import-outside-toplevel
   import warnings  # pylint: disable=import-outside-toplevel
   warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
   from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise
-    print(distributed.lost_message(training.first_line(e)), file=sys.stderr)
+    print(supervisor.lost_message(training.first_line(e)), file=sys.stderr)
     return 1
   import jax  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:

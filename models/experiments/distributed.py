@@ -10,15 +10,14 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
 import jax
 
+from models.experiments.supervisor import SERVICE_GONE, lost_message
 from models.experiments.training import ConfigError, first_line
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
@@ -87,6 +86,12 @@ def fail(message: str, code: int) -> int:
   try:
     client.key_value_set(f"{_Watchdog.PREFIX}/error/{jax.process_index()}", f"{code} {message}",
                          allow_overwrite=True)
+    # Stay until the others' watchdogs have read it (or 3 s): exiting first could make their
+    # XLA clients abort, and process 0 exiting first would abort this one.
+    deadline = time.monotonic() + 3.0
+    while (len(client.key_value_dir_get(f"{_Watchdog.PREFIX}/ack/")) < jax.process_count() - 1
+           and time.monotonic() < deadline):
+      time.sleep(0.05)
   except Exception:  # pylint: disable=broad-except  # the service may be gone already
     pass
   os._exit(code)  # pylint: disable=protected-access
@@ -95,101 +100,6 @@ def fail(message: str, code: int) -> int:
 def _client():
   from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
   return jax_distributed.global_state.client
-
-
-WORKER_ENV = "INVACT_JAX_WORKER"  # set in the supervised child
-# absl log lines of XLA's C++ code ("F1123 06:47:53.861659  4045 client.h:80] ..."); after a
-# fatal ("F") one, everything (gRPC details, the stack dump) belongs to the abort.
-_NATIVE = re.compile(rb"^[FEW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]")
-_GRPC_MORE = re.compile(rb"^(?:Additional GRPC error information|:[A-Z]+:|RPC: |\s*$)")
-
-
-def supervise(argv: list[str], *, coordinator: str | None, timeout_s: int) -> int:
-  """Run ``argv`` (this script, one process of a multi-process run) as a child and turn the way
-  XLA ends a process whose peers or coordinator vanish -- abort() with a C++ stack dump, exit
-  134, from a thread Python cannot intercept -- into one line and exit code: 2 when the
-  processes never all joined (e.g. process 0 waits for more processes than were started), 1 when
-  a running peer or the coordinator (process 0) went away.  The child's own output passes
-  through unchanged; XLA's native log lines are held back and only summarized.  The child dies
-  with its supervisor (:func:`as_worker`), so killing this process kills the worker."""
-  child = subprocess.Popen(argv, env={**os.environ, WORKER_ENV: str(os.getpid())},
-                           stderr=subprocess.PIPE)
-  previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s))
-              for sig in (signal.SIGINT, signal.SIGTERM)}
-  try:
-    return _relay(child, coordinator, timeout_s)
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
-
-
-def as_worker() -> bool:
-  """In a child of :func:`supervise`: die with the supervisor (Linux PR_SET_PDEATHSIG, set here
-  rather than between fork and exec, which is unsafe in a threaded parent); True if this is
-  such a child."""
-  parent = os.environ.get(WORKER_ENV)
-  if not parent:
-    return False
-  if sys.platform == "linux":
-    import ctypes  # pylint: disable=import-outside-toplevel
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):  # the supervisor died before the line above
-      os._exit(1)  # pylint: disable=protected-access
-  return True
-
-
-def _relay(child, coordinator, timeout_s) -> int:
-  native: list[bytes] = []  # held back: shown as they were if the child ends normally
-  fatal = in_native = said_error = False
-  pending = b""
-  out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
-
-  def emit(data: bytes) -> None:
-    if out is not None:
-      out.write(data)
-      out.flush()
-    else:  # e.g. pytest's capture
-      sys.stderr.write(data.decode(errors="replace"))
-      sys.stderr.flush()
-  while True:
-    chunk = os.read(child.stderr.fileno(), 65536)
-    if not chunk:
-      break
-    pending += chunk
-    *lines, pending = pending.split(b"\n")
-    for line in lines:
-      if fatal or _NATIVE.match(line) or (in_native and _GRPC_MORE.match(line)):
-        native.append(line)
-        fatal = fatal or line.startswith(b"F")
-        in_native = True
-      else:
-        emit(line + b"\n")
-        in_native = False
-        said_error = said_error or line.startswith(b"error: ")
-    if pending and not fatal and not re.match(rb"^[FEW]\d", pending):
-      emit(pending)  # a progress bar's partial line: show it now
-      pending = b""
-  if pending:
-    emit(pending)
-  code = child.wait()
-  if code not in (-signal.SIGABRT, 128 + signal.SIGABRT):
-    if native and not said_error:  # the child's own one-line error says what happened
-      emit(b"\n".join(native) + b"\n")
-    return code if code >= 0 else 128 - code
-  text = b"\n".join(native).decode(errors="replace")
-  if "RegisterTask" in text:
-    sys.stderr.write(f"error: could not join coordinator {coordinator} within {timeout_s} s (XLA "
-                     "gave up registering this process); check --coordinator, --num-processes "
-                     "and that every process was started\n")
-    sys.stderr.flush()
-    return 2
-  status = re.search(r"absl::Status: (\w+)", text)
-  reason = ("the coordination service (process 0) went away" if status and status.group(1) in (
-      "UNAVAILABLE", "CANCELLED", "ABORTED") else
-      f"XLA aborted: {status.group(1) if status else 'no status'}")
-  sys.stderr.write(lost_message(reason) + "\n")
-  sys.stderr.flush()
-  return 1
 
 
 def finished() -> None:
@@ -207,6 +117,7 @@ class _Watchdog:
   A thread, not the training loop, bumps the counter: a process that compiles or checkpoints
   for a long time is alive."""
   PREFIX = "invact_jax/watchdog"
+  POLL_S = 0.5
   _instance = None
 
   def __init__(self, stale_s: float, poll_s: float):
@@ -217,7 +128,7 @@ class _Watchdog:
     self.thread = threading.Thread(target=self._run, name="invact_jax-watchdog", daemon=True)
 
   @classmethod
-  def start(cls, stale_s: float, poll_s: float = 0.5) -> None:
+  def start(cls, stale_s: float, poll_s: float = POLL_S) -> None:
     if cls._instance is None and jax.process_count() > 1:
       cls._instance = cls(stale_s, poll_s)
       cls._instance.thread.start()
@@ -244,14 +155,16 @@ class _Watchdog:
         done = {k.rsplit("/", 1)[-1] for k, _ in
                 self.client.key_value_dir_get(f"{self.PREFIX}/done/")}
         errors = self.client.key_value_dir_get(f"{self.PREFIX}/error/")
-      except Exception as e:  # pylint: disable=broad-except  # XLA raises runtime errors
+      except Exception:  # pylint: disable=broad-except  # XLA raises runtime errors
         if self.stop.is_set():
           return
-        _lost(f"the coordination service stopped answering: {first_line(e, 200)}")
+        _lost(SERVICE_GONE)
       for key, value in errors:  # another process failed with a one-line error: same line
         code, message = value.split(" ", 1)
         sys.stderr.write(f"error: process {key.rsplit('/', 1)[-1]}: {message}\n")
         sys.stderr.flush()
+        self.client.key_value_set(f"{self.PREFIX}/ack/{self.me}", "1", allow_overwrite=True)
+        time.sleep(1.0)  # let the failing process leave first (it waits for these acks)
         os._exit(int(code))  # pylint: disable=protected-access
       now = time.monotonic()
       for p, (value, since) in seen.items():
@@ -261,11 +174,6 @@ class _Watchdog:
           seen[p] = (alive.get(str(p)), now)
         elif now - since > self.stale_s:
           _lost(f"process {p} stopped answering for {self.stale_s:g} s")
-
-
-def lost_message(reason: str) -> str:
-  """The one-line error of a process that lost the others (watchdog, or a failed collective)."""
-  return f"error: lost the other processes ({reason}); once all are back, continue with --resume"
 
 
 def _lost(reason: str) -> None:

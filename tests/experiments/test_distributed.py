@@ -259,3 +259,33 @@ def test_killing_process_0_stops_the_others_with_one_line(tmp_path):
   assert waited < 15
   time.sleep(1)
   assert _workers(str(work)) == []  # no orphaned worker: each died with its supervisor
+
+
+_FATAL = ("F1123 07:34:21.128684   17249 client.h:80] Terminating process because the JAX "
+          "distributed service detected fatal errors. absl::Status: {status}: ...")
+
+
+@pytest.mark.parametrize("script, code, line", [
+    # XLA aborts (process 0 gone): one line, exit 1; the stack dump is held back
+    (f"w('W1123 07:34:21.128497   17249 x.cc:147] noise'); w({_FATAL.format(status='UNAVAILABLE')!r}); "
+     "w('*** Check failure stack trace: ***'); w('    @ 0x7f'); os.abort()", 1,
+     "error: lost the other processes (the coordination service (process 0) went away); once all "
+     "are back, continue with --resume"),
+    # the registration deadline: exit 2
+    (f"w({_FATAL.format(status='DEADLINE_EXCEEDED')!r}); w(''); "
+     "w('RPC: /xla.coordination.CoordinationService/RegisterTask'); os.abort()", 2,
+     "error: could not join coordinator h:1 within 5 s (XLA gave up registering this process); "
+     "check --coordinator, --num-processes and that every process was started"),
+    # the worker's own line after XLA's fatal one (its watchdog raced the abort): that line only
+    (f"w({_FATAL.format(status='UNAVAILABLE')!r}); w('error: lost the other processes (x)'); "
+     "os._exit(1)", 1, "error: lost the other processes (x)"),
+    # a normal run: its output, and XLA's warnings as they were
+    ("w('train: 3 steps'); w('W1123 07:34:21.128497   17249 x.cc:1] harmless')", 0,
+     "train: 3 steps\nW1123 07:34:21.128497   17249 x.cc:1] harmless"),
+])
+def test_supervisor_turns_xla_endings_into_one_line(script, code, line, capfd):
+  from models.experiments import supervisor  # pylint: disable=import-outside-toplevel
+  argv = [sys.executable, "-c", "import os, sys\n"
+          "def w(s): sys.stderr.write(s + '\\n'); sys.stderr.flush()\n" + script.replace("; ", "\n")]
+  assert supervisor.supervise(argv, coordinator="h:1", timeout_s=5) == code
+  assert capfd.readouterr().err.strip() == line

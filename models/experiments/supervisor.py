@@ -1,0 +1,117 @@
+"""The supervisor of one process of a multi-process run (standard library only, so that it
+starts at once and holds no JAX state): it runs the worker -- the same command -- as its child
+and turns XLA's aborts into one line and an exit code (see :func:`supervise`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+WORKER_ENV = "INVACT_JAX_WORKER"  # set in the supervised child
+# Whichever notices first -- XLA's error poll (an abort, reported here) or the watchdog's next
+# key-value access (distributed.py) -- the line is the same.
+SERVICE_GONE = "the coordination service (process 0) went away"
+# absl log lines of XLA's C++ code ("F1123 06:47:53.861659  4045 client.h:80] ..."); after a
+# fatal ("F") one, everything (gRPC details, the stack dump) belongs to the abort.
+_NATIVE = re.compile(rb"^[FEW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]")
+_GRPC_MORE = re.compile(rb"^(?:Additional GRPC error information|:[A-Z]+:|RPC: |\s*$)")
+
+
+def supervise(argv: list[str], *, coordinator: str | None, timeout_s: int) -> int:
+  """Run ``argv`` (this script, one process of a multi-process run) as a child and turn the way
+  XLA ends a process whose peers or coordinator vanish -- abort() with a C++ stack dump, exit
+  134, from a thread Python cannot intercept -- into one line and exit code: 2 when the
+  processes never all joined (e.g. process 0 waits for more processes than were started), 1 when
+  a running peer or the coordinator (process 0) went away.  The child's own output passes
+  through unchanged; XLA's native log lines are held back and only summarized.  The child dies
+  with its supervisor (:func:`as_worker`), so killing this process kills the worker."""
+  child = subprocess.Popen(argv, env={**os.environ, WORKER_ENV: str(os.getpid())},
+                           stderr=subprocess.PIPE)
+  previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s))
+              for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return _relay(child, coordinator, timeout_s)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def as_worker() -> bool:
+  """In a child of :func:`supervise`: die with the supervisor (Linux PR_SET_PDEATHSIG, set here
+  rather than between fork and exec, which is unsafe in a threaded parent); True if this is
+  such a child."""
+  parent = os.environ.get(WORKER_ENV)
+  if not parent:
+    return False
+  if sys.platform == "linux":
+    import ctypes  # pylint: disable=import-outside-toplevel
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the supervisor died before the line above
+      os._exit(1)  # pylint: disable=protected-access
+  return True
+
+
+def _relay(child, coordinator, timeout_s) -> int:
+  native: list[bytes] = []  # held back: shown as they were if the child ends normally
+  fatal = in_native = said_error = False
+  pending = b""
+  out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+
+  def emit(data: bytes) -> None:
+    if out is not None:
+      out.write(data)
+      out.flush()
+    else:  # e.g. pytest's capture
+      sys.stderr.write(data.decode(errors="replace"))
+      sys.stderr.flush()
+  while True:
+    chunk = os.read(child.stderr.fileno(), 65536)
+    if not chunk:
+      break
+    pending += chunk
+    *lines, pending = pending.split(b"\n")
+    for line in lines:
+      if line.startswith(b"error: "):  # the worker's own one line (its watchdog can race
+        emit(line + b"\n")             # XLA's fatal log: it may come after it)
+        said_error, in_native = True, False
+      elif fatal or _NATIVE.match(line) or (in_native and _GRPC_MORE.match(line)):
+        native.append(line)
+        fatal = fatal or line.startswith(b"F")
+        in_native = True
+      else:
+        emit(line + b"\n")
+        in_native = False
+    if pending and not fatal and not re.match(rb"^[FEW]\d", pending):
+      emit(pending)  # a progress bar's partial line: show it now
+      pending = b""
+  if pending:
+    emit(pending)
+  code = child.wait()
+  aborted = code in (-signal.SIGABRT, 128 + signal.SIGABRT)
+  if said_error:  # the worker's own line says what happened
+    return 1 if aborted else (code if code >= 0 else 128 - code)
+  if not aborted and not fatal:
+    if native:  # nothing went wrong that these explain: show them as they were
+      emit(b"\n".join(native) + b"\n")
+    return code if code >= 0 else 128 - code
+  text = b"\n".join(native).decode(errors="replace")
+  if "RegisterTask" in text:
+    sys.stderr.write(f"error: could not join coordinator {coordinator} within {timeout_s} s (XLA "
+                     "gave up registering this process); check --coordinator, --num-processes "
+                     "and that every process was started\n")
+    sys.stderr.flush()
+    return 2
+  status = re.search(r"absl::Status: (\w+)", text)
+  reason = (SERVICE_GONE if status and status.group(1) in ("UNAVAILABLE", "CANCELLED", "ABORTED")
+            else f"XLA aborted: {status.group(1) if status else 'no status'}")
+  sys.stderr.write(lost_message(reason) + "\n")
+  sys.stderr.flush()
+  return 1
+
+
+def lost_message(reason: str) -> str:
+  """The one-line error of a process that lost the others (watchdog, or a failed collective)."""
+  return f"error: lost the other processes ({reason}); once all are back, continue with --resume"
