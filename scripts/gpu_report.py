@@ -33,13 +33,12 @@ def _slug(text: str) -> str:
 
 def readme(paths, readme_path: pathlib.Path) -> int:
   from models.experiments import gpu_report  # pylint: disable=import-outside-toplevel
-  latest = {}  # gpu_<device>_<date>.json: the newest report of each device goes in
-  for p in sorted(paths):
+  for p in paths:
     if not p.is_file():
       print(f"error: --readme: no such file {str(p)!r}", file=sys.stderr)
       return 2
-    latest[p.stem.rsplit("_", 1)[0]] = p
-  parts = [gpu_report.markdown(json.loads(p.read_text())) for p in sorted(latest.values())]
+  parts = [gpu_report.markdown(json.loads(p.read_text()))
+           for p in gpu_report.newest_per_device(paths)]
   text = readme_path.read_text()
   if BEGIN not in text or END not in text:
     print(f"error: {readme_path} has no {BEGIN} ... {END} block", file=sys.stderr)

@@ -161,11 +161,9 @@ class _Watchdog:
         _lost(SERVICE_GONE)
       for key, value in errors:  # another process failed with a one-line error: same line
         code, message = value.split(" ", 1)
-        sys.stderr.write(f"error: process {key.rsplit('/', 1)[-1]}: {message}\n")
-        sys.stderr.flush()
         self.client.key_value_set(f"{self.PREFIX}/ack/{self.me}", "1", allow_overwrite=True)
-        time.sleep(1.0)  # let the failing process leave first (it waits for these acks)
-        os._exit(int(code))  # pylint: disable=protected-access
+        _say_and_exit(f"error: process {key.rsplit('/', 1)[-1]}: {message}", int(code),
+                      linger_s=1.0)  # let the failing process leave first (it waits for acks)
       now = time.monotonic()
       for p, (value, since) in seen.items():
         if str(p) in done:
@@ -177,9 +175,16 @@ class _Watchdog:
 
 
 def _lost(reason: str) -> None:
-  sys.stderr.write(lost_message(reason) + "\n")
+  _say_and_exit(lost_message(reason), 1)
+
+
+def _say_and_exit(line: str, code: int, linger_s: float = 0.0) -> None:
+  """One line on stderr, then exit at once (from any thread: the main one may be stuck in a
+  collective, and a normal exit would wait in JAX's shutdown barrier)."""
+  sys.stderr.write(line + "\n")
   sys.stderr.flush()
-  os._exit(1)  # pylint: disable=protected-access  # the main thread is stuck in a collective
+  time.sleep(linger_s)
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def _preflight(coordinator: str, process_id: int, timeout_s: float) -> None:

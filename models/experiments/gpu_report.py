@@ -263,6 +263,14 @@ def max_batch(*, model: str, dtype: str, configurations: Sequence[str], start: i
   return out
 
 
+def newest_per_device(paths) -> list:
+  """Of report files ``gpu_<device>_<date>.json``, the newest of each device, sorted."""
+  latest = {}
+  for p in sorted(paths):
+    latest[p.stem.rsplit("_", 1)[0]] = p
+  return sorted(latest.values())
+
+
 def _largest(r: dict) -> str:
   tried = ", ".join(str(p["batch"]) for p in r["probes"])
   if not r["largest_fitting"]:

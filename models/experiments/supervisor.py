@@ -90,13 +90,14 @@ def _relay(child, coordinator, timeout_s) -> int:
   if pending:
     emit(pending)
   code = child.wait()
-  aborted = code in (-signal.SIGABRT, 128 + signal.SIGABRT)
+  code = code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell says
+  aborted = code == 128 + signal.SIGABRT
   if said_error:  # the worker's own line says what happened
-    return 1 if aborted else (code if code >= 0 else 128 - code)
+    return 1 if aborted else code
   if not aborted and not fatal:
     if native:  # nothing went wrong that these explain: show them as they were
       emit(b"\n".join(native) + b"\n")
-    return code if code >= 0 else 128 - code
+    return code
   text = b"\n".join(native).decode(errors="replace")
   if "RegisterTask" in text:
     sys.stderr.write(f"error: could not join coordinator {coordinator} within {timeout_s} s (XLA "

@@ -86,10 +86,7 @@ def test_resume_keeps_measured_figures():
 
 
 def test_readme_block_is_generated_from_the_committed_report():
-  latest = {}  # gpu_<device>_<date>.json: the newest report of each device
-  for p in sorted((ROOT / "bench").glob("gpu_*_????-??-??.json")):
-    latest[p.stem.rsplit("_", 1)[0]] = p
-  reports = sorted(latest.values())
+  reports = gpu_report.newest_per_device((ROOT / "bench").glob("gpu_*_????-??-??.json"))
   if not reports:
     pytest.skip("no GPU report committed")
   md = "\n".join(gpu_report.markdown(json.loads(p.read_text())) for p in reports)
