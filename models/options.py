@@ -55,19 +55,28 @@ _OLD_FIELDS = {"activation_impl": "activation_mode", "norm_impl": "norm_mode",
 
 
 def configuration(name: str) -> dict[str, Any]:
-  """The overrides of configuration ``name`` (old names accepted with a DeprecationWarning)."""
+  """The overrides of configuration ``name`` (old names accepted with a DeprecationWarning).
+
+  ``"<name>+<implementation>"`` adds ``implementation`` (e.g. ``"inverted-all+pallas"``:
+  the same memory modes, the invact_jax ops run as Pallas kernels).
+  """
+  name, plus, impl = name.partition("+")
   if name in _OLD_CONFIGURATIONS:
     new = _OLD_CONFIGURATIONS[name]
     warnings.warn(f"configuration {name!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
     name = new
   if name not in CONFIGURATIONS:
     raise ValueError(f"unknown configuration {name!r}; choose from {tuple(CONFIGURATIONS)}")
-  return dict(CONFIGURATIONS[name])
+  if plus and impl not in IMPLEMENTATIONS[1:]:
+    raise ValueError(f"configuration {name + plus + impl!r}: unknown implementation {impl!r}; "
+                     f"choose from {IMPLEMENTATIONS[1:]}")
+  return {**CONFIGURATIONS[name], **({"implementation": impl} if plus else {})}
 
 
 def canonical_configuration(name: str) -> str:
   """``name`` in the current vocabulary (``"jax-default"`` -> ``"standard"``)."""
-  return _OLD_CONFIGURATIONS.get(name, name)
+  name, plus, impl = name.partition("+")
+  return _OLD_CONFIGURATIONS.get(name, name) + plus + impl
 
 
 def _translate(kwargs: dict, owner: str) -> dict:

@@ -35,7 +35,9 @@ from typing import Callable, Sequence
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_report.py"
 SECTIONS = ("kernels", "tests", "models", "max_batch", "planner")
-CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all")
+# "+pallas": the same modes with the invact_jax ops as Pallas kernels (models.options).
+CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all", "inverted+pallas",
+                  "inverted-all+pallas")
 # Children share the GPU one at a time: grow on demand, up to (almost) all of it.
 CHILD_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
              "PYTHONUNBUFFERED": "1"}
@@ -209,7 +211,7 @@ def models(*, specs: Sequence[dict], rounds: int, deadline: float,
         progress(f"peak {s['model']} {c}")
         group["peaks"][c] = _run_child({**s, "kind": "peak", "configuration": c},
                                        deadline - time.time())
-    if "error" in group["step_time_s"] or not group["step_time_s"]:
+    if "error" in group["step_time_s"] or set(configurations) - set(group["step_time_s"]):
       progress(f"times {s['model']}")
       group["step_time_s"] = _run_child({**s, "kind": "times", "rounds": rounds,
                                          "configurations": list(configurations)},
@@ -292,8 +294,11 @@ def planner(out_dir: pathlib.Path, *, model: str, batch: int, timeout_s: float,
   try:
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CHILD_ENV}, capture_output=True,
                           text=True, timeout=max(timeout_s, 1.0), check=False)
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {timeout_s:.0f} s", "command": " ".join(cmd[1:])}
+  except subprocess.TimeoutExpired as e:  # say where it was: the last progress line
+    err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+    where = err.replace("\r", "\n").strip().splitlines()[-1:] or ["before any progress"]
+    return {"error": f"timed out after {timeout_s:.0f} s at: {where[0][-200:]}",
+            "command": " ".join(cmd[1:])}
   res = {"command": " ".join(cmd[1:]), "returncode": done.returncode,
          "tail": done.stderr[-1500:] if done.returncode else ""}
   path = out_dir / "gpu_planner.json"

@@ -124,3 +124,35 @@ def test_kernel_blocks_needs_a_gpu(tmp_path):
   assert done.returncode == 2
   assert done.stderr.strip().splitlines() == ["error: needs a GPU (JAX backend 'cpu')"]
   assert not (tmp_path / "k.json").exists()
+
+
+def test_a_new_configuration_retimes_all_of_them_together():
+  # Step times are interleaved in one process, so a configuration added to a report that
+  # has the others' times measures all of them again (ratios from one process).
+  calls = []
+  old = gpu_report._run_child  # pylint: disable=protected-access
+  gpu_report._run_child = lambda spec, t: calls.append(spec) or (
+      {c: 0.2 for c in spec["configurations"]} if spec["kind"] == "times" else
+      {"peak_bytes_in_use": 1})
+  try:
+    spec = {"model": "vit-b16", "dtype": "bfloat16", "batch": 8, "seq_len": 0}
+    prev = [{**spec, "peaks": {"standard": {"peak_bytes_in_use": 5}},
+             "step_time_s": {"standard": 0.1}}]
+    (g,) = gpu_report.models(specs=[spec], rounds=1, deadline=1e12, progress=lambda m: None,
+                             previous=prev, configurations=("standard", "inverted+pallas"))
+  finally:
+    gpu_report._run_child = old  # pylint: disable=protected-access
+  assert [(c["kind"], c.get("configuration")) for c in calls] == [
+      ("peak", "inverted+pallas"), ("times", None)]
+  assert g["step_time_s"] == {"standard": 0.2, "inverted+pallas": 0.2}
+
+
+def test_planner_timeout_says_where_it_was(monkeypatch, tmp_path):
+  def timeout(cmd, **kw):
+    raise subprocess.TimeoutExpired(cmd, kw["timeout"], stderr=b"plan: 3step [00:09, profile "
+                                    b"vit-b16 inverted]\rplan: 4step [00:12, profile vit-b16 "
+                                    b"inverted-norms]")
+  monkeypatch.setattr(gpu_report.subprocess, "run", timeout)
+  res = gpu_report.planner(tmp_path, model="vit-b16", batch=8, timeout_s=12)
+  assert res["error"] == ("timed out after 12 s at: plan: 4step [00:12, profile vit-b16 "
+                          "inverted-norms]")

@@ -157,6 +157,11 @@ def test_deprecated_field_and_configuration_names_still_work():
     assert options.configuration("jax-default") == options.CONFIGURATIONS["standard"]
   with pytest.raises(ValueError, match="unknown configuration"):
     options.configuration("fastest")
+  assert options.configuration("inverted-all+pallas") == {
+      **options.CONFIGURATIONS["inverted-all"], "implementation": "pallas"}
+  assert options.canonical_configuration("jax-default+triton") == "standard+triton"
+  with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
+    options.configuration("inverted+cuda")
 
 
 def test_implementation_field_reaches_every_op():
