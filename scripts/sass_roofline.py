@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted H100 speed of the Pallas kernels, from their compiled SASS (no GPU).
+"""Predicted H100 speed of the Pallas and raw Triton kernels, from their compiled SASS (no GPU).
 
 Lowers each kernel (forward and backward, per activation and dtype, and the LayerNorm/RMSNorm
 row kernels per width) through Pallas's Triton
@@ -56,27 +56,37 @@ def _capture_ttir():
 def _sass_stats(ttir: str, num_warps: int) -> dict:
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-  bin_dir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+  from pallas_kernels import _sass  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:
     src = pathlib.Path(tmp) / "kernel.ttir"
     src.write_text(ttir)
     k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps})
-    cubin = pathlib.Path(tmp) / "kernel.cubin"
-    cubin.write_bytes(k.asm["cubin"])
-    sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout
-    res = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
-                         capture_output=True, text=True, check=True).stdout
-  ops: dict[str, int] = {}
-  for line in sass.splitlines():
-    m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-    if m and m.group(1) != "NOP":
-      ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-  regs = int(re.search(r"REG:(\d+)", res).group(1))
-  local = int(re.search(r"LOCAL:(\d+)", res).group(1))
-  return {"instructions": sum(ops.values()), "mufu": ops.get("MUFU", 0), "registers": regs,
-          "local_bytes": local, "by_opcode": ops}
+  return _sass.stats(k.asm["cubin"])
+
+
+def _triton_rows(name, op, dtype) -> list[dict]:
+  """The raw Triton kernels of ``op`` (generated source, compiled with triton.compile)."""
+  from invact_jax.ops.activations import triton as triton_impl  # pylint: disable=import-outside-toplevel
+  from pallas_kernels import triton_elementwise  # pylint: disable=import-outside-toplevel
+  out = []
+  for pass_, (kname, src, sig, const, nbytes) in triton_impl.kernel_sources(op, dtype).items():
+    st = triton_elementwise.compile_for(kname, src, sig, const, num_warps=NUM_WARPS)
+    out.append(_row(name, "triton", dtype, pass_, nbytes, st, 32 * NUM_WARPS, 8 * const["BR"]))
+  return out
+
+
+def _row(activation, implementation, dtype, pass_, nbytes, st, threads, elements) -> dict:
+  """One table row from a kernel's SASS stats (``threads`` per program on ``elements``)."""
+  per_elem, mufu = st["instructions"] * threads / elements, st["mufu"] * threads / elements
+  pred = predict(per_elem, mufu, nbytes)
+  print(f"{activation} {dtype} {pass_} ({implementation}): {per_elem:.1f} instr/elem, "
+        f"{st['registers']} regs, {pred['fraction_of_bandwidth']:.0%} of HBM "
+        f"({pred['bound']}-bound)", flush=True)
+  return {"activation": activation, "implementation": implementation, "dtype": dtype,
+          "pass": pass_, "bytes_per_element": nbytes, "instructions_per_element": per_elem,
+          "mufu_per_element": mufu, "registers": st["registers"],
+          "local_bytes": st["local_bytes"], **pred, "by_opcode": st["by_opcode"]}
 
 
 def predict(per_elem_instr, per_elem_mufu, bytes_per_elem, hw=H100) -> dict:
@@ -123,15 +133,7 @@ def _norm_rows(captured, widths, dtypes) -> list[dict]:
           export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
               export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
           st = _sass_stats(captured[-1], warps)
-          per_elem = st["instructions"] * 32 * warps / n
-          mufu = st["mufu"] * 32 * warps / n
-          pred = predict(per_elem, mufu, nbytes)
-          out.append({"activation": f"{name} (n={n})", "dtype": dt, "pass": pass_,
-                      "bytes_per_element": nbytes, "instructions_per_element": per_elem,
-                      "mufu_per_element": mufu, "registers": st["registers"],
-                      "local_bytes": st["local_bytes"], **pred, "by_opcode": st["by_opcode"]})
-          print(f"{name} n={n} {dt} {pass_}: {per_elem:.1f} instr/elem, {st['registers']} regs, "
-                f"{pred['fraction_of_bandwidth']:.0%} of HBM ({pred['bound']}-bound)", flush=True)
+          out.append(_row(f"{name} (n={n})", "pallas", dt, pass_, nbytes, st, 32 * warps, n))
   return out
 
 
@@ -141,6 +143,9 @@ def main(argv=None) -> int:
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--norm-widths", default="768,4096",
                  help="row widths of the LayerNorm/RMSNorm kernels ('' to skip them)")
+  p.add_argument("--implementations", default="pallas,triton",
+                 help="activation kernels: Pallas's (the Triton IR it emits) and/or the raw "
+                      "Triton kernels (invact_jax.ops.activations.triton)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "sass_roofline.json")
   args = p.parse_args(argv)
   try:
@@ -156,6 +161,7 @@ def main(argv=None) -> int:
   from models.experiments import op_speed  # pylint: disable=import-outside-toplevel
 
   rows_n, cols = 4096, 1024
+  impls = args.implementations.split(",")
   kb = base.Backend("pallas", interpret=False)
   rows = []
   for name in args.activations.split(","):
@@ -168,29 +174,25 @@ def main(argv=None) -> int:
       passes = {"forward": (lambda x: pallas.forward(op, kb, x), (x,), 2 * itemsize + 1 / 8),
                 "backward": (lambda y, m, dy: pallas.backward(op, kb, y, m, dy), (x, m, x),
                              3 * itemsize + 1 / 8)}
+      if "triton" in impls:
+        rows += _triton_rows(name, op, dt)
+      if "pallas" not in impls:
+        continue
       for pass_, (fn, avals, nbytes) in passes.items():
         captured.clear()
         export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
             export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
         ttir = captured[-1]
         block = int(re.search(r"tensor<(\d+)x8x", ttir).group(1)) * 8  # elements per program
-        threads = 32 * NUM_WARPS
-        st = _sass_stats(ttir, threads // 32)
-        per_elem = st["instructions"] * threads / block
-        mufu = st["mufu"] * threads / block
-        pred = predict(per_elem, mufu, nbytes)
-        rows.append({"activation": name, "dtype": dt, "pass": pass_, "bytes_per_element": nbytes,
-                     "instructions_per_element": per_elem, "mufu_per_element": mufu,
-                     "registers": st["registers"], "local_bytes": st["local_bytes"], **pred,
-                     "by_opcode": st["by_opcode"]})
-        print(f"{name} {dt} {pass_}: {per_elem:.1f} instr/elem, {st['registers']} regs, "
-              f"{pred['fraction_of_bandwidth']:.0%} of HBM ({pred['bound']}-bound)", flush=True)
+        st = _sass_stats(ttir, NUM_WARPS)
+        rows.append(_row(name, "pallas", dt, pass_, nbytes, st, 32 * NUM_WARPS, block))
   rows += _norm_rows(captured, [int(w) for w in args.norm_widths.split(",") if w],
                      args.dtypes.split(","))
-  lines = ["| activation | dtype | pass | SASS instr/elem | MUFU/elem | registers | spills (B) "
-           "| B/elem | predicted % of HBM bandwidth |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+  lines = ["| activation | implementation | dtype | pass | SASS instr/elem | MUFU/elem | "
+           "registers | spills (B) | B/elem | predicted % of HBM bandwidth |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
-    lines.append(f"| {r['activation']} | {r['dtype']} | {r['pass']} | "
+    lines.append(f"| {r['activation']} | {r['implementation']} | {r['dtype']} | {r['pass']} | "
                  f"{r['instructions_per_element']:.1f} | {r['mufu_per_element']:.1f} | "
                  f"{r['registers']} | {r['local_bytes']} | {r['bytes_per_element']:.3g} | "
                  f"{100 * r['fraction_of_bandwidth']:.0f} % ({r['bound']}) |")

@@ -43,13 +43,15 @@ def run_tile_math_directly(backend, *arrays) -> bool:
   """Whether a kernel backend runs its tile math as plain XLA ops instead of a kernel.
 
   Two cases, same results as the kernel up to the compiler's rounding of the math:
-  Pallas interpret mode inside ``shard_map`` (interpret mode does not track varying mesh
-  axes, a limitation of the CPU testing mode) and symbolic shapes (``jax.export``: a
-  compiled Triton kernel needs a static grid).  The residual layout is the same.
+  interpret mode inside ``shard_map`` (Pallas's interpret mode does not track varying mesh
+  axes, a limitation of the CPU testing mode; Triton's runs as a host callback) and symbolic
+  shapes (``jax.export``: a compiled Triton kernel, or Triton's interpreter, needs a static
+  grid; Pallas's interpret mode does not).  The residual layout is the same.
   """
-  if backend.interpret:
+  if backend.interpret and backend.name != "triton":
     return in_manual_context()
-  return has_symbolic_dims(*arrays)
+  # Triton's interpreter runs on the host (a callback) with a static grid, like compiled kernels.
+  return (backend.interpret and in_manual_context()) or has_symbolic_dims(*arrays)
 
 
 def _batched(call: Callable, data_mask: Sequence[bool]):
@@ -157,12 +159,16 @@ def _whole_last(mesh, spec, shape):
   return jax.sharding.PartitionSpec(*spec)
 
 
-def elementwise(fn: Callable, kinds_in: str, kinds_out: str, *args):
-  """``fn(*args)`` run per shard; ``kinds_*`` are "d" (data) / "m" (mask) per operand."""
+def elementwise(fn: Callable, kinds_in: str, kinds_out: str, *args, per_shard: bool = True):
+  """``fn(*args)`` run per shard; ``kinds_*`` are "d" (data) / "m" (mask) per operand.
+
+  ``per_shard=False``: left to XLA's partitioner as it is (a host callback, which
+  ``custom_partitioning`` cannot hold: the callback is freed before it runs, jax-ml/jax#23620).
+  """
   single = len(kinds_out) == 1
 
   def call(*a):
-    if a[0].ndim == 0 or in_manual_context() or has_symbolic_dims(*a):
+    if not per_shard or a[0].ndim == 0 or in_manual_context() or has_symbolic_dims(*a):
       return fn(*a)  # symbolic shapes run plain XLA ops (no kernel): XLA partitions them
     shape = a[0].shape
     lead = [f"b{i}" for i in range(len(shape) - 1)]

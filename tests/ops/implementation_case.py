@@ -12,8 +12,12 @@ class ImplementationTestCase(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    if self.IMPLEMENTATION != "xla" and not self.INTERPRET and jax.default_backend() != "gpu":
-      self.skipTest("compiled kernels need a GPU; the interpret-mode subclass covers CPU")
+    if self.IMPLEMENTATION != "xla" and not self.INTERPRET:
+      if jax.default_backend() != "gpu":
+        self.skipTest("compiled kernels need a GPU; the interpret-mode subclass covers CPU")
+      ok, why = invact_jax.available(self.IMPLEMENTATION)
+      if not ok:  # e.g. a GPU machine without jax-triton
+        self.skipTest(why)
 
   @property
   def impl(self):

@@ -99,7 +99,8 @@ def backward(op: Op, backend: Backend, y, packed, dy):
   return (dy.astype(g.dtype) * g).astype(dy.dtype)
 
 
-_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.activations.pallas"}
+_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.activations.pallas",
+            "triton": "invact_jax.ops.activations.triton"}
 
 
 def _impl(backend: Backend) -> Any:

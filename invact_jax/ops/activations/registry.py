@@ -78,7 +78,7 @@ class Activation:
   kernel_forward: Callable[..., Any] | None = None
   aliases: tuple[str, ...] = ()
   piecewise_linear: bool = False
-  implementations: tuple[str, ...] = ("xla", "pallas")  # "triton": issue 17, not written yet
+  implementations: tuple[str, ...] = ("xla", "pallas", "triton")
 
   def keeps_bit(self, **params) -> bool:
     return self.nonmonotone or (self.bit is not None and self.bit_when(**params))

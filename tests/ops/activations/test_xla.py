@@ -59,13 +59,13 @@ class InputValidationTest(parameterized.TestCase):
       invact_jax.gelu(jnp.ones(3), implementation="cuda")
 
   def test_triton_is_a_clear_error(self):
-    # No op has Triton kernels yet (issue 17); asking for them says so, on every platform.
-    with self.assertRaisesRegex(ValueError, "implementation='triton' is not available for this op"):
-      invact_jax.silu(jnp.ones(3), implementation="triton")
+    # Norms have no Triton kernels (activations do, issue 17): asking says what the op has.
     with self.assertRaisesRegex(ValueError, "implementation='triton' is not available for this op"):
       invact_jax.layer_norm(jnp.ones((2, 3)), jnp.ones(3), jnp.zeros(3), implementation="triton")
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu":  # activations: a platform error that says what to use
       self.assertFalse(invact_jax.available("triton")[0])
+      with self.assertRaisesRegex(RuntimeError, "need a CUDA GPU .*use implementation='xla'"):
+        invact_jax.silu(jnp.ones(3), implementation="triton")
 
   def test_implementation_options(self):
     x = jnp.linspace(-3, 3, 64 * 40).reshape(40, 64)
