@@ -36,7 +36,7 @@ import numpy as np
 from pallas_kernels import elementwise
 from pallas_kernels import triton_source
 
-__all__ = ["forward", "backward", "forward_source", "backward_source", "compile_for"]
+__all__ = ["forward", "backward", "forward_source", "backward_source", "compile_for", "launch"]
 
 _PROLOGUE = """\
   pid = tl.program_id(0){wide}
@@ -62,8 +62,7 @@ def forward_source(f: Callable, bit_fn: Callable | None, dtype, compute_dtype, *
   args = "x_ptr, y_ptr" + (", m_ptr" if bit_fn is not None else "")
   src = [f"def KERNEL({args}, M: tl.constexpr, BR: tl.constexpr):\n", _PROLOGUE.format(wide=_wide(m)),
          "  x = tl.load(x_ptr + offs, mask=inb, other=0)\n", _indent(fy.body),
-         f"  tl.store(y_ptr + offs, {fy.outputs[0]}.to({triton_source.triton_dtype(dtype)}), "
-         "mask=inb)\n"]
+         f"  tl.store(y_ptr + offs, {triton_source.cast(fy.outputs[0], dtype)}, mask=inb)\n"]
   if bit_fn is not None:
     fb = triton_source.tile_function(bit_fn, [compute_dtype], names=["xc"])
     src += [f"  xc = x.to({triton_source.triton_dtype(compute_dtype)})\n", _indent(fb.body),
@@ -95,8 +94,8 @@ def backward_source(g_fn: Callable, dtype, dy_dtype, compute_dtype, has_bits: bo
   cdt = triton_source.triton_dtype(compute_dtype)
   src += [_indent(g.body),
           f"  dy = tl.load(dy_ptr + offs, mask=inb, other=0).to({cdt})\n",
-          f"  tl.store(dx_ptr + offs, (dy * {g.outputs[0]}).to("
-          f"{triton_source.triton_dtype(dy_dtype)}), mask=inb)\n"]
+          f"  tl.store(dx_ptr + offs, {triton_source.cast(f'(dy * {g.outputs[0]})', dy_dtype)}, "
+          "mask=inb)\n"]
   return _named("invact_triton_backward", "".join(src))
 
 
@@ -122,11 +121,43 @@ class _NumpyLibdevice:
     else:
       fn = self._FUNCTIONS[name]
 
-    def call(*args):
+    def call(*args):  # in float64, rounded once: as accurate as libdevice's (<= 2 ulp) or better
       data = [a.handle.data for a in args]
-      out = np.asarray(fn(*data)).astype(data[0].dtype)
+      out = np.asarray(fn(*[d.astype(np.float64) for d in data])).astype(data[0].dtype)
       return tl.core.tensor(TensorHandle(out, args[0].handle.dtype), args[0].type)
     return call
+
+
+def _to_dtype(x, dtype):  # compiled (wrapped in triton.jit by _mode_globals): Triton's own cast
+  return x.to(dtype)
+
+
+def _to_dtype_interpreted(x, dtype):
+  """``x.to(dtype)`` in Triton's interpreter, with float32 -> bfloat16 rounded to nearest even
+  as compiled code (and XLA) do; the interpreter's own conversion truncates (Triton 3.6)."""
+  import triton.language as tl  # pylint: disable=import-outside-toplevel
+  if not (dtype == tl.bfloat16 and x.dtype == tl.float32):
+    return x.to(dtype)
+  b = x.to(tl.uint32, bitcast=True)
+  r = b + 0x7FFF + ((b >> 16) & 1)
+  r = tl.where(x != x, b | 0x400000, r)  # NaN stays a (quiet) NaN
+  return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def _mode_globals(interpret: bool) -> dict:
+  """What generated and hand-written kernels call besides ``tl``, per mode."""
+  from triton.language.extra import libdevice  # pylint: disable=import-outside-toplevel
+  if interpret:
+    return {"libdevice": _NumpyLibdevice(), "to_dtype": _to_dtype_interpreted}
+  return {"libdevice": libdevice, "to_dtype": _jit_to_dtype()}
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_to_dtype():
+  import triton  # pylint: disable=import-outside-toplevel
+  import triton.language as tl  # pylint: disable=import-outside-toplevel
+  _to_dtype.__annotations__ = {"dtype": tl.constexpr}
+  return triton.jit(_to_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,11 +165,9 @@ def _function(name: str, src: str, interpret: bool):
   """The kernel as a Python function (its source registered with linecache, as Triton reads it)."""
   import triton  # pylint: disable=import-outside-toplevel
   import triton.language as tl  # pylint: disable=import-outside-toplevel
-  from triton.language.extra import libdevice  # pylint: disable=import-outside-toplevel
   filename = f"<{name}{'_interpret' if interpret else ''}>"
   linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-  scope = {"tl": tl, "triton": triton,
-           "libdevice": _NumpyLibdevice() if interpret else libdevice}
+  scope = {"tl": tl, "triton": triton, **_mode_globals(interpret)}
   exec(compile(src, filename, "exec"), scope)  # pylint: disable=exec-used
   fn = scope[name]
   if interpret:
@@ -194,25 +223,55 @@ class _HostArray:
     del other  # the interpreter wrote into this very buffer
 
 
-def _call(name: str, src: str, inputs, out_shapes, *, m: int, block_rows: int, num_warps: int,
-          interpret: bool):
-  grid = (-(-m // block_rows),)
+@functools.lru_cache(maxsize=None)
+def _python_kernel(fn: Callable, interpret: bool):
+  """A kernel written as a plain Python function (``pallas_kernels.triton_norms``), with its
+  module's globals plus ``libdevice``/``to_dtype`` bound per mode, and the module's ``HELPERS``
+  jit-compiled (compiled mode) or plain (interpreter)."""
+  import types  # pylint: disable=import-outside-toplevel
+  import triton  # pylint: disable=import-outside-toplevel
+  scope = {**fn.__globals__, **_mode_globals(interpret)}
+  for helper in fn.__globals__.get("HELPERS", ()):  # the module's kernel helpers, per mode
+    h = fn.__globals__[helper]
+    h = types.FunctionType(h.__code__, scope, h.__name__, h.__defaults__, h.__closure__)
+    scope[helper] = h if interpret else triton.jit(h)
+  bound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+  bound.__annotations__ = fn.__annotations__
   if interpret:
-    kernel = _function(name, src, True)
+    from triton.runtime.interpreter import InterpretedFunction  # pylint: disable=import-outside-toplevel
+    return InterpretedFunction(bound)
+  return triton.jit(bound)
 
+
+def launch(kernel, inputs, out_shapes, *, grid: tuple, constexprs: dict, num_warps: int,
+           interpret: bool):
+  """Run a Triton kernel on JAX arrays: ``kernel`` is ``(name, source)`` of a generated one or
+  a plain Python function; inputs then outputs are its pointer arguments, ``constexprs`` its
+  compile-time ones.  Compiled: ``jax_triton.triton_call``; ``interpret``: Triton's
+  interpreter in a host callback."""
+  if isinstance(kernel, tuple):
+    name, fn = kernel[0], _function(*kernel, interpret)
+  else:
+    name, fn = kernel.__name__, _python_kernel(kernel, interpret)
+  if interpret:
     def host(*arrays):
       ins = [np.ascontiguousarray(a) for a in arrays]
       outs = [np.zeros(s.shape, s.dtype) for s in out_shapes]
       with _INTERPRETER_LOCK, np.errstate(all="ignore"):  # masked-off lanes hold 0 (log(0))
-        kernel[grid](*map(_HostArray, ins + outs), M=m, BR=block_rows)
+        fn[grid](*map(_HostArray, ins + outs), **constexprs)
       return tuple(outs)
     return jax.pure_callback(host, tuple(out_shapes), *inputs)
   import jax_triton  # pylint: disable=import-outside-toplevel
-  outs = jax_triton.triton_call(*inputs, kernel=_function(name, src, False),
-                                out_shape=list(out_shapes), grid=grid, num_warps=num_warps,
-                                num_stages=1, name=name, enable_fp_fusion=_FP_FUSION, M=m,
-                                BR=block_rows)
+  outs = jax_triton.triton_call(*inputs, kernel=fn, out_shape=list(out_shapes), grid=grid,
+                                num_warps=num_warps, num_stages=1, name=name,
+                                enable_fp_fusion=_FP_FUSION, **constexprs)
   return tuple(outs) if isinstance(outs, (list, tuple)) else (outs,)
+
+
+def _call(name: str, src: str, inputs, out_shapes, *, m: int, block_rows: int, num_warps: int,
+          interpret: bool):
+  return launch((name, src), inputs, out_shapes, grid=(-(-m // block_rows),),
+                constexprs={"M": m, "BR": block_rows}, num_warps=num_warps, interpret=interpret)
 
 
 def forward(f: Callable, bit_fn: Callable | None, x: jax.Array, *, compute_dtype=jnp.float32,
@@ -258,16 +317,17 @@ def backward(g_fn: Callable, y: jax.Array, packed: jax.Array | None, dy: jax.Arr
   return elementwise._from_rows(dx, shape, n8)  # pylint: disable=protected-access
 
 
-def compile_for(name: str, src: str, signature: dict, constexprs: dict, *, capability: int = 90,
-                num_warps: int = 4) -> dict:
-  """Compile a generated kernel with ``triton.compile`` for ``GPUTarget("cuda", capability,
-  32)`` (no GPU needed: Triton bundles ptxas) and return its SASS statistics
-  (:func:`pallas_kernels._sass.stats`: instructions, MUFU, registers, spill bytes) and ``asm``."""
+def compile_for(name, src: str | None, signature: dict, constexprs: dict, *,
+                capability: int = 90, num_warps: int = 4) -> dict:
+  """Compile a kernel with ``triton.compile`` for ``GPUTarget("cuda", capability, 32)`` (no GPU
+  needed: Triton bundles ptxas) and return its SASS statistics
+  (:func:`pallas_kernels._sass.stats`: instructions, MUFU, registers, spill bytes) and ``asm``.
+  ``name, src``: a generated kernel; ``name`` alone (``src=None``): a Python kernel function."""
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
   from pallas_kernels import _sass  # pylint: disable=import-outside-toplevel
-  fn = _function(name, src, False)
+  fn = _python_kernel(name, False) if src is None else _function(name, src, False)
   k = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs),
                      target=GPUTarget("cuda", capability, 32),
                      options={"num_warps": num_warps, "num_stages": 1,

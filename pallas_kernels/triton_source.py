@@ -26,7 +26,7 @@ import jax.extend.core  # Literal
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TileFunction", "tile_function", "triton_dtype"]
+__all__ = ["TileFunction", "tile_function", "triton_dtype", "cast"]
 
 _DTYPES = {"float64": "tl.float64", "float32": "tl.float32", "bfloat16": "tl.bfloat16",
            "float16": "tl.float16", "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16",
@@ -50,6 +50,13 @@ class TileFunction:
   inputs: tuple[str, ...]
   body: tuple[str, ...]
   outputs: tuple[str, ...]
+
+
+def cast(expr: str, dtype) -> str:
+  """``expr`` converted to ``dtype``; rounding casts go through ``to_dtype`` (bound by the
+  kernel's launcher: ``x.to(dtype)`` compiled, round-to-nearest-even in Triton's interpreter,
+  whose float32 -> bfloat16 conversion truncates)."""
+  return f"to_dtype({expr}, {triton_dtype(dtype)})"
 
 
 def _literal(value, dtype) -> str:
@@ -182,7 +189,7 @@ class _Emitter:
       dt = jnp.dtype(p["new_dtype"])
       if dt == jnp.bool_:
         return [self.assign(f"({ins[0]} != 0)")]
-      return [self.assign(f"{ins[0]}.to({triton_dtype(dt)})")]
+      return [self.assign(cast(ins[0], dt))]
     if name == "bitcast_convert_type":
       return [self.assign(f"{ins[0]}.to({triton_dtype(p['new_dtype'])}, bitcast=True)")]
     if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):

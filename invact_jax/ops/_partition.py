@@ -199,8 +199,9 @@ def elementwise(fn: Callable, kinds_in: str, kinds_out: str, *args, per_shard: b
   return _batched(call, [True] * len(args))(*args)
 
 
-def rows(fn: Callable, n_out: int, *args):
-  """``fn(*args)`` run per shard of the leading axes; ``None`` operands are passed through.
+def rows(fn: Callable, n_out: int, *args, per_shard: bool = True):
+  """``fn(*args)`` run per shard of the leading axes; ``None`` operands are passed through
+  (``per_shard=False``: left to XLA's partitioner, as in :func:`elementwise`).
 
   Operands: the first is ``[..., n]``; others are ``[..., n]``, ``[..., 1]`` (row
   statistics) or ``[n]`` (parameters, replicated).  Outputs: ``[..., n]`` or ``[..., 1]``.
@@ -215,7 +216,7 @@ def rows(fn: Callable, n_out: int, *args):
 
   def call(*a):
     x = a[0]
-    if x.ndim < 2 or in_manual_context():
+    if not per_shard or x.ndim < 2 or in_manual_context():
       return unpacked(*a)
     lead = " ".join(f"b{i}" for i in range(x.ndim - 1))
     kinds = [f"{lead} n" if v.ndim == x.ndim and v.shape[-1] == x.shape[-1] else

@@ -2,7 +2,7 @@
 
 Forward matches ``flax.nnx.LayerNorm``/``RMSNorm`` (statistics in float32, two-pass
 variance); the backward keeps only ``xhat`` (output dtype) and float32 ``rstd`` per row.
-``implementation=`` as for every invact_jax op: None/"xla" or "pallas".
+``implementation=`` as for every invact_jax op: None/"xla", "pallas" or "triton" (row kernels).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from invact_jax.ops.norms import base
 __all__ = ["layer_norm", "rms_norm", "layer_norm_reference", "rms_norm_reference",
            "layer_norm_dense", "rms_norm_dense", "norm_dense_reference"]
 
-SUPPORTED = ("xla", "pallas")
+SUPPORTED = ("xla", "pallas", "triton")
 _OPTIONS = ("interpret",)
 
 
@@ -60,7 +60,7 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
     epsilon: added to the variance (a static number).
     dtype: output dtype (default: ``x.dtype``); also the dtype ``xhat`` is kept in.
     implementation: None / "xla", "pallas" (row kernels; interpret mode without a GPU),
-      or an :class:`invact_jax.Implementation`.
+      "triton" (raw Triton row kernels; a CUDA GPU), or an :class:`invact_jax.Implementation`.
 
   Example:
     >>> import jax, jax.numpy as jnp, invact_jax

@@ -82,7 +82,8 @@ def backward_dx(backend, rms, xhat, rstd, dz, scale, x_dtype):
   return dx_from_xhat(xhat.astype(st), rstd, g, rms).astype(x_dtype)
 
 
-_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.norms.pallas"}
+_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.norms.pallas",
+            "triton": "invact_jax.ops.norms.triton"}
 
 
 def _impl(backend: Backend):

@@ -1,5 +1,6 @@
 """Pallas implementation of the norms: the row kernels of :mod:`pallas_kernels.norms`,
-run per shard of the leading axes.
+run per shard of the leading axes.  The Triton implementation (:mod:`.triton`) is this binding
+over :mod:`pallas_kernels.triton_norms` (same functions).
 
 Forward writes z, xhat and rstd in one pass over each row; backward computes dx from xhat,
 rstd and dz (the column sums for dscale/dbias stay XLA reductions).
@@ -11,9 +12,16 @@ from invact_jax.ops import _partition
 from invact_jax.ops.norms import base
 
 
-def _kernels():
+def _kernels(backend):
+  if backend.name == "triton":
+    from pallas_kernels import triton_norms  # pylint: disable=import-outside-toplevel
+    return triton_norms
   from pallas_kernels import norms  # pylint: disable=import-outside-toplevel
   return norms
+
+
+def _per_shard(backend) -> bool:  # Triton's interpreter is a host callback (see _partition)
+  return not (backend.name == "triton" and backend.interpret)
 
 
 def _name(rms: bool) -> str:
@@ -26,11 +34,12 @@ def forward(backend, rms, eps, dtype, x, scale, bias):
 
   def run(x, scale, bias):
     lead, n = x.shape[:-1], x.shape[-1]
-    z, xhat, rstd = _kernels().forward(x.reshape(-1, n), scale, bias, rms=rms, eps=eps,
+    z, xhat, rstd = _kernels(backend).forward(x.reshape(-1, n), scale, bias, rms=rms, eps=eps,
                                        out_dtype=dtype, interpret=backend.interpret)
     return z.reshape(*lead, n), xhat.reshape(*lead, n), rstd.reshape(*lead, 1)
   return _common.first_order_only(
-      _name(rms), lambda *a: _partition.rows(run, 3, *a), x, scale, bias)
+      _name(rms), lambda *a: _partition.rows(run, 3, *a, per_shard=_per_shard(backend)),
+      x, scale, bias)
 
 
 def backward_dx(backend, rms, xhat, rstd, dz, scale, x_dtype):
@@ -39,8 +48,9 @@ def backward_dx(backend, rms, xhat, rstd, dz, scale, x_dtype):
 
   def run(xhat, rstd, dz, scale):
     lead, n = xhat.shape[:-1], xhat.shape[-1]
-    dx = _kernels().backward_dx(xhat.reshape(-1, n), rstd.reshape(-1), dz.reshape(-1, n), scale,
+    dx = _kernels(backend).backward_dx(xhat.reshape(-1, n), rstd.reshape(-1), dz.reshape(-1, n), scale,
                                 rms=rms, dx_dtype=x_dtype, interpret=backend.interpret)
     return dx.reshape(*lead, n)
   return _common.first_order_only(
-      _name(rms), lambda *a: _partition.rows(run, 1, *a), xhat, rstd, dz, scale)
+      _name(rms), lambda *a: _partition.rows(run, 1, *a, per_shard=_per_shard(backend)),
+      xhat, rstd, dz, scale)

@@ -90,10 +90,6 @@ class ActivationTestBase(ImplementationTestCase):
   # matches the XLA path to one rounding; Triton's interpreter uses NumPy's transcendentals.
   INTERPRET_MATH_IS_XLA = True
 
-  # Whether the kernels run as a host callback (Triton's interpreter): XLA cannot partition
-  # one (jax-ml/jax#23620), so a mesh gathers its operands; values are still checked.
-  HOST_CALLBACK = False
-
   def exact_tile_math(self) -> bool:
     return self.INTERPRET and self.INTERPRET_MATH_IS_XLA
 

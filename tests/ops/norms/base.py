@@ -235,5 +235,6 @@ class NormTestBase(ImplementationTestCase):
     fn = lambda x: jax.vjp(lambda x: f(x, s, b), x)[1](jnp.cos(x))[0]  # noqa: E731
     step = jax.jit(fn, in_shardings=sh, out_shardings=sh)
     hlo = step.lower(jax.device_put(x, sh)).compile().as_text()
-    self.assertEqual([c for c in COLLECTIVES if c in hlo], [])
+    if not self.HOST_CALLBACK:
+      self.assertEqual([c for c in COLLECTIVES if c in hlo], [])
     np.testing.assert_allclose(step(jax.device_put(x, sh)), jax.jit(fn)(x), rtol=1e-6, atol=1e-6)

@@ -22,6 +22,7 @@ def _ulps(a, b, dt):
 class PallasNormTest(base.NormTestBase):
   IMPLEMENTATION = "pallas"
   INTERPRET = False
+  KERNELS = kernels  # the kernel module (test_triton: pallas_kernels.triton_norms)
 
   @parameterized.product(dtype=base.DTYPES, rms=(False, True), n=(200, 768, 5000),
                          affine=(True, False))
@@ -31,7 +32,7 @@ class PallasNormTest(base.NormTestBase):
     s = jnp.asarray(rng.normal(size=n).astype(np.float32)) if affine else None
     b = jnp.asarray(rng.normal(size=n).astype(np.float32)) if affine and not rms else None
     out = jnp.dtype(base.np_dtype(dtype))
-    z, xhat, rstd = jax.jit(lambda x: kernels.forward(
+    z, xhat, rstd = jax.jit(lambda x: self.KERNELS.forward(
         x, s, b, rms=rms, eps=1e-6, out_dtype=out, interpret=self.INTERPRET))(x)
     xh_ref, rstd_ref = norm_base.normalize(x, rms, 1e-6)
     z_ref = norm_base.affine(xh_ref, s, b, out)
@@ -42,7 +43,7 @@ class PallasNormTest(base.NormTestBase):
     self.assertLessEqual(_ulps(xhat, xh_ref.astype(out), dtype), bound)
     self.assertLessEqual(_ulps(z, z_ref, dtype), bound)
     dz = jnp.asarray(rng.normal(size=(5, n)).astype(base.np_dtype(dtype)))
-    dx = jax.jit(lambda xh, r, dz: kernels.backward_dx(
+    dx = jax.jit(lambda xh, r, dz: self.KERNELS.backward_dx(
         xh, r, dz, s, rms=rms, dx_dtype=out, interpret=self.INTERPRET))(xhat, rstd, dz)
     g = dz.astype(jnp.float32) * (1.0 if s is None else s)
     dx_ref = norm_base.dx_from_xhat(xhat.astype(jnp.float32), rstd[:, None], g, rms).astype(out)
