@@ -152,8 +152,8 @@ def main(argv=None) -> int:
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise
-    print(supervisor.lost_message(training.first_line(e)), file=sys.stderr)
-    return 1
+    distributed.lost(training.first_line(e))  # e.g. a collective whose peer was killed
+    return 1  # (not reached)
   import jax  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
     shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}

@@ -158,7 +158,7 @@ class _Watchdog:
       except Exception:  # pylint: disable=broad-except  # XLA raises runtime errors
         if self.stop.is_set():
           return
-        _lost(SERVICE_GONE)
+        lost(SERVICE_GONE)
       for key, value in errors:  # another process failed with a one-line error: same line
         code, message = value.split(" ", 1)
         self.client.key_value_set(f"{self.PREFIX}/ack/{self.me}", "1", allow_overwrite=True)
@@ -171,10 +171,12 @@ class _Watchdog:
         if alive.get(str(p)) != value:
           seen[p] = (alive.get(str(p)), now)
         elif now - since > self.stale_s:
-          _lost(f"process {p} stopped answering for {self.stale_s:g} s")
+          lost(f"process {p} stopped answering for {self.stale_s:g} s")
 
 
-def _lost(reason: str) -> None:
+def lost(reason: str) -> None:
+  """This process lost the others (a collective failed, or the watchdog saw it): one line, exit
+  1 at once — a normal exit would wait in JAX's shutdown barrier and print XLA's errors."""
   _say_and_exit(lost_message(reason), 1)
 
 

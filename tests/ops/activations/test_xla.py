@@ -59,9 +59,10 @@ class InputValidationTest(parameterized.TestCase):
       invact_jax.gelu(jnp.ones(3), implementation="cuda")
 
   def test_triton_is_a_clear_error(self):
-    # Norms have no Triton kernels (activations do, issue 17): asking says what the op has.
+    # Softmax has no Triton kernels (activations and norms do, issue 17): asking says what the
+    # op has.
     with self.assertRaisesRegex(ValueError, "implementation='triton' is not available for this op"):
-      invact_jax.layer_norm(jnp.ones((2, 3)), jnp.ones(3), jnp.zeros(3), implementation="triton")
+      invact_jax.softmax(jnp.ones((2, 3)), implementation="triton")
     if jax.default_backend() != "gpu":  # activations: a platform error that says what to use
       self.assertFalse(invact_jax.available("triton")[0])
       with self.assertRaisesRegex(RuntimeError, "need a CUDA GPU .*use implementation='xla'"):
