@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._shapes import out_struct
 
-__all__ = ["forward", "backward_dx", "chunk_for"]
+__all__ = ["forward", "backward_dx", "chunk_for", "warps_for"]
 
 
 def chunk_for(n: int) -> int:
@@ -33,8 +33,13 @@ def chunk_for(n: int) -> int:
   return min(max(pl.next_power_of_2(n), 128), 4096)
 
 
+def warps_for(chunk: int) -> int:
+  """Warps per row program: one per 256 elements of a chunk, 1 to 8."""
+  return min(max(chunk // 256, 1), 8)
+
+
 def _params(chunk: int):
-  return plgpu.CompilerParams(num_warps=min(max(chunk // 256, 1), 8), num_stages=1)
+  return plgpu.CompilerParams(num_warps=warps_for(chunk), num_stages=1)
 
 
 def _load(ref, cols, mask):

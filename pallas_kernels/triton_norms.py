@@ -99,10 +99,6 @@ def norm_backward_kernel(xhat_ptr, rstd_ptr, dz_ptr, scale_ptr, dx_ptr, N: tl.co
     tl.store(dx_ptr + row + c, to_dtype(dx, dx_ptr.dtype.element_ty), mask=m)
 
 
-def _warps(chunk: int) -> int:
-  return min(max(chunk // 256, 1), 8)  # as the Pallas kernels' compiler_params
-
-
 def forward(x, scale, bias, *, rms: bool, eps: float, out_dtype, interpret: bool = False):
   """x [M, n] -> (z [M, n], xhat [M, n], both ``out_dtype``; rstd [M] float32)."""
   m, n = x.shape
@@ -113,7 +109,7 @@ def forward(x, scale, bias, *, rms: bool, eps: float, out_dtype, interpret: bool
        jax.ShapeDtypeStruct((m,), jnp.float32)],
       grid=(m,), constexprs=dict(N=n, CHUNK=chunk, RMS=rms, HAS_SCALE=scale is not None,
                                  HAS_BIAS=bias is not None, EPS=float(eps)),
-      num_warps=_warps(chunk), interpret=interpret)
+      num_warps=norms.warps_for(chunk), interpret=interpret)
   return tuple(outs)
 
 
@@ -125,5 +121,5 @@ def backward_dx(xhat, rstd, dz, scale, *, rms: bool, dx_dtype, interpret: bool =
       norm_backward_kernel, [xhat, rstd, dz, xhat if scale is None else scale],
       [jax.ShapeDtypeStruct((m, n), dx_dtype)], grid=(m,),
       constexprs=dict(N=n, CHUNK=chunk, RMS=rms, HAS_SCALE=scale is not None),
-      num_warps=_warps(chunk), interpret=interpret)
+      num_warps=norms.warps_for(chunk), interpret=interpret)
   return dx

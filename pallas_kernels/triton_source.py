@@ -26,7 +26,7 @@ import jax.extend.core  # Literal
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TileFunction", "tile_function", "triton_dtype", "cast"]
+__all__ = ["TileFunction", "tile_function", "triton_dtype", "cast", "pointer_type"]
 
 _DTYPES = {"float64": "tl.float64", "float32": "tl.float32", "bfloat16": "tl.bfloat16",
            "float16": "tl.float16", "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16",
@@ -34,6 +34,15 @@ _DTYPES = {"float64": "tl.float64", "float32": "tl.float32", "bfloat16": "tl.bfl
            "bool": "tl.int1"}
 _INT_BITS = {"float64": ("tl.int64", np.int64), "float32": ("tl.int32", np.int32),
              "bfloat16": ("tl.int16", np.int16), "float16": ("tl.int16", np.int16)}
+
+
+_SIGNATURE = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+              "int32": "i32", "uint8": "u8"}
+
+
+def pointer_type(dtype) -> str:
+  """The ``triton.compile`` signature spelling of a pointer to ``dtype`` (``"*bf16"``)."""
+  return "*" + _SIGNATURE[jnp.dtype(dtype).name]
 
 
 def triton_dtype(dtype) -> str:

@@ -54,6 +54,12 @@ def run_tile_math_directly(backend, *arrays) -> bool:
   return (backend.interpret and in_manual_context()) or has_symbolic_dims(*arrays)
 
 
+def per_shard(backend) -> bool:
+  """Whether a kernel backend's calls can be partitioned per shard: not Triton's interpreter,
+  a host callback, which ``custom_partitioning`` cannot hold (see :func:`elementwise`)."""
+  return not (backend.name == "triton" and backend.interpret)
+
+
 def _batched(call: Callable, data_mask: Sequence[bool]):
   """``call`` with a batching rule: batched operands get the batch axis in front.
 

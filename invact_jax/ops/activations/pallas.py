@@ -55,19 +55,13 @@ def _backward(op, backend, y, packed, dy):
                              compute_dtype=_common.compute_dtype(y.dtype), **_kw(backend))
 
 
-def _per_shard(backend: Backend) -> bool:
-  """Kernels run per shard; Triton's interpreter is a host callback, which cannot be (see
-  :func:`invact_jax.ops._partition.elementwise`): XLA gathers its operands instead."""
-  return not (backend.name == "triton" and backend.interpret)
-
-
 def _approx_ops():
   from pallas_kernels import elementwise  # pylint: disable=import-outside-toplevel
   return elementwise.ApproxOps  # PTX instructions: the Triton source generator spells them too
 
 
 def forward(op, backend: Backend, x):
-  shard = _per_shard(backend)
+  shard = _partition.per_shard(backend)
   if not op.has_bit:
     y = _common.first_order_only(op.public, lambda x: _partition.elementwise(
         lambda x: _forward(op, backend, x)[0], "d", "d", x, per_shard=shard), x)
@@ -77,7 +71,7 @@ def forward(op, backend: Backend, x):
 
 
 def backward(op, backend: Backend, y, packed, dy):
-  shard = _per_shard(backend)
+  shard = _partition.per_shard(backend)
   if packed is None:
     return _common.first_order_only(op.public, lambda y, dy: _partition.elementwise(
         lambda y, dy: _backward(op, backend, y, None, dy), "dd", "d", y, dy, per_shard=shard),

@@ -32,9 +32,8 @@ def kernel_sources(op, dtype, *, rows: int = 4096, cols: int = 1024) -> dict:
   def g(y, b=None):
     return op.derivative(y, b, approx_ops=elementwise.ApproxOps)
   bwd = te.backward_source(g if op.has_bit else (lambda y: g(y)), dt, dt, cdt, op.has_bit, m=m)
-  ptr = "*" + triton_source.triton_dtype(dt).replace("tl.", "").replace("float", "fp").replace(
-      "bfp16", "bf16")
-  mask = {"m_ptr": "*u8"} if op.has_bit else {}
+  ptr = triton_source.pointer_type(dt)
+  mask = {"m_ptr": triton_source.pointer_type(jnp.uint8)} if op.has_bit else {}
   const = {"M": m, "BR": elementwise.block_rows_for(dt, m)}
   sizes = {"M": "constexpr", "BR": "constexpr"}
   return {"forward": (*fwd, {"x_ptr": ptr, "y_ptr": ptr, **mask, **sizes}, const,

@@ -20,10 +20,6 @@ def _kernels(backend):
   return norms
 
 
-def _per_shard(backend) -> bool:  # Triton's interpreter is a host callback (see _partition)
-  return not (backend.name == "triton" and backend.interpret)
-
-
 def _name(rms: bool) -> str:
   return "rms_norm" if rms else "layer_norm"
 
@@ -38,7 +34,7 @@ def forward(backend, rms, eps, dtype, x, scale, bias):
                                        out_dtype=dtype, interpret=backend.interpret)
     return z.reshape(*lead, n), xhat.reshape(*lead, n), rstd.reshape(*lead, 1)
   return _common.first_order_only(
-      _name(rms), lambda *a: _partition.rows(run, 3, *a, per_shard=_per_shard(backend)),
+      _name(rms), lambda *a: _partition.rows(run, 3, *a, per_shard=_partition.per_shard(backend)),
       x, scale, bias)
 
 
@@ -52,5 +48,5 @@ def backward_dx(backend, rms, xhat, rstd, dz, scale, x_dtype):
                                 rms=rms, dx_dtype=x_dtype, interpret=backend.interpret)
     return dx.reshape(*lead, n)
   return _common.first_order_only(
-      _name(rms), lambda *a: _partition.rows(run, 1, *a, per_shard=_per_shard(backend)),
+      _name(rms), lambda *a: _partition.rows(run, 1, *a, per_shard=_partition.per_shard(backend)),
       xhat, rstd, dz, scale)

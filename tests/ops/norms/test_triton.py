@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("triton")
 
 # pylint: disable=wrong-import-position
+from pallas_kernels import norms
 from pallas_kernels import triton_elementwise
 from pallas_kernels import triton_norms
 from tests.ops.norms import test_pallas
@@ -26,7 +27,7 @@ class TritonNormInterpretTest(TritonNormTest):
 @pytest.mark.parametrize("n", [768, 4096])
 def test_norm_kernels_compile_for_sm90_without_spills(rms, dtype, n, monkeypatch, tmp_path):
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # wherever HOME is read-only
-  chunk = min(max(1 << (n - 1).bit_length(), 128), 4096)
+  chunk = norms.chunk_for(n)
   fwd = triton_elementwise.compile_for(
       triton_norms.norm_forward_kernel, None,
       {"x_ptr": f"*{dtype}", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "z_ptr": f"*{dtype}",
@@ -34,14 +35,14 @@ def test_norm_kernels_compile_for_sm90_without_spills(rms, dtype, n, monkeypatch
        "RMS": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr",
        "EPS": "constexpr"},
       {"N": n, "CHUNK": chunk, "RMS": rms, "HAS_SCALE": True, "HAS_BIAS": not rms,
-       "EPS": 1e-6}, num_warps=min(max(chunk // 256, 1), 8))
+       "EPS": 1e-6}, num_warps=norms.warps_for(chunk))
   bwd = triton_elementwise.compile_for(
       triton_norms.norm_backward_kernel, None,
       {"xhat_ptr": f"*{dtype}", "rstd_ptr": "*fp32", "dz_ptr": f"*{dtype}",
        "scale_ptr": "*fp32", "dx_ptr": f"*{dtype}", "N": "constexpr", "CHUNK": "constexpr",
        "RMS": "constexpr", "HAS_SCALE": "constexpr"},
       {"N": n, "CHUNK": chunk, "RMS": rms, "HAS_SCALE": True},
-      num_warps=min(max(chunk // 256, 1), 8))
+      num_warps=norms.warps_for(chunk))
   for st in (fwd, bwd):
     assert st["local_bytes"] == 0, st["registers"]
     assert "ld.global" in st["asm"]["ptx"] and "st.global" in st["asm"]["ptx"]
