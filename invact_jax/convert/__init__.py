@@ -1,24 +1,11 @@
-"""Converting unmodified code to the inverted ops: ``inverted()`` (attributes) and ``invert``."""
-import functools
-from typing import Any, Callable
+"""Converting unmodified code to the inverted ops.
 
+* :func:`invert` (a program transformation): traces the function and converts every
+  activation, norm and softmax found by its computation, whatever object the code called.
+* :func:`inverted` (a context manager): swaps ``jax.nn``/Flax attributes while a block runs;
+  it catches only code that looks the functions up at call time.
+"""
 from invact_jax.convert._attributes import ConversionReport, inverted, replaceable  # noqa: F401
+from invact_jax.convert._program import ProgramReport, invert  # noqa: F401
 
-__all__ = ["inverted", "invert", "ConversionReport"]
-
-
-def invert(fn: Callable[..., Any], *, only=None, warn: bool = True,
-           norms: bool = True) -> Callable[..., Any]:
-  """Function transform: call ``fn`` with the inverted activations (see :func:`inverted`).
-
-  Apply it before ``jax.jit`` so that tracing happens inside: ``jax.jit(invert(loss))``.
-  The last call's report is ``wrapped.last_report``.
-  """
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    with inverted(only, warn=warn, norms=norms) as report:
-      out = fn(*args, **kwargs)
-    wrapped.last_report = report
-    return out
-  wrapped.last_report = None
-  return wrapped
+__all__ = ["inverted", "invert", "ConversionReport", "ProgramReport"]

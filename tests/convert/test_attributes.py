@@ -79,7 +79,7 @@ def test_nnx_model_converted_via_invert():
   g = jax.jit(jax.grad(inv_loss))(state, x)
   g_ref = jax.grad(loss)(state, x)
   chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
-  assert inv_loss.last_report.replaced == {"flax.nnx.gelu": 1}
+  assert inv_loss.last_report.replaced == {"gelu": 1}
   np.testing.assert_array_equal(np.asarray(jax.jit(inv_loss)(state, x)), np.asarray(loss(state, x)))
 
 
@@ -209,9 +209,11 @@ def test_nested_blocks_count_in_every_report():
     with invact_jax.inverted() as inner:
       jax.grad(lambda w: jnp.sum(jax.nn.gelu(x @ w)))(w)
   assert outer.replaced == inner.replaced == {"jax.nn.gelu": 1}
-  f = invact_jax.invert(invact_jax.invert(lambda w: jnp.sum(jax.nn.silu(x @ w))))
+  inner = invact_jax.invert(lambda w: jnp.sum(jax.nn.silu(x @ w)))
+  f = invact_jax.invert(inner)  # the outer conversion sees the inner one's custom_vjp
   jax.grad(f)(w)
-  assert f.last_report.replaced == {"jax.nn.silu": 1}
+  assert inner.last_report.replaced == {"silu": 1}
+  assert f.last_report.replaced == {}
 
 
 def test_other_threads_are_unaffected_and_nothing_deadlocks():

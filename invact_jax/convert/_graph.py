@@ -1,0 +1,212 @@
+"""A traced program as a flat graph: what the program-level conversion matches and runs.
+
+``flatten(closed_jaxpr)`` inlines nested ``jit`` calls without shardings (``jax.nn`` and
+``jax.numpy`` functions are jitted, so the same computation traces flat or nested depending
+on the JAX version and on how it was called) and turns the rest into :class:`Node` s over
+integer variable ids, literals and constants as :class:`Lit`.  ``run`` evaluates a graph with
+a hook that may replace matched regions, and converts the bodies of ``scan``, ``cond`` and
+``checkpoint`` through the same hook.
+
+This reads JAX's jaxpr data structures (``eqn.primitive``, ``params``, ``invars``,
+``outvars``, ``Literal``), which JAX documents for interpreters ("Writing custom Jaxpr
+interpreters"); the names that moved between JAX 0.10 and 0.12 are looked up by duck type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+__all__ = ["Lit", "Node", "Graph", "flatten", "params_equal", "where"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Lit:
+  """A literal or a constant of the program (compared by value)."""
+  val: Any
+
+  @property
+  def dtype(self):
+    return np.asarray(self.val).dtype if not hasattr(self.val, "dtype") else self.val.dtype
+
+  def same(self, other: "Lit") -> bool:
+    a, b = self.val, other.val
+    if getattr(a, "shape", ()) != getattr(b, "shape", ()) or self.dtype != other.dtype:
+      return False
+    if np.size(a) > 64:
+      return a is b
+    return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+  prim: Any
+  params: dict
+  ins: list            # int variable ids or Lit
+  outs: list           # int variable ids (-1: dropped)
+  where: str = ""
+  eqn: Any = None      # the original equation (source info and context for re-binding)
+
+
+@dataclasses.dataclass(eq=False)
+class Graph:
+  nodes: list
+  invars: list
+  outvars: list
+  avals: dict          # variable id -> aval
+  producer: dict = dataclasses.field(default_factory=dict)   # id -> (node index, out index)
+  consumers: dict = dataclasses.field(default_factory=dict)  # id -> [node index]
+
+  def index(self) -> "Graph":
+    self.producer.clear()
+    self.consumers.clear()
+    for i, n in enumerate(self.nodes):
+      for k, o in enumerate(n.outs):
+        self.producer[o] = (i, k)
+      for r in n.ins:
+        if not isinstance(r, Lit):
+          self.consumers.setdefault(r, []).append(i)
+    return self
+
+
+_IDS = itertools.count()
+
+
+def _is_literal(v) -> bool:
+  return type(v).__name__ == "Literal"
+
+
+def _is_drop(v) -> bool:
+  return type(v).__name__ == "DropVar"
+
+
+def where(eqn) -> str:
+  """``file:line (function)`` of an equation's user frame, or ''."""
+  try:
+    from jax._src import source_info_util  # pylint: disable=import-outside-toplevel
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:  # pylint: disable=broad-except
+    return ""
+
+
+def _unspecified(s) -> bool:
+  return type(s).__name__ in ("UnspecifiedValue", "AutoLayout", "NoneType")
+
+
+def _inlinable(eqn) -> bool:
+  """A nested ``jit`` whose shardings/donations say nothing: inlining it changes nothing."""
+  p = eqn.params
+  if eqn.primitive.name not in ("pjit", "jit") or "jaxpr" not in p:
+    return False
+  return (all(_unspecified(s) for s in p.get("in_shardings", ()) + p.get("out_shardings", ()))
+          and not any(p.get("donated_invars", ())) and not p.get("compiler_options_kvs"))
+
+
+def flatten(closed) -> Graph:
+  """The graph of a ClosedJaxpr (or an open Jaxpr with no constants)."""
+  jaxpr = getattr(closed, "jaxpr", closed)
+  consts = list(getattr(closed, "consts", ()))
+  nodes, avals = [], {}
+
+  def walk(jaxpr, env):
+    def ref(v):
+      return Lit(v.val) if _is_literal(v) else env[v]
+    for eqn in jaxpr.eqns:
+      ins = [ref(v) for v in eqn.invars]
+      if _inlinable(eqn):
+        inner = eqn.params["jaxpr"]
+        sub = dict(zip(inner.jaxpr.constvars, (Lit(c) for c in inner.consts)))
+        sub.update(zip(inner.jaxpr.invars, ins))
+        walk(inner.jaxpr, sub)
+        for o, r in zip(eqn.outvars, inner.jaxpr.outvars):
+          if not _is_drop(o):
+            env[o] = Lit(r.val) if _is_literal(r) else sub[r]
+        continue
+      outs = []
+      for o in eqn.outvars:
+        k = next(_IDS)
+        avals[k] = o.aval
+        if not _is_drop(o):
+          env[o] = k
+        outs.append(k)
+      nodes.append(Node(eqn.primitive, dict(eqn.params), ins, outs, where(eqn), eqn))
+
+  env = dict(zip(jaxpr.constvars, (Lit(c) for c in consts)))
+  invars = []
+  for v in jaxpr.invars:
+    k = next(_IDS)
+    env[v], avals[k] = k, v.aval
+    invars.append(k)
+  walk(jaxpr, env)
+  outvars = [Lit(v.val) if _is_literal(v) else env[v] for v in jaxpr.outvars]
+  return Graph(nodes, invars, outvars, avals).index()
+
+
+def _jaxpr_key(j) -> str:
+  return str(getattr(j, "jaxpr", j)) + "|" + ",".join(
+      f"{np.shape(c)}:{getattr(c, 'dtype', type(c))}" for c in getattr(j, "consts", ()))
+
+
+def params_equal(a: dict, b: dict) -> bool:
+  """Equation parameters equal, with nested jaxprs compared by their printed structure and
+  callables (custom_jvp rules, traced afresh each time) ignored."""
+  if a.keys() != b.keys():
+    return False
+  for k, va in a.items():
+    vb = b[k]
+    if hasattr(va, "eqns") or hasattr(getattr(va, "jaxpr", None), "eqns"):
+      if _jaxpr_key(va) != _jaxpr_key(vb):
+        return False
+    elif (callable(va) and not isinstance(va, type)) or hasattr(va, "call_wrapped"):
+      continue
+    else:
+      try:
+        if not bool(va == vb):
+          return False
+      except Exception:  # pylint: disable=broad-except
+        if repr(va) != repr(vb):
+          return False
+  return True
+
+
+def bind(node: Node, invals: list) -> list:
+  """Evaluate one node as JAX's ``eval_jaxpr`` does (with the equation's context)."""
+  params = node.prim.get_bind_params(node.params)
+  ctx = getattr(node.eqn, "ctx", None)
+  if ctx is not None:
+    with ctx.manager:
+      out = node.prim.bind(*invals, **params)
+  else:
+    out = node.prim.bind(*invals, **params)
+  return list(out) if node.prim.multiple_results else [out]
+
+
+def evaluate(graph: Graph, args, *, skip=frozenset(), at: dict | None = None,
+             nested: Callable | None = None) -> list:
+  """Run ``graph`` on ``args``.  ``skip``: node indices not to run; ``at``: node index ->
+  function(env) returning that node's outputs instead; ``nested(node, invals)``: outputs of
+  a higher-order node (or None to bind it as it is)."""
+  env = dict(zip(graph.invars, args))
+  value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
+  at = at or {}
+  for i, n in enumerate(graph.nodes):
+    if i in at:
+      outs = at[i](value)
+    elif i in skip:
+      continue
+    else:
+      invals = [value(r) for r in n.ins]
+      outs = nested(n, invals) if nested is not None else None
+      if outs is None:
+        outs = bind(n, invals)
+    for k, v in zip(n.outs, outs):
+      env[k] = v
+  return [value(r) for r in graph.outvars]
+
+
+def shape_structs(avals) -> list:
+  return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+          for a in avals]

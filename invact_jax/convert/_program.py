@@ -1,0 +1,592 @@
+"""``invert(fn)``: the program-level conversion.
+
+``fn`` is traced to a jaxpr; every activation, LayerNorm/RMSNorm and softmax in it is found
+by its computation (the equations of one of :data:`._forms.FORMS`, traced at the same shapes
+and dtypes), whatever Python object the model called; each match is then run as a
+``jax.custom_vjp`` whose forward is the *program's own equations* (so the forward output is
+bit for bit the unconverted one) and whose residuals and backward are invact_jax's:
+
+* activation: ``y`` (+ the packed branch bit), backward of the registry entry;
+* norm: ``xhat`` (output dtype) and the float32 ``rstd`` of each row, plus scale and bias;
+* softmax: the probabilities.
+
+The conversion enters nested ``jit`` (inlined when it carries no shardings), ``scan``,
+``cond`` and ``checkpoint`` bodies (the user's checkpoint policy is kept: the body is
+re-wrapped with it).  It leaves alone, and reports, what it cannot rewrite soundly: a match
+whose intermediate values are also used elsewhere, and ``custom_jvp``/``custom_vjp``
+functions, ``while`` loops and ``shard_map`` bodies that contain candidate primitives.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from invact_jax import bitpack
+from invact_jax.convert import _forms
+from invact_jax.convert import _graph
+from invact_jax.convert._graph import Lit
+from invact_jax.ops import _common
+from invact_jax.ops import _implementation
+from invact_jax.ops.activations import base as _act_base
+from invact_jax.ops.activations import registry
+from invact_jax.ops.norms import base as _norm_base
+from invact_jax.ops.softmax import base as _softmax_base
+
+__all__ = ["invert", "ProgramReport"]
+
+_COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
+# Primitives that suggest an op the conversion may have missed (reported when unclaimed).
+_CANDIDATES = {"erf": "activation", "erfc": "activation", "logistic": "activation",
+               "tanh": "activation", "rsqrt": "norm", "exp": "softmax"}
+_ENTERED = frozenset({"scan", "cond", "checkpoint", "remat", "remat2", "pjit", "jit"})
+_KINDS = ("layer_norm", "rms_norm", "softmax")
+
+
+@dataclasses.dataclass
+class ProgramReport:
+  """What one ``invert`` conversion did.
+
+  Attributes:
+    converted: ``(public name, form, where)`` per converted op, ``where`` the source line of
+      the equation that produced its output.
+    left_alone: ``(what, where, why)`` per candidate that was not converted.
+  """
+  converted: list = dataclasses.field(default_factory=list)
+  left_alone: list = dataclasses.field(default_factory=list)
+
+  @property
+  def replaced(self) -> dict[str, int]:
+    """Converted ops by invact_jax function name (``{"gelu": 12, "layer_norm": 25}``)."""
+    return dict(collections.Counter(p for p, _, _ in self.converted))
+
+  @property
+  def forms(self) -> dict[str, int]:
+    """Converted ops by the form they were recognized as."""
+    return dict(collections.Counter(f for _, f, _ in self.converted))
+
+  def __str__(self) -> str:
+    if not self.converted:
+      text = "invact_jax.invert: nothing was converted"
+    else:
+      text = "invact_jax.invert converted: " + ", ".join(
+          f"{k} x{v}" for k, v in sorted(self.replaced.items()))
+    if self.left_alone:
+      groups = collections.Counter((w, y) for w, _, y in self.left_alone)
+      text += "; left alone: " + "; ".join(f"{w} x{n} ({y})" for (w, y), n in groups.items())
+    return text
+
+
+# --------------------------------------------------------------------------- patterns
+@dataclasses.dataclass(frozen=True)
+class _Pattern:
+  form: _forms.Form
+  graph: _graph.Graph
+  root: int            # node index of the output's producer
+  root_out: int        # which output of that node
+  wild: dict           # id(Lit) -> sentinel name
+  x_dtype: Any
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern(form: _forms.Form, shape: tuple, xd: str, pd: str, od: str) -> _Pattern | None:
+  fn = form.build(np.dtype(xd), np.dtype(pd), np.dtype(od))
+  if fn is None:
+    return None
+  d = shape[-1] if shape else 1
+  structs = [jax.ShapeDtypeStruct(shape, np.dtype(xd))] + [
+      jax.ShapeDtypeStruct((d,), np.dtype(pd)) for _ in form.roles[1:]]
+  try:
+    closed = jax.make_jaxpr(fn)(*structs)
+  except Exception:  # pylint: disable=broad-except  (a form not defined for these dtypes)
+    return None
+  out = closed.out_avals
+  if len(out) != 1 or out[0].shape != shape or out[0].dtype != np.dtype(od):
+    return None
+  g = _graph.flatten(closed)
+  if isinstance(g.outvars[0], Lit) or g.outvars[0] not in g.producer:
+    return None
+  root, root_out = g.producer[g.outvars[0]]
+  wild = {}
+  sentinels = {k: _forms.SENTINELS[k] for k in form.params}
+  for n in g.nodes:
+    for r in n.ins:
+      if (isinstance(r, Lit) and np.shape(r.val) == ()
+          and jnp.issubdtype(np.dtype(r.dtype), jnp.floating)):
+        for k, s in sentinels.items():
+          if float(np.asarray(r.val)) == float(np.asarray(s, r.dtype)):
+            wild[id(r)] = k
+  return _Pattern(form, g, root, root_out, wild, np.dtype(xd))
+
+
+@functools.lru_cache(maxsize=None)
+def _root_signature(form: _forms.Form, xd: str, pd: str, od: str):
+  """The output equation's primitive and its inputs' primitives, from a small trace: a cheap
+  test before the form is traced at a program's shapes."""
+  pat = _pattern(form, (2, 8), xd, pd, od)
+  return None if pat is None else _signature(pat.graph, pat.root)
+
+
+def _signature(graph: _graph.Graph, i: int) -> tuple:
+  def prim(r):
+    if isinstance(r, Lit) or r not in graph.producer:
+      return None
+    return graph.nodes[graph.producer[r][0]].prim.name
+  n = graph.nodes[i]
+  return n.prim.name, frozenset(p for p in map(prim, n.ins) if p is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_combos(kind: str, od: str) -> tuple:
+  if kind in ("activation", "softmax"):
+    return ((od, od),)
+  xds = [od] + [t for t in ("float32", "bfloat16", "float16") if t != od]
+  out = []
+  for xd in xds:
+    for pd in ("float32", xd, od):
+      if (xd, pd) not in out:
+        out.append((xd, pd))
+  return tuple(out)
+
+
+# --------------------------------------------------------------------------- matching
+class _State:
+  __slots__ = ("v", "t", "nodes", "caught")
+
+  def __init__(self):
+    self.v, self.t, self.nodes, self.caught = {}, {}, {}, {}
+
+  def copy(self):
+    s = _State()
+    s.v, s.t, s.nodes, s.caught = dict(self.v), dict(self.t), dict(self.nodes), dict(self.caught)
+    return s
+
+  def restore(self, other):
+    self.v, self.t, self.nodes, self.caught = other.v, other.t, other.nodes, other.caught
+
+
+def _is_tracer(v) -> bool:
+  return isinstance(v, jax.core.Tracer)
+
+
+class _Matcher:
+  def __init__(self, pat: _Pattern, target: _graph.Graph, claimed: set):
+    self.p, self.g, self.claimed = pat, target, claimed
+    self.pin = set(pat.graph.invars)
+
+  def ref(self, pr, tr, st: _State) -> bool:
+    P, T = self.p.graph, self.g
+    if isinstance(pr, Lit):
+      if not isinstance(tr, Lit) or _is_tracer(tr.val):
+        return False
+      name = self.p.wild.get(id(pr))
+      if name is None:
+        return pr.same(tr)
+      if np.shape(tr.val) != () or np.dtype(tr.dtype) != np.dtype(pr.dtype):
+        return False
+      val = float(np.asarray(tr.val))
+      if st.caught.setdefault(name, val) != val:
+        return False
+      return True
+    if pr in self.pin:  # an input of the form: a program variable or constant array
+      if pr in st.v:
+        return st.v[pr] is tr
+      if tr in st.t:
+        return False
+      pa = P.avals[pr]
+      ta = _aval(T, tr)
+      if pa.shape != ta.shape or pa.dtype != ta.dtype:
+        return False
+      st.v[pr], st.t[tr] = tr, pr
+      return True
+    if isinstance(tr, Lit):
+      return False
+    if pr in st.v:
+      return st.v[pr] == tr
+    if tr in st.t:
+      return False
+    if tr not in T.producer:
+      return False
+    pi, pk = P.producer[pr]
+    ti, tk = T.producer[tr]
+    if pk != tk or ti in self.claimed or ti in st.nodes.values():
+      return False
+    return self.node(pi, ti, st, pr, tr)
+
+  def node(self, pi, ti, st, pr=None, tr=None) -> bool:
+    pn, tn = self.p.graph.nodes[pi], self.g.nodes[ti]
+    if (pn.prim.name != tn.prim.name or len(pn.ins) != len(tn.ins)
+        or len(pn.outs) != len(tn.outs) or not _graph.params_equal(pn.params, tn.params)):
+      return False
+    for po, to in zip(pn.outs, tn.outs):
+      st.v[po], st.t[to] = to, po
+    st.nodes[pi] = ti
+    saved = st.copy()
+    if all(self.ref(a, b, st) for a, b in zip(pn.ins, tn.ins)):
+      return True
+    if pn.prim.name in _COMMUTATIVE and len(pn.ins) == 2:
+      st.restore(saved)
+      return all(self.ref(a, b, st) for a, b in zip(pn.ins, reversed(tn.ins)))
+    return False
+
+
+@dataclasses.dataclass
+class _Match:
+  pattern: _Pattern
+  nodes: list          # target node indices (sorted)
+  root: int
+  inputs: list         # target refs, in the form's role order
+  caught: dict
+
+
+def _try(pat: _Pattern, target: _graph.Graph, ti: int, claimed: set) -> _Match | None:
+  tn = target.nodes[ti]
+  if len(tn.outs) <= pat.root_out:
+    return None
+  out = tn.outs[pat.root_out]
+  m = _Matcher(pat, target, claimed)
+  st = _State()
+  if not m.node(pat.root, ti, st):
+    return None
+  inputs = [st.v.get(v) for v in pat.graph.invars]
+  if inputs[0] is None or any(i is None for i in inputs):
+    return None
+  del out
+  return _Match(pat, sorted(set(st.nodes.values())), ti, inputs, dict(st.caught))
+
+
+def _escapes(match: _Match, target: _graph.Graph, outvars: set) -> bool:
+  """An intermediate of the match is used outside it (then converting saves nothing and the
+  values would have to be computed anyway): left alone."""
+  inside = set(match.nodes)
+  root_out = target.nodes[match.root].outs[match.pattern.root_out]
+  for i in match.nodes:
+    for o in target.nodes[i].outs:
+      if o == root_out:
+        continue
+      if o in outvars or any(c not in inside for c in target.consumers.get(o, ())):
+        return True
+  return False
+
+
+# ------------------------------------------------------------------------ replacements
+def _aval(target: _graph.Graph, ref):
+  return jax.typeof(ref.val) if isinstance(ref, Lit) else target.avals[ref]
+
+
+def _region(target: _graph.Graph, match: _Match) -> Callable[..., Any]:
+  """The program's own equations of the match, as a function of its inputs."""
+  nodes = [target.nodes[i] for i in match.nodes]
+  ins = match.inputs
+  out = target.nodes[match.root].outs[match.pattern.root_out]
+
+  def run(*vals):
+    env = dict(zip(ins, vals))
+    value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
+    for n in nodes:
+      for k, v in zip(n.outs, _graph.bind(n, [value(r) for r in n.ins])):
+        env[k] = v
+    return env[out]
+  return run
+
+
+def _sum_to(a, shape):
+  """``a`` summed over the axes that broadcasting ``shape`` to ``a.shape`` added/expanded."""
+  lead = a.ndim - len(shape)
+  a = jnp.sum(a, axis=tuple(range(lead))) if lead else a
+  axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
+  return jnp.sum(a, axis=axes, keepdims=True) if axes else a
+
+
+def _activation_fn(match: _Match, region, backend):
+  entry = match.pattern.form.entry
+  params = tuple((k, float(match.caught[k])) for k, _ in entry.params)
+  op = _act_base.Op(entry, params)
+
+  @jax.custom_vjp
+  def f(x):
+    return region(x)
+
+  def fwd(x):
+    y = region(x)
+    packed = (bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
+              if op.has_bit else None)
+    return y, (y, packed)
+
+  def bwd(res, dy):
+    y, packed = res
+    return (_act_base._impl(backend).backward(op, backend, y, packed, dy),)  # pylint: disable=protected-access
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def _norm_fn(match: _Match, region, backend, target):
+  roles = match.pattern.form.roles
+  rms = match.pattern.form.kind == "rms_norm"
+  eps = float(match.caught["eps"])
+  x_aval = _aval(target, match.inputs[0])
+  x_dtype, d = x_aval.dtype, x_aval.shape[-1]
+
+  @jax.custom_vjp
+  def f(x, *params):
+    return region(x, *params)
+
+  def fwd(x, *params):
+    z = region(x, *params)
+    xhat, rstd = _norm_base.normalize(x, rms, eps)
+    return z, (xhat.astype(z.dtype), rstd, params)
+
+  def bwd(res, dz):
+    xhat, rstd, params = res
+    named = dict(zip(roles[1:], params))
+    scale, bias = named.get("scale"), named.get("bias")
+    b = backend
+    if b.name != "xla" and (xhat.size == 0 or (scale is not None and scale.size != d)):
+      b = _implementation.Backend("xla")
+    kscale = None if scale is None else scale.reshape(d) if b.name != "xla" else scale
+    dx = _norm_base._impl(b).backward_dx(b, rms, xhat, rstd, dz, kscale, x_dtype)  # pylint: disable=protected-access
+    st = rstd.dtype
+    dzf, xf = dz.astype(st), xhat.astype(st)
+    grads = {"scale": (lambda p: _sum_to(dzf * xf, p.shape).reshape(p.shape).astype(p.dtype)),
+             "bias": (lambda p: _sum_to(dzf, p.shape).reshape(p.shape).astype(p.dtype))}
+    return (dx, *(grads[r](p) for r, p in zip(roles[1:], params)))
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def _softmax_fn(match: _Match, region, target):
+  x_dtype = _aval(target, match.inputs[0]).dtype
+
+  @jax.custom_vjp
+  def f(x):
+    return region(x)
+
+  def fwd(x):
+    p = region(x)
+    return p, p
+
+  def bwd(p, dp):
+    return _softmax_base._bwd(-1, p.dtype, x_dtype, p, dp)  # pylint: disable=protected-access
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+# --------------------------------------------------------------------------- the pass
+@dataclasses.dataclass
+class _Options:
+  names: frozenset
+  backend: Any
+  report: ProgramReport
+
+
+def _allowed(form: _forms.Form, names: frozenset) -> bool:
+  return form.public in names
+
+
+def _plan(target: _graph.Graph, opts: _Options) -> dict:
+  """node index -> replacement(value) for every converted match in ``target``."""
+  claimed: set = set()
+  outvars = {r for r in target.outvars if not isinstance(r, Lit)}
+  at = {}
+  forms = [f for f in _forms.FORMS if _allowed(f, opts.names)]
+  matches = []
+  candidates = []
+  for ti, tn in enumerate(target.nodes):
+    if tn.outs:
+      aval = target.avals[tn.outs[0]]
+      if aval.shape and jnp.issubdtype(aval.dtype, jnp.floating):
+        candidates.append((ti, tuple(aval.shape), np.dtype(aval.dtype).name,
+                           _signature(target, ti)))
+  for form in forms:
+    for ti, shape, od, sig in candidates:
+      if ti in claimed:
+        continue
+      for xd, pd in _dtype_combos(form.kind, od):
+        want = _root_signature(form, xd, pd, od)
+        if want is None or want[0] != sig[0] or not want[1] <= sig[1]:
+          continue
+        pat = _pattern(form, shape, xd, pd, od)
+        if pat is None:
+          continue
+        m = _try(pat, target, ti, claimed)
+        if m is None:
+          continue
+        if _escapes(m, target, outvars):
+          opts.report.left_alone.append(
+              (form.name, target.nodes[ti].where,
+               "an intermediate value is also used elsewhere"))
+          break
+        claimed.update(m.nodes)
+        matches.append(m)
+        break
+  for m in matches:
+    region = _region(target, m)
+    kind = m.pattern.form.kind
+    if kind == "activation":
+      fn = _activation_fn(m, region, opts.backend)
+    elif kind == "softmax":
+      fn = _softmax_fn(m, region, target)
+    else:
+      fn = _norm_fn(m, region, opts.backend, target)
+    at[m.root] = _replacement(fn, m)
+    opts.report.converted.append((m.pattern.form.public, m.pattern.form.name,
+                                  target.nodes[m.root].where))
+  for i, n in enumerate(target.nodes):
+    if i not in claimed and n.prim.name in _CANDIDATES:
+      opts.report.left_alone.append(
+          (n.prim.name, n.where, f"not part of a recognized {_CANDIDATES[n.prim.name]} form"))
+  return at, claimed
+
+
+def _replacement(fn, m: _Match):
+  k = m.pattern.root_out
+
+  def run(value):
+    out = fn(*(value(r) for r in m.inputs))
+    outs = [None] * (k + 1)
+    outs[k] = out
+    return outs
+  return run
+
+
+def _contains_candidates(params) -> bool:
+  for v in params.values():
+    j = getattr(v, "jaxpr", v)
+    if hasattr(j, "eqns"):
+      for e in j.eqns:
+        if e.primitive.name in _CANDIDATES or _contains_candidates(e.params):
+          return True
+    elif isinstance(v, (tuple, list)) and v and hasattr(getattr(v[0], "jaxpr", None), "eqns"):
+      if any(_contains_candidates({"j": b}) for b in v):
+        return True
+  return False
+
+
+def _convert_closed(closed, opts: _Options):
+  """A converted copy of a nested body (same input and output types), or None."""
+  structs = _graph.shape_structs(closed.in_avals)
+  graph = _graph.flatten(closed)
+  new = jax.make_jaxpr(lambda *a: _run(graph, a, opts))(*structs)
+  same = all(a.shape == b.shape and a.dtype == b.dtype and
+             getattr(a, "weak_type", False) == getattr(b, "weak_type", False)
+             for a, b in zip(new.out_avals, closed.out_avals))
+  return new if same else None
+
+
+def _nested(opts: _Options):
+  def run(node: _graph.Node, invals):
+    name, p = node.prim.name, node.params
+    if name in ("checkpoint", "remat", "remat2"):
+      graph = _graph.flatten(p["jaxpr"])
+      body = jax.checkpoint(lambda *a: _run(graph, a, opts), prevent_cse=p["prevent_cse"],
+                            policy=p["policy"])
+      return list(body(*invals))
+    if name == "scan" or name in ("pjit", "jit"):
+      new = _convert_closed(p["jaxpr"], opts)
+      return None if new is None else _graph.bind(
+          _graph.Node(node.prim, dict(p, jaxpr=new), node.ins, node.outs, eqn=node.eqn), invals)
+    if name == "cond":
+      branches = [_convert_closed(b, opts) for b in p["branches"]]
+      if any(b is None for b in branches):
+        return None
+      return _graph.bind(_graph.Node(node.prim, dict(p, branches=tuple(branches)), node.ins,
+                                     node.outs, eqn=node.eqn), invals)
+    if _contains_candidates(p):
+      opts.report.left_alone.append(
+          (name, node.where, "not entered: the conversion does not rewrite inside "
+           f"{name} (its own derivative rule or loop)"))
+    return None
+  return run
+
+
+def _run(graph: _graph.Graph, args, opts: _Options) -> list:
+  at, claimed = _plan(graph, opts)
+  skip = claimed - set(at)
+  return _graph.evaluate(graph, list(args), skip=skip, at=at, nested=_nested(opts))
+
+
+def _names(only, norms: bool) -> frozenset:
+  public = tuple(registry.PUBLIC) + _KINDS
+  if only is None:
+    names = set(registry.PUBLIC) | (set(_KINDS) if norms else set())
+  else:
+    only = (only,) if isinstance(only, str) else tuple(only)
+    unknown = [n for n in only if n not in public]
+    if unknown:
+      raise ValueError(f"invact_jax.invert: argument `only`: cannot convert {unknown}; choose "
+                       f"from {sorted(public)}")
+    names = set(only)
+  return frozenset(registry.PUBLIC[n][0].public if n in registry.PUBLIC else n for n in names)
+
+
+def _is_array(leaf) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
+           implementation=None) -> Callable[..., Any]:
+  """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.
+
+  ``fn`` is traced; the activations (every :mod:`invact_jax` activation), LayerNorm/RMSNorm
+  and last-axis softmax in the traced program are recognized by their computation (whatever
+  Python object computed them: ``jax.nn`` functions, ``functools.partial`` objects, entries of
+  a dict built at import, module fields, Flax/Equinox/transformers layers) and run as
+  output-saving ``custom_vjp`` s.  The forward output is bit for bit the original one.
+  Differentiate the converted function: ``jax.grad(invert(loss))``; array arguments are
+  traced, other arguments are passed through as static values.
+
+  Args:
+    fn: the function to convert (typically the loss).
+    only: public names to convert (``"gelu"``, ``"silu"``, ..., ``"layer_norm"``,
+      ``"rms_norm"``, ``"softmax"``); default: all.
+    norms: with ``only=None``, also convert norms and softmax (default True).
+    implementation: the backward's implementation for activations and norms (None/"xla",
+      "pallas", "triton"; see :class:`invact_jax.Implementation`).
+
+  Returns:
+    The converted function; after each call (or trace) its ``last_report``
+    (:class:`ProgramReport`) says what was converted and what was left alone, and why.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp, invact_jax
+    >>> act = functools.partial(jax.nn.gelu, approximate=False)   # captured: no attribute swap helps
+    >>> def loss(w, x):
+    ...   return jnp.sum(act(x @ w) ** 2)
+    >>> inv = invact_jax.invert(loss)
+    >>> g = jax.grad(inv)(jnp.ones((4, 8)), jnp.ones((2, 4)))
+    >>> inv.last_report.replaced
+    {'gelu': 1}
+  """
+  names = _names(only, norms)
+  backend = _implementation.resolve(implementation, op="invert",
+                                    supported=("xla", "pallas", "triton"))
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dyn = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+    def flat(*vals):
+      ls = list(leaves)
+      for i, v in zip(dyn, vals):
+        ls[i] = v
+      a, k = jax.tree.unflatten(tree, ls)
+      return fn(*a, **k)
+
+    vals = [leaves[i] for i in dyn]
+    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*vals)
+    report = ProgramReport()
+    outs = _run(_graph.flatten(closed), vals, _Options(names, backend, report))
+    wrapped.last_report = report
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+  wrapped.last_report = None
+  return wrapped

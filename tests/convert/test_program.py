@@ -1,0 +1,310 @@
+"""invact_jax.invert: the program-level conversion (ops found by their computation)."""
+import dataclasses
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import invact_jax
+from invact_jax import memory
+from invact_jax.ops.activations import registry
+
+
+def _x(shape=(4, 32), dtype=jnp.float32, seed=0):
+  return (2.5 * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+
+
+def _rel_l2(a, b):
+  la = [np.asarray(t, np.float64) for t in jax.tree.leaves(a)]
+  lb = [np.asarray(t, np.float64) for t in jax.tree.leaves(b)]
+  return float(np.sqrt(sum(np.sum((p - q) ** 2) for p, q in zip(la, lb))
+                       / sum(np.sum(q ** 2) for q in lb)))
+
+
+def _f64(tree):
+  return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def assert_at_float32_floor(loss, args, g, argnums=0):
+  """``g`` (the converted gradient) is as close to the float64 gradient as JAX's own gradient
+  in the input precision is: within 2x that measured floor, plus the inverted backward's own
+  error (the activation tests bound it by 6.5 float32 ulps per element: ~4e-7 relative)."""
+  g_ref = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+  with jax.enable_x64(True):
+    g64 = jax.grad(loss, argnums=argnums)(*_f64(args))
+  floor = _rel_l2(g_ref, g64)
+  assert _rel_l2(g, g64) <= 2 * floor + 6.5 * 2.0 ** -24, (_rel_l2(g, g64), floor)
+
+
+def _activation_cases():
+  """(registry entry, selector/params) for every entry, with non-default parameters."""
+  params = {"elu": {"alpha": 0.7}, "leaky_relu": {"negative_slope": 0.2}}
+  return [(a.name, {**dict(a.selector), **params.get(a.name, {})})
+          for a in registry.ACTIVATIONS.values()]
+
+
+class ActivationTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      [(c, "float32", r) for c in _activation_cases() for r in ("partial", "dict", "field")]
+      + [(c, "bfloat16", "partial") for c in _activation_cases()])
+  def test_found_whatever_object_computes_it(self, case, dtype, route):
+    """Found through a partial, a dict entry or a dataclass field; the forward output is the
+    original's bit for bit; the gradient is at the float32 floor and, for the XLA path, close
+    to the hand-converted one (the same backward on the same stored output)."""
+    name, kwargs = case
+    a = registry.get(name)
+    original = functools.partial(a.original, **kwargs)
+    if route == "dict":
+      table = {"act": original}
+      act = lambda h: table["act"](h)  # noqa: E731
+    elif route == "field":
+      @dataclasses.dataclass
+      class Layer:
+        fn: object = original
+      act = Layer().fn
+    else:
+      act = original
+    mine = functools.partial(getattr(invact_jax, a.public), **kwargs)
+    w = _x((32, 32), jnp.float32, 1) / 8
+
+    def loss(w, x, act):
+      return jnp.sum(jnp.sin(act(x @ w.astype(x.dtype)).astype(jnp.float32)))
+    x = _x(dtype=jnp.dtype(dtype))
+    inv = invact_jax.invert(functools.partial(loss, act=act))
+    g = jax.jit(jax.grad(inv))(w, x)
+    assert inv.last_report.replaced == {a.public: 1}, inv.last_report
+    h = x @ w.astype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(jax.jit(invact_jax.invert(act))(h)),
+                                  np.asarray(jax.jit(act)(h)))
+    assert_at_float32_floor(functools.partial(loss, act=original), (w, x), g)
+    g_hand = jax.jit(jax.grad(functools.partial(loss, act=mine)))(w, x)
+    assert _rel_l2(g, g_hand) <= (1e-5 if dtype == "float32" else 1e-2), _rel_l2(g, g_hand)
+
+  def test_residuals_are_the_output_and_the_packed_bit(self):
+    x = _x((8, 64))
+    loss = lambda x: jnp.sum(jnp.sin(jax.nn.gelu(x)))  # noqa: E731
+    saved = memory.residuals(invact_jax.invert(loss), x)
+    kinds = sorted((tuple(r.shape), str(r.dtype)) for r in saved)
+    assert kinds == sorted([((8, 64), "float32"), ((8, 64), "float32"),  # y, and cos(y) of sin
+                            (invact_jax.packed_shape((8, 64)), "uint8")]), kinds
+
+  def test_nan_and_inf_propagate_as_the_hand_converted_op(self):
+    x = jnp.array([jnp.nan, jnp.inf, -jnp.inf, 0.0, -1.0, 3.0])
+    for a in ("gelu", "silu", "softplus"):
+      f = getattr(jax.nn, a)
+      g = jax.grad(lambda x: jnp.sum(invact_jax.invert(f)(x)))(x)
+      g_hand = jax.grad(lambda x: jnp.sum(getattr(invact_jax, a)(x)))(x)
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(g_hand))
+
+
+# ------------------------------------------------------------------------------ norms
+def _flax_norm(cls, **kw):
+  m = cls(**kw)
+  return lambda x, *p: m.apply({"params": dict(zip(("scale", "bias"), p))}, x)
+
+
+def _llama(x, w, eps=1e-6, dtype=jnp.float32):  # transformers' FlaxLlamaRMSNorm
+  v = jnp.power(jnp.asarray(x, jnp.float32), 2).mean(-1, keepdims=True)
+  return w * jnp.asarray(x / jnp.sqrt(v + eps), dtype=dtype)
+
+
+def _gemma(x, w):  # transformers' FlaxGemmaRMSNorm: the scale is 1 + weight
+  v = jnp.power(jnp.asarray(x, jnp.float32), 2).mean(-1, keepdims=True)
+  return (1 + w) * jnp.asarray(x / jnp.sqrt(v + 1e-6), dtype=jnp.float32)
+
+
+def _jnp_ln(x, w, b):
+  mean = x.mean(-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5) * w + b
+
+
+def _eqx_ln(x, w, b):
+  eqx = pytest.importorskip("equinox")
+  m = eqx.tree_at(lambda m: (m.weight, m.bias), eqx.nn.LayerNorm(x.shape[-1], eps=1e-5), (w, b))
+  return jax.vmap(jax.vmap(m))(x)
+
+
+NORMS = {
+    "linen_layer_norm": (lambda: _flax_norm(nn.LayerNorm, epsilon=1e-5), 2, "layer_norm"),
+    "linen_layer_norm_two_pass": (lambda: _flax_norm(nn.LayerNorm, use_fast_variance=False),
+                                  2, "layer_norm"),
+    "linen_layer_norm_bf16_out": (lambda: _flax_norm(nn.LayerNorm, dtype=jnp.bfloat16), 2,
+                                  "layer_norm"),
+    "linen_rms_norm": (lambda: _flax_norm(nn.RMSNorm, epsilon=1e-5), 1, "rms_norm"),
+    "transformers_llama": (lambda: _llama, 1, "rms_norm"),
+    "transformers_gemma": (lambda: _gemma, 1, "rms_norm"),
+    "jnp_layer_norm": (lambda: _jnp_ln, 2, "layer_norm"),
+    "equinox_layer_norm": (lambda: _eqx_ln, 2, "layer_norm"),
+}
+
+
+class NormTest(parameterized.TestCase):
+
+  @parameterized.product(norm=tuple(NORMS), dtype=("float32", "bfloat16"))
+  def test_forward_identical_and_gradient_close(self, norm, dtype):
+    make, n_params, public = NORMS[norm]
+    f = make()
+    x = (_x((2, 8, 64), seed=3) + 1.5).astype(jnp.dtype(dtype))
+    params = [1 + 0.1 * _x((64,), seed=4 + i) for i in range(n_params)]
+
+    def loss(x, params):
+      return jnp.sum(jnp.sin(3 * f(x, *params).astype(jnp.float32)))
+    inv = invact_jax.invert(loss)
+    g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, params)
+    assert inv.last_report.replaced == {public: 1}, inv.last_report
+    _, g_ref = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, params)
+    # The norm's output itself (a sum over it may be reduced in another order once fused).
+    z = jax.jit(invact_jax.invert(f))(x, *params)
+    np.testing.assert_array_equal(np.asarray(z), np.asarray(jax.jit(f)(x, *params)))
+    if dtype == "float32":  # the issue's bound, against the unconverted gradient
+      assert _rel_l2(g, g_ref) <= 1e-5, _rel_l2(g, g_ref)
+    assert_at_float32_floor(loss, (x, params), g, argnums=(0, 1))
+
+  def test_residuals_are_xhat_and_row_stats(self):
+    f = _flax_norm(nn.LayerNorm)
+    x, s, b = _x((16, 64)), jnp.ones(64), jnp.zeros(64)
+    loss = lambda x, s, b: jnp.sum(jnp.sin(f(x, s, b)))  # noqa: E731
+    saved = memory.residuals(invact_jax.invert(loss), x, s, b)
+    shapes = sorted(tuple(r.shape) for r in saved if r.shape != (64,))  # minus scale, bias
+    # xhat, the rows' rstd, and sin's cos(z); never x itself nor the centered copy
+    assert shapes == [(16, 1), (16, 64), (16, 64)], shapes
+
+
+# ----------------------------------------------------------------------------- softmax
+class SoftmaxTest(parameterized.TestCase):
+
+  @parameterized.parameters("jax", "hand", "hand_no_stop")
+  def test_softmax_forms(self, form):
+    def hand(x, stop=True):
+      m = jnp.max(x, -1, keepdims=True)
+      e = jnp.exp(x - (jax.lax.stop_gradient(m) if stop else m))
+      return e / jnp.sum(e, -1, keepdims=True)
+    f = {"jax": jax.nn.softmax, "hand": hand,
+         "hand_no_stop": functools.partial(hand, stop=False)}[form]
+    x = _x((4, 8, 16))
+    loss = lambda x: jnp.sum(jnp.sin(3 * f(x)))  # noqa: E731
+    inv = invact_jax.invert(loss)
+    y, g = jax.value_and_grad(inv)(x)
+    assert inv.last_report.replaced == {"softmax": 1}
+    y_ref, g_ref = jax.value_and_grad(loss)(x)
+    assert y == y_ref
+    assert _rel_l2(g, g_ref) <= 1e-6
+
+
+# ------------------------------------------------------------------ nested programs
+def _block(h, w):
+  h = nn.LayerNorm().apply({"params": {"scale": w[0], "bias": w[1]}}, h)
+  return jax.nn.gelu(h @ w[2:].T[:, : h.shape[-1]])
+
+
+class NestedTest(parameterized.TestCase):
+
+  def _check(self, loss, args, expected):
+    inv = invact_jax.invert(loss)
+    y, g = jax.jit(jax.value_and_grad(inv))(*args)
+    assert inv.last_report.replaced == expected, inv.last_report
+    y_ref, g_ref = jax.jit(jax.value_and_grad(loss))(*args)
+    assert y == y_ref
+    assert_at_float32_floor(loss, args, g)
+    return inv
+
+  def test_scan_over_layers(self):
+    ws = 1 + 0.1 * _x((3, 34, 32))
+    def loss(ws, x):
+      h, _ = jax.lax.scan(lambda h, w: (_block(h, w), None), x, ws)
+      return jnp.sum(jnp.sin(h))
+    self._check(loss, (ws, _x((4, 32))), {"layer_norm": 1, "gelu": 1})
+
+  def test_checkpoint_keeps_its_policy(self):
+    ws = 1 + 0.1 * _x((34, 32))
+    policy = jax.checkpoint_policies.save_only_these_names("kept")
+    def loss(ws, x):
+      def body(h):
+        return jax.ad_checkpoint.checkpoint_name(_block(h, ws), "kept")
+      return jnp.sum(jnp.sin(jax.checkpoint(body, policy=policy)(x)))
+    inv = self._check(loss, (ws, _x((4, 32))), {"layer_norm": 1, "gelu": 1})
+    # The policy still decides: only the named output is saved from inside the checkpoint.
+    saved = memory.residuals(inv, ws, _x((4, 32)))
+    assert any("kept" in str(r) for r in saved) or len(saved) <= 3, saved
+
+  def test_cond_branches(self):
+    def loss(x, p):
+      return jnp.sum(jax.lax.cond(p > 0, jax.nn.silu, jax.nn.gelu, x) ** 2)
+    self._check(lambda x: loss(x, 1.0), (_x(),), {"silu": 1, "gelu": 1})
+
+  def test_vmap_and_jit_inside(self):
+    f = jax.jit(jax.vmap(lambda r: jax.nn.mish(r) * 2))
+    self._check(lambda x: jnp.sum(f(x) ** 2), (_x(),), {"mish": 1})
+
+
+# ------------------------------------------------------------------- left alone
+def test_a_match_whose_intermediate_is_used_elsewhere_is_left_alone_and_said():
+  def loss(x):
+    s = jax.nn.sigmoid(x)
+    return jnp.sum(x * s + s)          # SiLU's sigmoid is also used outside it
+  inv = invact_jax.invert(loss)
+  g = jax.grad(inv)(_x())
+  np.testing.assert_allclose(g, jax.grad(loss)(_x()), rtol=1e-6)
+  assert inv.last_report.replaced == {"sigmoid": 1}
+  assert any("jax.nn.silu" == w and "also used elsewhere" in y
+             for w, _, y in inv.last_report.left_alone), inv.last_report
+
+
+def test_custom_vjp_bodies_are_not_entered_and_said():
+  @jax.custom_vjp
+  def mine(x):
+    return jnp.tanh(x)
+  mine.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (g / jnp.cosh(x) ** 2,))
+  inv = invact_jax.invert(lambda x: jnp.sum(mine(x)))
+  g = jax.grad(inv)(_x())
+  np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(mine(x)))(_x()), rtol=1e-6)
+  assert inv.last_report.replaced == {}
+  assert any("not entered" in y for _, _, y in inv.last_report.left_alone)
+  assert "left alone" in str(inv.last_report)
+
+
+def test_report_is_per_conversion_and_options_are_checked():
+  inv = invact_jax.invert(lambda x: jnp.sum(jax.nn.gelu(x) + jax.nn.softmax(x)))
+  for _ in range(2):
+    jax.jit(inv)(_x())
+    assert inv.last_report.replaced == {"gelu": 1, "softmax": 1}
+  only = invact_jax.invert(lambda x: jnp.sum(jax.nn.gelu(x) + jax.nn.softmax(x)), only="softmax")
+  only(_x())
+  assert only.last_report.replaced == {"softmax": 1}
+  with pytest.raises(ValueError, match="argument `only`"):
+    invact_jax.invert(jnp.sum, only=("gelu", "nope"))
+  with pytest.raises(ValueError, match="argument `implementation`"):
+    invact_jax.invert(jnp.sum, implementation="cuda")
+
+
+def test_static_arguments_and_pytrees_pass_through():
+  def loss(params, x, *, train: bool):
+    h = jax.nn.relu(x @ params["w"])
+    return jnp.sum(h if train else -h)
+  params = {"w": _x((32, 8))}
+  inv = invact_jax.invert(loss)
+  g = jax.grad(inv)(params, _x(), train=False)
+  chex.assert_trees_all_close(g, jax.grad(loss)(params, _x(), train=False))
+  assert inv.last_report.replaced == {"relu": 1}
+
+
+def test_sharded_inputs_on_a_mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (virtual) devices; conftest.py sets them")
+  mesh = jax.make_mesh((8,), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  x = jax.device_put(_x((16, 32)), sharding)
+  w = _x((32, 32), seed=2) / 8
+  loss = lambda w, x: jnp.sum(jnp.sin(3 * nn.LayerNorm().apply(  # noqa: E731
+      {"params": {"scale": jnp.ones(32), "bias": jnp.zeros(32)}}, jax.nn.gelu(x @ w))))
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv, argnums=1))(w, x)
+  assert g.sharding.is_equivalent_to(sharding, 2)
+  assert _rel_l2(g, jax.jit(jax.grad(loss, argnums=1))(w, x)) <= 1e-5
+  assert inv.last_report.replaced == {"gelu": 1, "layer_norm": 1}
