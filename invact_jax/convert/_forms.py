@@ -13,6 +13,7 @@ Flax and Equinox versions instead of being spelled out by hand:
   Equinox models apply them), transformers' Flax Llama/Mistral/Gemma RMSNorm (``x /
   sqrt(mean(x^2) + eps)`` in float32; Gemma's ``1 + weight`` is computed outside the match and
   is the scale), and the plain-jnp ``rsqrt`` forms; ``eps`` is a sentinel;
+* compositions: ``x * sigmoid(c * x)`` (transformers' ``quick_gelu``) as a scaled SiLU;
 * softmax over the last axis: ``jax.nn.softmax`` and the hand-written max-subtracted form.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = ["Form", "FORMS", "SENTINELS"]
 # Traced in place of a form's numeric parameters; exactly representable in every float dtype,
 # and read back from the matched program.  (A program whose own constant equals a sentinel
 # still matches correctly: the value read back is that constant.)
-SENTINELS = {"eps": 2.0 ** -15 + 2.0 ** -21, "alpha": 0.1328125, "negative_slope": 0.064453125}
+SENTINELS = {"eps": 2.0 ** -15 + 2.0 ** -21, "alpha": 0.1328125, "negative_slope": 0.064453125,
+             "c": 1.6875}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,19 @@ def _activation_forms() -> list[Form]:
                       "activation", a.public, ("x",), build, entry=a,
                       params=tuple(k for k, _ in a.params)))
   return forms
+
+
+def _scaled_silu(x):
+  """``x * sigmoid(c * x)``: transformers' ``quick_gelu`` (c = 1.702), SiLU for c = 1."""
+  return x * jax.nn.sigmoid(SENTINELS["c"] * x)
+
+
+def _composition_forms() -> list[Form]:
+  def build(xd, pd, od):
+    del pd
+    return _scaled_silu if od == xd else None
+  return [Form("x * sigmoid(c * x) (quick_gelu)", "scaled_silu", "silu", ("x",), build,
+               entry=registry.get("silu"), params=("c",))]
 
 
 # ------------------------------------------------------------------------------ norms
@@ -220,4 +235,5 @@ def _softmax_forms() -> list[Form]:
                ("x",), build(_hand_softmax_no_stop))]
 
 
-FORMS: tuple[Form, ...] = tuple(_norm_forms() + _softmax_forms() + _activation_forms())
+FORMS: tuple[Form, ...] = tuple(_norm_forms() + _softmax_forms() + _composition_forms()
+                                + _activation_forms())

@@ -326,6 +326,30 @@ def _activation_fn(match: _Match, region, backend):
   return f
 
 
+def _scaled_silu_fn(match: _Match, region, backend):
+  """``y = x * sigmoid(c x) = silu(c x) / c``: keeps y and SiLU's bit of ``c x``; the backward
+  is ``dy * silu'(c x)`` from ``silu(c x) = c y`` (rounded to y's dtype, as SiLU stores it)."""
+  c = float(match.caught["c"])
+  op = _act_base.Op(registry.get("silu"), ())
+
+  @jax.custom_vjp
+  def f(x):
+    return region(x)
+
+  def fwd(x):
+    y = region(x)
+    xc = x.astype(_common.compute_dtype(x.dtype))
+    return y, (y, bitpack.pack_bits(op.bit(xc * c)))
+
+  def bwd(res, dy):
+    y, packed = res
+    s = (y.astype(_common.compute_dtype(y.dtype)) * c).astype(y.dtype)
+    return (_act_base._impl(backend).backward(op, backend, s, packed, dy),)  # pylint: disable=protected-access
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
 def _norm_fn(match: _Match, region, backend, target):
   roles = match.pattern.form.roles
   rms = match.pattern.form.kind == "rms_norm"
@@ -419,6 +443,8 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
         m = _try(pat, target, ti, claimed)
         if m is None:
           continue
+        if m.pattern.form.kind == "scaled_silu" and not m.caught["c"] > 0:
+          continue  # x * sigmoid(c x) with c <= 0 is not a scaled SiLU's branch structure
         if _escapes(m, target, outvars):
           opts.report.left_alone.append(
               (form.name, target.nodes[ti].where,
@@ -432,6 +458,8 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
     kind = m.pattern.form.kind
     if kind == "activation":
       fn = _activation_fn(m, region, opts.backend)
+    elif kind == "scaled_silu":
+      fn = _scaled_silu_fn(m, region, opts.backend)
     elif kind == "softmax":
       fn = _softmax_fn(m, region, target)
     else:

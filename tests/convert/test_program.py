@@ -51,8 +51,9 @@ def _activation_cases():
 class ActivationTest(parameterized.TestCase):
 
   @parameterized.parameters(
-      [(c, "float32", r) for c in _activation_cases() for r in ("partial", "dict", "field")]
-      + [(c, "bfloat16", "partial") for c in _activation_cases()])
+      [(c, d, "partial") for c in _activation_cases() for d in ("float32", "bfloat16")]
+      # How the function object is reached does not depend on the activation: two of them.
+      + [(c, "float32", r) for c in _activation_cases()[:3:2] for r in ("dict", "field")])
   def test_found_whatever_object_computes_it(self, case, dtype, route):
     """Found through a partial, a dict entry or a dataclass field; the forward output is the
     original's bit for bit; the gradient is at the float32 floor and, for the XLA path, close
@@ -308,3 +309,38 @@ def test_sharded_inputs_on_a_mesh():
   assert g.sharding.is_equivalent_to(sharding, 2)
   assert _rel_l2(g, jax.jit(jax.grad(loss, argnums=1))(w, x)) <= 1e-5
   assert inv.last_report.replaced == {"gelu": 1, "layer_norm": 1}
+
+
+def test_kernel_backward_through_invert():
+  """implementation="pallas": the matched ops' backward runs the Pallas kernels (interpreted
+  on CPU) and agrees with the XLA path's."""
+  w = _x((32, 32), seed=2) / 8
+
+  def loss(w, x):
+    h = nn.LayerNorm().apply({"params": {"scale": 1 + w[0], "bias": w[1]}}, x @ w)
+    return jnp.sum(jnp.sin(jax.nn.gelu(h)))
+  inv = invact_jax.invert(loss, implementation="pallas")
+  g = jax.jit(jax.grad(inv))(w, _x())
+  assert inv.last_report.replaced == {"gelu": 1, "layer_norm": 1}
+  g_xla = jax.jit(jax.grad(invact_jax.invert(loss)))(w, _x())
+  assert _rel_l2(g, g_xla) <= 1e-6, _rel_l2(g, g_xla)
+  assert str(jax.make_jaxpr(jax.grad(inv))(w, _x())).count("pallas_call") == 2  # GELU, norm
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quick_gelu_is_a_scaled_silu(dtype):
+  """transformers' quick_gelu, x * sigmoid(1.702 x): one op keeping y and a bit."""
+  def quick_gelu(x):
+    return x * jax.nn.sigmoid(1.702 * x)
+  w = _x((32, 32), seed=2) / 8
+  loss = lambda w, x: jnp.sum(jnp.sin(quick_gelu(x @ w.astype(x.dtype)).astype(jnp.float32)))  # noqa: E731
+  x = _x(dtype=jnp.dtype(dtype))
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(w, x)
+  assert inv.last_report.forms == {"x * sigmoid(c * x) (quick_gelu)": 1}, inv.last_report
+  h = x @ w.astype(x.dtype)
+  np.testing.assert_array_equal(np.asarray(jax.jit(invact_jax.invert(quick_gelu))(h)),
+                                np.asarray(jax.jit(quick_gelu)(h)))
+  assert_at_float32_floor(loss, (w, x), g)
+  saved = memory.residuals(invact_jax.invert(lambda h: jnp.sum(jnp.sin(quick_gelu(h)))), h)
+  assert sorted(str(r.dtype) for r in saved) == sorted([dtype, dtype, "uint8"]), saved
