@@ -173,6 +173,27 @@ def _jnp_layer_norm(x, w, b, *, dtype):
   return (y * w + b).astype(dtype)
 
 
+def _jnp_layer_norm_f32(x, w, b, *, dtype):
+  """LayerNorm with float32 statistics and affine, cast once at the end."""
+  xf = x.astype(jnp.float32)
+  mean = jnp.mean(xf, axis=-1, keepdims=True)
+  var = jnp.var(xf, axis=-1, keepdims=True)
+  return ((xf - mean) * jax.lax.rsqrt(var + SENTINELS["eps"]) * w + b).astype(dtype)
+
+
+def _jnp_layer_norm_fast(x, w, b, *, dtype):
+  """LayerNorm with the variance as E[x^2] - E[x]^2."""
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(x * x, axis=-1, keepdims=True) - mean * mean
+  return ((x - mean) * jax.lax.rsqrt(var + SENTINELS["eps"]) * w + b).astype(dtype)
+
+
+def _jnp_rms_same_dtype(x, w, *, dtype):
+  """RMSNorm computed in the input's dtype (no upcast)."""
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + SENTINELS["eps"])
+  return (y * w).astype(dtype)
+
+
 def _plain(fn):
   def build(xd, pd, od):
     del xd, pd
@@ -209,6 +230,12 @@ def _norm_forms() -> list[Form]:
            params=("eps",)),
       Form("jnp LayerNorm (mean, var, rsqrt)", "layer_norm", "layer_norm",
            ("x", "scale", "bias"), _plain(_jnp_layer_norm), params=("eps",)),
+      Form("jnp LayerNorm (float32 statistics)", "layer_norm", "layer_norm",
+           ("x", "scale", "bias"), _plain(_jnp_layer_norm_f32), params=("eps",)),
+      Form("jnp LayerNorm (E[x^2] - E[x]^2)", "layer_norm", "layer_norm",
+           ("x", "scale", "bias"), _plain(_jnp_layer_norm_fast), params=("eps",)),
+      Form("jnp RMSNorm (input dtype)", "rms_norm", "rms_norm", ("x", "scale"),
+           _plain(_jnp_rms_same_dtype), params=("eps",)),
   ]
   return forms
 

@@ -11,10 +11,11 @@ bit for bit the unconverted one) and whose residuals and backward are invact_jax
 * softmax: the probabilities.
 
 The conversion enters nested ``jit`` (inlined when it carries no shardings), ``scan``,
-``cond`` and ``checkpoint`` bodies (the user's checkpoint policy is kept: the body is
-re-wrapped with it).  It leaves alone, and reports, what it cannot rewrite soundly: a match
-whose intermediate values are also used elsewhere, and ``custom_jvp``/``custom_vjp``
-functions, ``while`` loops and ``shard_map`` bodies that contain candidate primitives.
+``cond``, ``checkpoint`` (the body is re-wrapped with the user's policy) and ``shard_map``
+(re-wrapped with its mesh and specs) bodies.  It leaves alone, and reports, what it cannot
+rewrite soundly: a match whose intermediate values are also used elsewhere, and
+``custom_jvp``/``custom_vjp`` functions (their own derivative rules) and ``while`` loops (no
+reverse-mode derivative, so nothing to save) that contain candidate primitives.
 """
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ _COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
 # Primitives that suggest an op the conversion may have missed (reported when unclaimed).
 _CANDIDATES = {"erf": "activation", "erfc": "activation", "logistic": "activation",
                "tanh": "activation", "rsqrt": "norm", "exp": "softmax"}
-_ENTERED = frozenset({"scan", "cond", "checkpoint", "remat", "remat2", "pjit", "jit"})
 _KINDS = ("layer_norm", "rms_norm", "softmax")
 
 
@@ -156,18 +156,20 @@ def _dtype_combos(kind: str, od: str) -> tuple:
 
 # --------------------------------------------------------------------------- matching
 class _State:
-  __slots__ = ("v", "t", "nodes", "caught")
+  __slots__ = ("v", "t", "nodes", "caught", "extra")
 
   def __init__(self):
-    self.v, self.t, self.nodes, self.caught = {}, {}, {}, {}
+    self.v, self.t, self.nodes, self.caught, self.extra = {}, {}, {}, {}, set()
 
   def copy(self):
     s = _State()
     s.v, s.t, s.nodes, s.caught = dict(self.v), dict(self.t), dict(self.nodes), dict(self.caught)
+    s.extra = set(self.extra)
     return s
 
   def restore(self, other):
     self.v, self.t, self.nodes, self.caught = other.v, other.t, other.nodes, other.caught
+    self.extra = other.extra
 
 
 def _is_tracer(v) -> bool:
@@ -182,7 +184,13 @@ class _Matcher:
   def ref(self, pr, tr, st: _State) -> bool:
     P, T = self.p.graph, self.g
     if isinstance(pr, Lit):
-      if not isinstance(tr, Lit) or _is_tracer(tr.val):
+      if not isinstance(tr, Lit):  # inside shard_map a literal arrives through pvary
+        found = self._literal_through_casts(tr, st)
+        if found is None:
+          return False
+        st.extra.update(found[0])
+        tr = found[1]
+      if _is_tracer(tr.val):
         return False
       name = self.p.wild.get(id(pr))
       if name is None:
@@ -193,6 +201,13 @@ class _Matcher:
       if st.caught.setdefault(name, val) != val:
         return False
       return True
+    if not isinstance(tr, Lit):  # inside shard_map: values cast to varying by pvary
+      i = self.g.producer.get(tr, (None,))[0]
+      if (i is not None and self.g.nodes[i].prim.name == "pvary" and len(self.g.nodes[i].ins) == 1
+          and i not in self.claimed and i not in st.nodes.values()
+          and not (pr in P.producer and P.nodes[P.producer[pr][0]].prim.name == "pvary")):
+        st.extra.add(i)
+        return self.ref(pr, self.g.nodes[i].ins[0], st)
     if pr in self.pin:  # an input of the form: a program variable or constant array
       if pr in st.v:
         return st.v[pr] is tr
@@ -217,6 +232,24 @@ class _Matcher:
     if pk != tk or ti in self.claimed or ti in st.nodes.values():
       return False
     return self.node(pi, ti, st, pr, tr)
+
+  def _literal_through_casts(self, tr, st):
+    """``(node indices, Lit)`` where ``tr`` is a literal made varying (``pvary``) and/or
+    re-typed (``convert_element_type``) inside shard_map; None otherwise."""
+    chain, dtype = [], None
+    for _ in range(4):
+      i = self.g.producer.get(tr, (None,))[0]
+      if i is None or i in self.claimed or i in st.nodes.values():
+        return None
+      n = self.g.nodes[i]
+      if n.prim.name not in ("pvary", "convert_element_type") or len(n.ins) != 1:
+        return None
+      chain.append(i)
+      dtype = dtype or self.g.avals[n.outs[0]].dtype
+      tr = n.ins[0]
+      if isinstance(tr, Lit):
+        return chain, Lit(np.asarray(tr.val).astype(dtype))
+    return None
 
   def node(self, pi, ti, st, pr=None, tr=None) -> bool:
     pn, tn = self.p.graph.nodes[pi], self.g.nodes[ti]
@@ -257,7 +290,7 @@ def _try(pat: _Pattern, target: _graph.Graph, ti: int, claimed: set) -> _Match |
   if inputs[0] is None or any(i is None for i in inputs):
     return None
   del out
-  return _Match(pat, sorted(set(st.nodes.values())), ti, inputs, dict(st.caught))
+  return _Match(pat, sorted(set(st.nodes.values()) | st.extra), ti, inputs, dict(st.caught))
 
 
 def _escapes(match: _Match, target: _graph.Graph, outvars: set) -> bool:
@@ -361,7 +394,11 @@ def _norm_fn(match: _Match, region, backend, target):
   def f(x, *params):
     return region(x, *params)
 
+  vmas = {}
+
   def fwd(x, *params):
+    # The inputs' varying mesh axes (inside shard_map), recorded while tracing the forward.
+    vmas["params"] = [_common.varying_axes(p) for p in params]
     z = region(x, *params)
     xhat, rstd = _norm_base.normalize(x, rms, eps)
     return z, (xhat.astype(z.dtype), rstd, params)
@@ -379,7 +416,8 @@ def _norm_fn(match: _Match, region, backend, target):
     dzf, xf = dz.astype(st), xhat.astype(st)
     grads = {"scale": (lambda p: _sum_to(dzf * xf, p.shape).reshape(p.shape).astype(p.dtype)),
              "bias": (lambda p: _sum_to(dzf, p.shape).reshape(p.shape).astype(p.dtype))}
-    return (dx, *(grads[r](p) for r, p in zip(roles[1:], params)))
+    return (dx, *(_common.cotangent_for(grads[r](p), v)
+                  for r, p, v in zip(roles[1:], params, vmas["params"])))
 
   f.defvjp(fwd, bwd)
   return f
@@ -516,6 +554,13 @@ def _nested(opts: _Options):
       graph = _graph.flatten(p["jaxpr"])
       body = jax.checkpoint(lambda *a: _run(graph, a, opts), prevent_cse=p["prevent_cse"],
                             policy=p["policy"])
+      return list(body(*invals))
+    if name == "shard_map" and {"mesh", "in_specs", "out_specs", "jaxpr"} <= set(p):
+      graph = _graph.flatten(p["jaxpr"])
+      body = jax.shard_map(lambda *a: tuple(_run(graph, a, opts)), mesh=p["mesh"],
+                           in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                           axis_names=frozenset(p.get("newly_manual_axes", ())),
+                           check_vma=p.get("check_vma", True))
       return list(body(*invals))
     if name == "scan" or name in ("pjit", "jit"):
       new = _convert_closed(p["jaxpr"], opts)
