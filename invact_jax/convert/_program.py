@@ -468,7 +468,9 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
         candidates.append((ti, tuple(aval.shape), np.dtype(aval.dtype).name,
                            _signature(target, ti)))
   for form in forms:
-    for ti, shape, od, sig in candidates:
+    # Latest output first: a form that ends in a cast (Flax's dtype=) matches at the cast,
+    # not at the equation before it (the norm then keeps xhat in the cast's dtype).
+    for ti, shape, od, sig in reversed(candidates):
       if ti in claimed:
         continue
       for xd, pd in _dtype_combos(form.kind, od):
