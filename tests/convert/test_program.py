@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
 from invact_jax import memory
@@ -263,7 +264,7 @@ class NestedTest(parameterized.TestCase):
     policy = jax.checkpoint_policies.save_only_these_names("kept")
     def loss(ws, x):
       def body(h):
-        return jax.ad_checkpoint.checkpoint_name(_block(h, ws), "kept")
+        return checkpoint_name(_block(h, ws), "kept")
       return jnp.sum(jnp.sin(jax.checkpoint(body, policy=policy)(x)))
     inv = self._check(loss, (ws, _x((4, 32))), {"layer_norm": 1, "gelu": 1})
     # The policy still decides: only the named output is saved from inside the checkpoint.
