@@ -20,7 +20,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-__all__ = ["Lit", "Node", "Graph", "flatten", "params_equal", "where"]
+__all__ = ["Lit", "Node", "Graph", "flatten", "params_equal", "where", "bind", "evaluate",
+           "shape_structs"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

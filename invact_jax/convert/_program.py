@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax import bitpack
 from invact_jax.convert import _forms
 from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
@@ -90,7 +89,6 @@ class _Pattern:
   root: int            # node index of the output's producer
   root_out: int        # which output of that node
   wild: dict           # id(Lit) -> sentinel name
-  x_dtype: Any
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +119,7 @@ def _pattern(form: _forms.Form, shape: tuple, xd: str, pd: str, od: str) -> _Pat
         for k, s in sentinels.items():
           if float(np.asarray(r.val)) == float(np.asarray(s, r.dtype)):
             wild[id(r)] = k
-  return _Pattern(form, g, root, root_out, wild, np.dtype(xd))
+  return _Pattern(form, g, root, root_out, wild)
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,18 +276,14 @@ class _Match:
 
 
 def _try(pat: _Pattern, target: _graph.Graph, ti: int, claimed: set) -> _Match | None:
-  tn = target.nodes[ti]
-  if len(tn.outs) <= pat.root_out:
+  if len(target.nodes[ti].outs) <= pat.root_out:
     return None
-  out = tn.outs[pat.root_out]
-  m = _Matcher(pat, target, claimed)
   st = _State()
-  if not m.node(pat.root, ti, st):
+  if not _Matcher(pat, target, claimed).node(pat.root, ti, st):
     return None
   inputs = [st.v.get(v) for v in pat.graph.invars]
-  if inputs[0] is None or any(i is None for i in inputs):
+  if any(i is None for i in inputs):
     return None
-  del out
   return _Match(pat, sorted(set(st.nodes.values()) | st.extra), ti, inputs, dict(st.caught))
 
 
@@ -328,14 +322,6 @@ def _region(target: _graph.Graph, match: _Match) -> Callable[..., Any]:
   return run
 
 
-def _sum_to(a, shape):
-  """``a`` summed over the axes that broadcasting ``shape`` to ``a.shape`` added/expanded."""
-  lead = a.ndim - len(shape)
-  a = jnp.sum(a, axis=tuple(range(lead))) if lead else a
-  axes = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
-  return jnp.sum(a, axis=axes, keepdims=True) if axes else a
-
-
 def _activation_fn(match: _Match, region, backend):
   entry = match.pattern.form.entry
   params = tuple((k, float(match.caught[k])) for k, _ in entry.params)
@@ -347,15 +333,9 @@ def _activation_fn(match: _Match, region, backend):
 
   def fwd(x):
     y = region(x)
-    packed = (bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
-              if op.has_bit else None)
-    return y, (y, packed)
+    return y, (y, _act_base.packed_bits(op, x))
 
-  def bwd(res, dy):
-    y, packed = res
-    return (_act_base._impl(backend).backward(op, backend, y, packed, dy),)  # pylint: disable=protected-access
-
-  f.defvjp(fwd, bwd)
+  f.defvjp(fwd, functools.partial(_act_base._apply_bwd, op, backend))  # pylint: disable=protected-access
   return f
 
 
@@ -371,53 +351,39 @@ def _scaled_silu_fn(match: _Match, region, backend):
 
   def fwd(x):
     y = region(x)
-    xc = x.astype(_common.compute_dtype(x.dtype))
-    return y, (y, bitpack.pack_bits(op.bit(xc * c)))
+    return y, (y, _act_base.packed_bits(op, x.astype(_common.compute_dtype(x.dtype)) * c))
 
   def bwd(res, dy):
     y, packed = res
     s = (y.astype(_common.compute_dtype(y.dtype)) * c).astype(y.dtype)
-    return (_act_base._impl(backend).backward(op, backend, s, packed, dy),)  # pylint: disable=protected-access
+    return _act_base._apply_bwd(op, backend, (s, packed), dy)  # pylint: disable=protected-access
 
   f.defvjp(fwd, bwd)
   return f
 
 
 def _norm_fn(match: _Match, region, backend, target):
+  """The norm's residuals and backward are invact_jax's norm's (``base._norm_bwd``); the
+  form's parameters are always ``[d]`` vectors (the patterns are traced with them)."""
   roles = match.pattern.form.roles
   rms = match.pattern.form.kind == "rms_norm"
   eps = float(match.caught["eps"])
-  x_aval = _aval(target, match.inputs[0])
-  x_dtype, d = x_aval.dtype, x_aval.shape[-1]
+  x_dtype = _aval(target, match.inputs[0]).dtype
 
   @jax.custom_vjp
   def f(x, *params):
     return region(x, *params)
 
-  vmas = {}
-
   def fwd(x, *params):
-    # The inputs' varying mesh axes (inside shard_map), recorded while tracing the forward.
-    vmas["params"] = [_common.varying_axes(p) for p in params]
     z = region(x, *params)
     xhat, rstd = _norm_base.normalize(x, rms, eps)
-    return z, (xhat.astype(z.dtype), rstd, params)
+    named = dict(zip(roles[1:], params))
+    return z, (xhat.astype(z.dtype), rstd, named.get("scale"), named.get("bias"))
 
   def bwd(res, dz):
-    xhat, rstd, params = res
-    named = dict(zip(roles[1:], params))
-    scale, bias = named.get("scale"), named.get("bias")
-    b = backend
-    if b.name != "xla" and (xhat.size == 0 or (scale is not None and scale.size != d)):
-      b = _implementation.Backend("xla")
-    kscale = None if scale is None else scale.reshape(d) if b.name != "xla" else scale
-    dx = _norm_base._impl(b).backward_dx(b, rms, xhat, rstd, dz, kscale, x_dtype)  # pylint: disable=protected-access
-    st = rstd.dtype
-    dzf, xf = dz.astype(st), xhat.astype(st)
-    grads = {"scale": (lambda p: _sum_to(dzf * xf, p.shape).reshape(p.shape).astype(p.dtype)),
-             "bias": (lambda p: _sum_to(dzf, p.shape).reshape(p.shape).astype(p.dtype))}
-    return (dx, *(_common.cotangent_for(grads[r](p), v)
-                  for r, p, v in zip(roles[1:], params, vmas["params"])))
+    dx, dscale, dbias = _norm_base._norm_bwd(backend, rms, eps, dz.dtype, x_dtype, res, dz)  # pylint: disable=protected-access
+    grads = {"scale": dscale, "bias": dbias}
+    return (dx, *(grads[r] for r in roles[1:]))
 
   f.defvjp(fwd, bwd)
   return f

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FLOAT_DTYPES", "float_array", "float_dtype", "static_scalar", "static_axis",
-           "compute_dtype", "first_order_only", "first_order_message", "cotangent_like",
-           "cotangent_for", "varying_axes"]
+           "compute_dtype", "first_order_only", "first_order_message", "cotangent_like"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _FLOATS_TEXT = "float16, bfloat16, float32 or float64"
@@ -128,8 +127,7 @@ def first_order_only(name: str, fn: Callable[..., Any], *args):
   return _guarded(name, fn, *args)
 
 
-def varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+def _vma(x) -> frozenset:
   aval = jax.typeof(x)
   v = getattr(aval, "vma", None)
   if v is None:
@@ -146,11 +144,5 @@ def cotangent_like(ct, primal):
   """
   if ct is None:
     return None
-  return cotangent_for(ct, varying_axes(primal))
-
-
-def cotangent_for(ct, axes: frozenset):
-  """``ct`` summed over the manual mesh axes it varies over that are not in ``axes`` (the
-  primal's, recorded when the primal was traced)."""
-  extra = tuple(sorted(varying_axes(ct) - frozenset(axes)))
+  extra = tuple(sorted(_vma(ct) - _vma(primal)))
   return jax.lax.psum(ct, extra) if extra else ct

@@ -80,13 +80,17 @@ class Op:
 
 
 # ----------------------------------------------------------------------- the XLA backend
+def packed_bits(op: Op, x):
+  """The branch bits of ``x`` packed 8 per byte, or None where ``op`` keeps none."""
+  if not op.has_bit:
+    return None
+  return bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
+
+
 def forward(op: Op, backend: Backend, x):
   """``(y, packed bits or None)``: jax.nn's forward and the bit mask, fused by XLA."""
   del backend
-  y = op.forward(x)
-  if not op.has_bit:
-    return y, None
-  return y, bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
+  return op.forward(x), packed_bits(op, x)
 
 
 def backward(op: Op, backend: Backend, y, packed, dy):
