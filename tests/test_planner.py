@@ -77,6 +77,39 @@ def test_per_layer_search_falls_back_to_the_uniform_plan_and_names_the_budget(mo
     planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=False)
 
 
+def _measured_as_predicted(per_layer_flops_factor):
+  """A stand-in for compiling: every plan compiles to its prediction; a non-uniform plan's
+  FLOPs are its predicted cost times ``per_layer_flops_factor``."""
+  def measure(cfg, batch, variant, keep, *, seq_len=128):
+    keep = tuple(keep) if len(keep) == PROFILE.depth else tuple(keep) * PROFILE.depth
+    factor = 1.0 if len(set(keep)) <= 1 else per_layer_flops_factor
+    return planning.Measured(PROFILE.peak(keep), PROFILE.cost(keep) * factor)
+  return measure
+
+
+def test_either_plan_takes_the_one_that_compiles_to_fewer_flops(monkeypatch):
+  # At 1,600 bytes the per-layer solution recomputes less than the uniform one (predicted).
+  budget = 1600
+  uni = planner.solve([PROFILE], budget, uniform=True)
+  per = planner.solve([PROFILE], budget, uniform=False)
+  assert not per.uniform and per.predicted_cost < uni.predicted_cost
+  monkeypatch.setattr(planning, "measure", _measured_as_predicted(1.0))
+  plan, m = planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=None)
+  assert plan.keep == per.keep and m.flops == pytest.approx(per.predicted_cost)
+  # Measured worse than uniform (as GPT-2's per-layer plans were, README): uniform it is.
+  monkeypatch.setattr(planning, "measure", _measured_as_predicted(3.0))
+  plan, m = planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=None)
+  assert plan.uniform and plan.keep == uni.keep
+  # uniform=False still returns the per-layer plan (the frontier measures it).
+  assert not planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=False)[0].uniform
+  # Where the per-layer solution is uniform anyway, one search only.
+  calls = []
+  monkeypatch.setattr(planning, "measure", lambda *a, **k: calls.append(a[3]) or
+                      _measured_as_predicted(1.0)(*a, **k))
+  plan, _ = planning.plan_for_budget(None, 8, 10 ** 6, [PROFILE], uniform=None)
+  assert plan.uniform and len(calls) == 1
+
+
 def test_relief_counts_only_where_every_layer_keeps_the_tag():
   # "mlp" relieves 200 bytes only if all four layers keep it; in one layer it costs 300.
   assert PROFILE.peak((("mlp",), (), (), ())) == 1300

@@ -169,7 +169,7 @@ def _fit_rounds(cfg, batch, budget, profiles, *, seq_len, max_rounds, uniform):
 
 def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.LayerProfile], *,
                     seq_len: int = 128, max_rounds: int = 6,
-                    uniform: bool = True) -> tuple[planner.Plan, Measured]:
+                    uniform: bool | None = True) -> tuple[planner.Plan, Measured]:
   """Solve, compile, and re-solve with a tighter target while XLA's peak exceeds ``budget``.
 
   The linear model is calibrated, not exact (XLA overlaps a layer's recompute with what it
@@ -178,20 +178,39 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
   of equal layers over its own parameter stack (README "Memory-budget planner" has both
   measured against their predictions).  A per-layer search that finds no plan within the
   budget falls back to the uniform one (lone layers between runs can compile far above the
-  linear model on XLA:CPU), so ``uniform=False`` never does worse than ``uniform=True``.
+  linear model on XLA:CPU), so ``uniform=False`` always fits where ``uniform=True`` does.
+  ``uniform=None``: both searches, and the plan whose compiled step does fewer FLOPs (the
+  uniform one on a tie) -- per-layer plans can fit and still recompute more than the uniform
+  plan at the same budget, because the re-solve rounds lower their target (GPT-2, README).
 
   Raises:
     planner.InfeasibleBudget: no plan compiles within ``budget`` (names ``budget`` and the
       model's minimum).
   """
-  found = _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
-                      uniform=uniform)
-  if found is None and not uniform:
-    found = _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
-                        uniform=True)
+  def search(uniform_):
+    return _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
+                       uniform=uniform_)
+  if uniform is None:
+    found = [f for f in (search(True), _per_layer_search(search, profiles, budget))
+             if f is not None]
+    found = min(found, key=lambda f: (f[1].flops, not f[0].uniform)) if found else None
+  else:
+    found = search(uniform)
+    if found is None and not uniform:
+      found = search(True)
   if found is None:
     raise planner.InfeasibleBudget(int(budget), min(p.minimum_bytes for p in profiles))
   return found
+
+
+def _per_layer_search(search, profiles, budget):
+  """The per-layer search, or None where the per-layer solution is the uniform one anyway."""
+  try:
+    if planner.solve(profiles, budget, uniform=False).uniform:
+      return None
+  except planner.InfeasibleBudget:
+    return None
+  return search(False)
 
 
 def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):

@@ -97,6 +97,14 @@ def _relay(child, coordinator, timeout_s) -> int:
   if not aborted and not fatal:
     if native:  # nothing went wrong that these explain: show them as they were
       emit(b"\n".join(native) + b"\n")
+    if code > 128 and code - 128 not in (signal.SIGINT, signal.SIGTERM):
+      # Killed from outside (SIGKILL: e.g. the kernel's out-of-memory killer) or crashed
+      # (SIGSEGV): it could say nothing itself.  A signal this supervisor forwarded (Ctrl-C,
+      # SIGTERM) is the user's own stop.
+      sys.stderr.write(f"error: the worker process was killed by {_signal_name(code - 128)}"
+                       f"{' (e.g. out of memory)' if code - 128 == signal.SIGKILL else ''}; "
+                       "once all processes are back, continue with --resume\n")
+      sys.stderr.flush()
     return code
   text = b"\n".join(native).decode(errors="replace")
   if "RegisterTask" in text:
@@ -111,6 +119,13 @@ def _relay(child, coordinator, timeout_s) -> int:
   sys.stderr.write(lost_message(reason) + "\n")
   sys.stderr.flush()
   return 1
+
+
+def _signal_name(number: int) -> str:
+  try:
+    return signal.Signals(number).name
+  except ValueError:
+    return f"signal {number}"
 
 
 def lost_message(reason: str) -> str:

@@ -187,13 +187,15 @@ def dropout_key(seed: int, step: int) -> jax.Array:
 
 def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
   """The model config under the planner's cheapest plan whose compiled gradient step
-  (per device, layers scanned) fits ``budget`` bytes; raises ConfigError if none does."""
+  (per device, layers scanned) fits ``budget`` bytes -- uniform or per layer, whichever
+  compiles to fewer FLOPs; raises ConfigError if none fits."""
   from invact_jax import planner  # pylint: disable=import-outside-toplevel
   from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
   cfg = model_cfg.replace(scan_layers=True)
   profiles = planning.profile(cfg, batch, seq_len=seq_len)
   try:
-    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles, seq_len=seq_len)
+    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles, seq_len=seq_len,
+                                       uniform=None)
   except planner.InfeasibleBudget as e:
     raise ConfigError(f"--memory-budget: {e}") from None
   return cfg.replace(save_names=plan.save_names(), **options.CONFIGURATIONS[plan.variant]), plan

@@ -282,6 +282,10 @@ _FATAL = ("F1123 07:34:21.128684   17249 client.h:80] Terminating process becaus
     # the worker's own line after XLA's fatal one (its watchdog raced the abort): that line only
     (f"w({_FATAL.format(status='UNAVAILABLE')!r}); w('error: lost the other processes (x)'); "
      "os._exit(1)", 1, "error: lost the other processes (x)"),
+    # killed from outside (the out-of-memory killer sends SIGKILL): it cannot say why; we do
+    ("w('train: 3 steps'); os.kill(os.getpid(), 9)", 137,
+     "train: 3 steps\nerror: the worker process was killed by SIGKILL (e.g. out of memory); "
+     "once all processes are back, continue with --resume"),
     # a normal run: its output, and XLA's warnings as they were
     ("w('train: 3 steps'); w('W1123 07:34:21.128497   17249 x.cc:1] harmless')", 0,
      "train: 3 steps\nW1123 07:34:21.128497   17249 x.cc:1] harmless"),

@@ -82,7 +82,8 @@ def test_batch_order_and_augmentation_are_deterministic():
 
 
 def _run_cli(*args, cwd=ROOT):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
+      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
   return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--no-progress", *args],
                         capture_output=True, text=True, cwd=cwd, env=env, timeout=300, check=False)
 
