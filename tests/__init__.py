@@ -11,6 +11,13 @@ def load_script(name: str):
   return module
 
 
+def env_with_devices(n: int, **extra) -> dict:
+  """os.environ for a subprocess that sees ``n`` virtual CPU devices (conftest.py sets 8)."""
+  import os  # pylint: disable=import-outside-toplevel
+  return {**os.environ, **extra, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
+      "--xla_force_host_platform_device_count=8", f"--xla_force_host_platform_device_count={n}")}
+
+
 # The suite runs XLA:CPU's LLVM backend at -O0 (conftest.py: compile time).  A test that
 # claims two compilations of the same math agree to the last ulp (interpret-mode Pallas vs the
 # XLA path) compiles at XLA's default level, where that claim is made: at -O0 the kernel body

@@ -191,9 +191,9 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
     return _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
                        uniform=uniform_)
   if uniform is None:
-    found = [f for f in (search(True), _per_layer_search(search, profiles, budget))
-             if f is not None]
-    found = min(found, key=lambda f: (f[1].flops, not f[0].uniform)) if found else None
+    found = [search(True)] + ([search(False)] if _per_layer_differs(profiles, budget) else [])
+    found = min((f for f in found if f is not None),
+                key=lambda f: (f[1].flops, not f[0].uniform), default=None)
   else:
     found = search(uniform)
     if found is None and not uniform:
@@ -203,14 +203,13 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
   return found
 
 
-def _per_layer_search(search, profiles, budget):
-  """The per-layer search, or None where the per-layer solution is the uniform one anyway."""
+def _per_layer_differs(profiles, budget) -> bool:
+  """Whether the per-layer solution at ``budget`` differs between layers (else its search
+  would only repeat the uniform one)."""
   try:
-    if planner.solve(profiles, budget, uniform=False).uniform:
-      return None
+    return not planner.solve(profiles, budget, uniform=False).uniform
   except planner.InfeasibleBudget:
-    return None
-  return search(False)
+    return False
 
 
 def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
@@ -262,11 +261,7 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
       progress(f"plan at {b:,} bytes")
     plans.append(_plan_row(cfg, batch, b, profiles, fixed, ref, seq_len=seq_len, uniform=True))
     if per_layer:
-      try:
-        differs = not planner.solve(profiles, b, uniform=False).uniform
-      except planner.InfeasibleBudget:
-        differs = False
-      if differs:
+      if _per_layer_differs(profiles, b):
         if progress:
           progress(f"per-layer plan at {b:,} bytes")
         row = _plan_row(cfg, batch, b, profiles, fixed, ref, seq_len=seq_len, uniform=False)

@@ -16,7 +16,7 @@ import pytest
 
 from models.experiments import data as data_lib
 from models.experiments import training
-from tests import load_script
+from tests import env_with_devices, load_script
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,6 @@ def _finish(procs, timeout):
   finally:
     for p in procs:
       p.kill()
-
-
-def _two_device_env():
-  """Each process sees 2 CPU devices (conftest.py sets 8)."""
-  return {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(
-      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=2")}
 
 
 def _long_run(work) -> list[str]:
@@ -76,7 +70,7 @@ def test_two_processes_train_like_one_and_resume_elsewhere(tmp_path):
     pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
   work = tmp_path / "run"
   # Each process sees 2 CPU devices: a global mesh of 4.
-  env = _two_device_env()
+  env = env_with_devices(2)
   argv = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "12",
           "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
           "--workdir", str(work), "--coordinator", f"localhost:{_free_port()}",
@@ -120,7 +114,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_both_resume(tmp_path
     pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
   work = tmp_path / "run"
   run = work / "inverted"
-  env = _two_device_env()
+  env = env_with_devices(2)
   base = _long_run(work)
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}",
                           "--distributed-timeout", "10"], env)
@@ -203,7 +197,7 @@ def test_mismatched_num_processes_is_one_line_and_exit_2_on_both(tmp_path):
   says so; process 0 hears it through the coordination service and stops with the same line;
   both exit 2 within seconds (before: process 1 waited in JAX's shutdown barrier until XLA
   aborted it, and process 0 reported process 1 as lost)."""
-  env = _two_device_env()
+  env = env_with_devices(2)
   base = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "3", "--batch-size",
           "32", "--no-progress", "--workdir", str(tmp_path / "w"), "--coordinator",
           f"localhost:{_free_port()}", "--distributed-timeout", "20"]
@@ -222,7 +216,7 @@ def test_mismatched_num_processes_is_one_line_and_exit_2_on_both(tmp_path):
 def test_process_0_waiting_for_more_processes_is_one_line_and_exit_2(tmp_path):
   """Process 0 says 3 processes, process 1 says 2: XLA's registration barrier times out and
   aborts both (no Python exception); their supervisors turn that into one line and exit 2."""
-  env = _two_device_env()
+  env = env_with_devices(2)
   coordinator = f"localhost:{_free_port()}"
   base = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "3", "--batch-size",
           "32", "--no-progress", "--workdir", str(tmp_path / "w"), "--coordinator", coordinator,
@@ -254,7 +248,7 @@ def test_killing_process_0_stops_the_others_with_one_line(tmp_path):
     pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
   work = tmp_path / "run"
   procs = _launch(_long_run(work) + ["--coordinator", f"localhost:{_free_port()}",
-                                     "--distributed-timeout", "10"], _two_device_env())
+                                     "--distributed-timeout", "10"], env_with_devices(2))
   err, waited = _kill_mid_run(procs, work / "inverted", victim=0)
   assert procs[1].returncode == 1, err[-2000:]
   assert err.strip() == ("error: lost the other processes (the coordination service (process 0) "

@@ -14,7 +14,7 @@ import pytest
 
 from models.experiments import data as data_lib
 from models.experiments import training
-from tests import load_script
+from tests import env_with_devices, load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = training.TrainConfig(steps=12, batch_size=32, checkpoint_every=5, log_every=2,
@@ -82,8 +82,7 @@ def test_batch_order_and_augmentation_are_deterministic():
 
 
 def _run_cli(*args, cwd=ROOT):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
-      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
+  env = env_with_devices(1, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--no-progress", *args],
                         capture_output=True, text=True, cwd=cwd, env=env, timeout=300, check=False)
 
