@@ -62,11 +62,24 @@ def parse(argv=None):
   return args
 
 
+def _compilation_cache(workdir: pathlib.Path) -> None:
+  """JAX's persistent compilation cache in ``<workdir>/xla_cache`` unless one is set: every
+  seed of a cell compiles the same training and evaluation steps (digits: 6.5 s, text: 3.7 s
+  for the training step on the 2-core VM), so only the first seed of each cell compiles."""
+  import os  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", str(workdir / "xla_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
 def main(argv=None) -> int:
   args = parse(argv)
   from models.experiments import gpu_report  # pylint: disable=import-outside-toplevel
   from models.experiments import parity  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
+  _compilation_cache(args.workdir)
   tasks = [parity.TASKS[t] for t in args.tasks]
   if args.quick:
     tasks = [parity.quick(t) for t in tasks]

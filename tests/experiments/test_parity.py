@@ -3,6 +3,10 @@ study end to end (outputs, pairing by seed, resume of an interrupted run, no rec
 import dataclasses
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -105,3 +109,18 @@ def test_quick_study_end_to_end_resumes_and_never_recomputes(tmp_path):
   saved["config"]["lr"] = 1.0
   (cut / "parity_run.json").write_text(json.dumps(saved))
   assert script.main(argv + ["--no-gradients"]) == 2
+
+
+
+def test_study_compiles_once_per_cell_through_a_cache_in_the_workdir(tmp_path):
+  """Every seed of a cell compiles the same steps: scripts/parity.py keeps JAX's persistent
+  compilation cache in the workdir, unless the user set one (as the suite does)."""
+  code = ("import sys, pathlib, jax; from tests import load_script; "
+          "load_script('parity')._compilation_cache(pathlib.Path(sys.argv[1])); "
+          "print(jax.config.jax_compilation_cache_dir)")
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  for extra, want in (({}, str(tmp_path / "xla_cache")), ({"JAX_COMPILATION_CACHE_DIR": "/x"}, "/x")):
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**env, **extra},
+                         cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == want, out.stderr[-2000:]

@@ -117,6 +117,8 @@ class ActivationTestBase(ImplementationTestCase):
       # (Triton's interpreter: NumPy's), so bits differ by a few ulp; it must be as accurate
       # as jax.nn on this device.
       self.assertLessEqual(forward_error(case, x, y), max(2.0, 2 * forward_error(case, x, y_ref)))
+    if self.IMPLEMENTATION == "xla":
+      return  # the residual bits below would be compared with themselves
     # The residual bits: the same as the XLA path's, bit for bit.
     op, backend = case.op, base._impl(self.backend())  # pylint: disable=protected-access
     _, m = jax.jit(lambda x: backend.forward(op, self.backend(), x))(x)
