@@ -111,7 +111,6 @@ def test_quick_study_end_to_end_resumes_and_never_recomputes(tmp_path):
   assert script.main(argv + ["--no-gradients"]) == 2
 
 
-
 def test_study_compiles_once_per_cell_through_a_cache_in_the_workdir(tmp_path):
   """Every seed of a cell compiles the same steps: scripts/parity.py keeps JAX's persistent
   compilation cache in the workdir, unless the user set one (as the suite does)."""
