@@ -4,24 +4,35 @@ Given per-tag figures of one transformer layer — bytes a tag costs if kept, an
 recompute cost saved by keeping it — and a budget in bytes, :func:`solve` picks per layer
 the set of ``checkpoint_name`` tags to keep (the rest are recomputed in the backward) and
 the operator variant (e.g. standard vs inverted activations) by a mixed-integer linear
-program solved with HiGHS (``scipy.optimize.milp``), minimizing recompute cost subject to
+program solved with HiGHS (``scipy.optimize.milp``), minimizing recompute cost subject to a
+predicted peak <= budget.  A plan is a sequence of runs (contiguous layers keeping the same
+set; ``models`` runs each as its own ``lax.scan`` over its own parameter stack).  The backward
+processes the runs last to first, and each run's stacked residuals stay alive until its
+backward ends, so the peak is the largest of the runs' phases:
 
-    predicted peak = base[variant] + sum_layers sum_tags keep[l, t] * bytes[variant, t]
-                     - max_{t kept in every layer} relief[variant, t] <= budget.
+    peak = base[variant] + max_r ( sum_{runs s <= r} layers[s] * sum_{t in s} bytes[variant, t]
+                                   - max_{t in r} relief[variant, t]
+                                   - input[variant] * layers after r ).
 
 ``base`` is the measured peak with nothing kept (every layer fully recomputed), so the
 model is calibrated per platform; ``models.experiments.plan_profiles`` measures all of it and
 checks the prediction against XLA's compiled memory.  ``relief`` is the backward's recompute
-workspace that keeping a tag removes; it is counted only when every layer keeps the tag (a
-layer that still recomputes it needs the workspace), which is exact for uniform plans and
-errs high (safe) for the others.  Layers may differ (``uniform=False``): equal layers are made
-contiguous, runs ordered longest first so that one-layer runs come last (``models`` runs each
-run as its own ``lax.scan`` over its own parameter stack; XLA:CPU schedules a lone layer
-followed by others like unrolled code); ``uniform=True`` gives one set for all layers.
+workspace that keeping a tag removes (one layer is recomputed at a time, so the largest of
+the run's tags counts); ``input`` is a layer's input, which the scan keeps for every layer
+(the layers after r are freed by then).  For one set in every layer this is
+``base + depth * bytes - relief``.  Measured on XLA:CPU (ViT-Ti, GPT-2; JAX 0.10 and 0.12),
+a plan of runs of two or more layers compiles to its largest phase within 0.06 %, each taken
+from its run's uniform figure (``relief`` per tag approximates a set's); a run of one layer
+does not: XLA unrolls a one-trip scan and schedules that layer's recompute freely (GPT-2, 6
+layers, 128 tokens, batch 8: a lone last layer keeping a 0-byte tag, +101 MB over keeping
+nothing, +14 %; ViT-Ti: its kept bytes cost nothing at the end of the stack, and at the
+start +15 % on JAX 0.10 but -33 % on 0.12).  So runs have at least ``MIN_RUN``
+layers, at most ``MAX_RUNS`` runs (each run is a compile of its own).  ``uniform=True`` gives
+one set for all layers.
 
 Variants change ``base`` (the whole model's activations), so the program is solved once
 per variant and the cheapest feasible plan wins; among equally cheap plans (also within a
-variant), the one that uses less memory.
+variant), the one that uses less memory, then the one with fewer runs.
 
 Example:
   >>> from invact_jax import planner
@@ -36,12 +47,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import time
 from typing import Sequence
 
 import numpy as np
 
 __all__ = ["LayerProfile", "Plan", "InfeasibleBudget", "solve", "evaluate"]
+
+MIN_RUN = 2   # layers per run in a plan of several runs (a lone layer compiles off the model)
+MAX_RUNS = 3  # runs per plan (each is a lax.scan of its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +74,9 @@ class LayerProfile:
     full_cost: recompute cost of one layer that keeps nothing.
     tag_relief: per tag, bytes the peak drops by, once, when every layer keeps it: the
       backward's recompute workspace that keeping it removes (measured).  Only the largest
-      relief among such tags counts (one layer is recomputed at a time).
+      relief among a run's tags counts (one layer is recomputed at a time).
+    input_bytes: bytes of one layer's input, which a scan keeps for every layer whatever the
+      plan (the slope of ``base_bytes`` over depth); 0 if unknown (the model then errs high).
   """
   variant: str
   depth: int
@@ -68,6 +86,7 @@ class LayerProfile:
   tag_gain: tuple[float, ...]
   full_cost: float
   tag_relief: tuple[int, ...] = ()
+  input_bytes: int = 0
 
   def __post_init__(self):
     for name in ("tags", "tag_bytes", "tag_gain", "tag_relief"):
@@ -88,7 +107,7 @@ class LayerProfile:
       if len(getattr(self, name)) != len(self.tags):
         raise ValueError(f"LayerProfile argument `{name}` has {len(getattr(self, name))} entries "
                          f"for {len(self.tags)} tags")
-    for name in ("base_bytes", "full_cost", "tag_bytes", "tag_gain", "tag_relief"):
+    for name in ("base_bytes", "full_cost", "tag_bytes", "tag_gain", "tag_relief", "input_bytes"):
       value = getattr(self, name)
       for v in (value if isinstance(value, tuple) else (value,)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
@@ -105,17 +124,22 @@ class LayerProfile:
     return float(sum(max(self.full_cost - sum(gain[t] for t in k), 0.0) for k in keep))
 
   def peak(self, keep: Sequence[Sequence[str]]) -> int:
-    """Predicted peak of keeping ``keep[l]`` in layer l (see module doc)."""
+    """Predicted peak of keeping ``keep[l]`` in layer l: the largest phase of the backward
+    (see module doc; ``keep`` in forward order, equal neighbours form one run)."""
     nbytes = dict(zip(self.tags, self.tag_bytes))
-    everywhere = set.intersection(*(set(k) for k in keep)) if keep else set()
-    relief = max((self.relief(t) for t in everywhere), default=0)
-    return int(self.base_bytes + sum(nbytes[t] for k in keep for t in k) - relief)
+    kept, layers, phases = 0, 0, []
+    for k, n in _runs(keep):
+      kept += n * sum(nbytes[t] for t in k)
+      layers += n
+      relief = max((self.relief(t) for t in k), default=0)
+      phases.append(kept - relief - self.input_bytes * (len(keep) - layers))
+    return int(self.base_bytes + max(phases, default=0))
 
   @property
   def minimum_bytes(self) -> int:
     """The least predicted peak of any plan (a tag whose relief exceeds its bytes can go
     below ``base_bytes``)."""
-    return min([self.base_bytes] + [self.peak(((t,),) * self.depth) for t in self.tags])
+    return _minimum(self, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,51 +175,151 @@ class InfeasibleBudget(ValueError):
     self.budget, self.minimum_bytes = budget, minimum_bytes
 
 
-def _solve_one(p: LayerProfile, budget: int, uniform: bool):
+def _runs(keep):
+  """Contiguous runs of equal entries: [(set, number of layers)]."""
+  return [(k, len(list(g))) for k, g in itertools.groupby(tuple(k) for k in keep)]
+
+
+def _program(p: LayerProfile, uniform: bool):
+  """The integer program over runs of layers (see module doc), as scipy.optimize.milp input.
+
+  Variables, run r = 0..K-1 in forward order: n[r] layers, a[r] (run used), y[r, t] (run keeps
+  t), w[r, t] = n[r] * y[r, t], v[r, t] (t's relief is the one counted in run r's phase), and
+  the peak P over base.  Unused runs come first.  Bytes are scaled to O(1).
+  """
+  L, T = p.depth, len(p.tags)
+  K = 1 if uniform or L < 2 * MIN_RUN else min(MAX_RUNS, L // MIN_RUN)
+  lo = L if K == 1 else MIN_RUN
+  scale = float(max(max(p.tag_bytes, default=0), max(p.tag_relief, default=0), p.input_bytes, 1))
+  b = np.asarray(p.tag_bytes, float) / scale
+  tau = np.asarray([p.relief(t) for t in p.tags], float) / scale
+  u = p.input_bytes / scale
+  big = L * b.sum() + 2 * u * L + 2 * tau.max(initial=0.0) + 1.0
+  # Variable layout.
+  n0, a0, y0 = 0, K, 2 * K
+  w0, v0 = y0 + K * T, y0 + 2 * K * T
+  iP = y0 + 3 * K * T
+  nv = iP + 1
+  rows, lo_b, hi_b = [], [], []
+
+  def row(coef, lower, upper):
+    r = np.zeros(nv)
+    for i, c in coef:
+      r[i] += c
+    rows.append(r)
+    lo_b.append(lower)
+    hi_b.append(upper)
+
+  Y = lambda r, t: y0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
+  W = lambda r, t: w0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
+  V = lambda r, t: v0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
+  row([(n0 + r, 1.0) for r in range(K)], L, L)
+  for r in range(K):
+    row([(n0 + r, 1.0), (a0 + r, -L)], -np.inf, 0.0)        # n <= L a
+    row([(n0 + r, -1.0), (a0 + r, lo)], -np.inf, 0.0)       # n >= lo a
+    if r + 1 < K:
+      row([(a0 + r, 1.0), (a0 + r + 1, -1.0)], -np.inf, 0.0)  # used runs last
+    row([(V(r, t), 1.0) for t in range(T)], -np.inf, 1.0)   # one relief per phase
+    for t in range(T):
+      row([(Y(r, t), 1.0), (a0 + r, -1.0)], -np.inf, 0.0)
+      row([(W(r, t), 1.0), (Y(r, t), -L)], -np.inf, 0.0)     # w = n y, linearized
+      row([(W(r, t), 1.0), (n0 + r, -1.0)], -np.inf, 0.0)
+      row([(W(r, t), -1.0), (n0 + r, 1.0), (Y(r, t), L)], -np.inf, L)
+      row([(V(r, t), 1.0), (Y(r, t), -1.0)], -np.inf, 0.0)
+    # Phase r (when used): kept bytes of runs <= r, minus its relief, minus the inputs of
+    # the later layers, is at most P.
+    coef = [(W(s, t), b[t]) for s in range(r + 1) for t in range(T)]
+    coef += [(V(r, t), -tau[t]) for t in range(T)]
+    coef += [(n0 + s, u) for s in range(r + 1)] + [(iP, -1.0), (a0 + r, big)]
+    row(coef, -np.inf, u * L + big)
+  lower = np.zeros(nv)
+  upper = np.ones(nv)
+  upper[n0:n0 + K] = L
+  upper[w0:w0 + K * T] = L
+  lower[iP], upper[iP] = -(tau.max(initial=0.0) + u * L) - 1.0, big
+  integrality = np.ones(nv)
+  integrality[iP] = 0
+  if K == 1:
+    lower[n0] = lower[a0] = 1.0
+  gain = np.zeros(nv)
+  for r in range(K):
+    for t in range(T):
+      gain[W(r, t)] = p.tag_gain[t]
+  return dict(A=np.asarray(rows), lo=np.asarray(lo_b), hi=np.asarray(hi_b), lower=lower,
+              upper=upper, integrality=integrality, gain=gain, scale=scale, K=K, T=T, iP=iP,
+              n0=n0, a0=a0, Y=Y)
+
+
+def _milp(prog, objective, extra=(), p_upper=None):
   from scipy import optimize  # pylint: disable=import-outside-toplevel
-  n_tags = len(p.tags)
-  if n_tags == 0:  # nothing to choose: every layer recomputes everything
-    return ((),) * p.depth if p.base_bytes <= budget else None
-  n_layers = 1 if uniform else p.depth
-  mult = p.depth if uniform else 1
-  b = np.asarray(p.tag_bytes, float)
-  g = np.asarray(p.tag_gain, float)
-  tau = np.asarray([p.relief(t) for t in p.tags], float)
-  nx = n_layers * n_tags
-  # Variables: x[l, t] in {0, 1} (keep tag t in (group) layer l), then z[t] in {0, 1}
-  # (t's relief is the one counted).  Maximize the kept recompute gain subject to
-  #   sum mult * b[t] x[l, t] - sum tau[t] z[t] <= budget - base,
-  #   sum z <= 1,  z[t] <= x[l, t] for every l (relief only where every layer keeps t).
-  c = np.concatenate([-np.tile(g, n_layers) * mult, np.zeros(n_tags)])
-  mem = np.concatenate([np.tile(b, n_layers) * mult, -tau])[None, :]
-  one = np.concatenate([np.zeros(nx), np.ones(n_tags)])[None, :]
-  link = np.zeros((n_layers * n_tags, nx + n_tags))
-  for l in range(n_layers):
-    for t in range(n_tags):
-      link[l * n_tags + t, nx + t] = 1.0
-      link[l * n_tags + t, l * n_tags + t] = -1.0
-  cons = [optimize.LinearConstraint(mem, -np.inf, budget - p.base_bytes),
-          optimize.LinearConstraint(one, -np.inf, 1.0),
-          optimize.LinearConstraint(link, -np.inf, 0.0)]
-  opts = dict(integrality=np.ones_like(c), bounds=optimize.Bounds(0, 1),
-              options={"time_limit": 10.0})
-  res = optimize.milp(c, constraints=cons, **opts)
-  if res.x is None:
+  cons = [optimize.LinearConstraint(prog["A"], prog["lo"], prog["hi"])]
+  for coef, lower, upper in extra:
+    cons.append(optimize.LinearConstraint(coef[None, :], lower, upper))
+  upper = prog["upper"].copy()
+  if p_upper is not None:
+    upper[prog["iP"]] = p_upper
+  if upper[prog["iP"]] < prog["lower"][prog["iP"]]:
     return None
-  # Among plans of the least cost, the one using least memory (a second, lexicographic solve).
-  tie = optimize.LinearConstraint(c[None, :], -np.inf, res.fun + 1e-9 * max(1.0, abs(res.fun)))
-  lean = optimize.milp(mem[0], constraints=cons + [tie], **opts)
-  if lean.x is not None:
+  res = optimize.milp(objective, constraints=cons, integrality=prog["integrality"],
+                      bounds=optimize.Bounds(prog["lower"], upper),
+                      options={"time_limit": 10.0, "mip_rel_gap": 0.0})
+  return res if res.x is not None else None
+
+
+def _decode(p: LayerProfile, prog, x) -> tuple[tuple[str, ...], ...]:
+  keep = []
+  for r in range(prog["K"]):
+    if x[prog["a0"] + r] > 0.5:
+      tags = tuple(t for i, t in enumerate(p.tags) if x[prog["Y"](r, i)] > 0.5)
+      keep += [tags] * int(round(x[prog["n0"] + r]))
+  return tuple(keep)
+
+
+def _best(p: LayerProfile, prog, p_upper):
+  """Least cost; among those the least peak; among those the fewest runs."""
+  iP, a0, K = prog["iP"], prog["a0"], prog["K"]
+  g = prog["gain"] / max(float(prog["gain"].max(initial=0.0)), 1.0)
+  res = _milp(prog, -g, p_upper=p_upper)
+  if res is None:
+    return None
+  tol = lambda v: 1e-6 * max(1.0, abs(v))  # pylint: disable=unnecessary-lambda-assignment
+  tie = [(g, -res.fun - tol(res.fun), np.inf)]
+  peak_obj = np.zeros_like(g)
+  peak_obj[iP] = 1.0
+  lean = _milp(prog, peak_obj, tie, p_upper)
+  if lean is not None:
     res = lean
-  x = np.round(res.x[:nx]).reshape(n_layers, n_tags).astype(bool)
-  keep = [tuple(t for t, k in zip(p.tags, row) if k) for row in x]
-  if uniform:
-    return tuple(keep) * p.depth
-  # Layers are interchangeable in the model: order them so equal plans are contiguous (each
-  # run is then one lax.scan), longest runs first, so a run of one layer is never followed by
-  # others (see module doc).
-  runs = {k: keep.count(k) for k in keep}
-  return tuple(sorted(keep, key=lambda k: (-runs[k], len(k), k)))
+    runs_obj = np.zeros_like(g)
+    runs_obj[a0:a0 + K] = 1.0
+    few = _milp(prog, runs_obj, tie, min(p_upper, lean.fun + tol(lean.fun)))
+    if few is not None:
+      res = few
+  return _decode(p, prog, res.x)
+
+
+def _solve_one(p: LayerProfile, budget: int, uniform: bool):
+  if not p.tags:  # nothing to choose: every layer recomputes everything
+    return ((),) * p.depth if p.base_bytes <= budget else None
+  prog = _program(p, uniform)
+  room = (budget - p.base_bytes) / prog["scale"]
+  for _ in range(3):  # the solver's tolerance can admit a plan a few bytes over
+    keep = _best(p, prog, room)
+    if keep is None or p.peak(keep) <= budget:
+      return keep
+    room -= (p.peak(keep) - budget) / prog["scale"] + 1e-6
+  return None
+
+
+@functools.lru_cache(maxsize=256)
+def _minimum(p: LayerProfile, uniform: bool) -> int:
+  """The least predicted peak of any plan (of one set for all layers, with ``uniform``)."""
+  if not p.tags:
+    return p.base_bytes
+  prog = _program(p, uniform)
+  objective = np.zeros(len(prog["gain"]))
+  objective[prog["iP"]] = 1.0
+  res = _milp(prog, objective)
+  return min(p.base_bytes, p.peak(_decode(p, prog, res.x))) if res is not None else p.base_bytes
 
 
 def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False) -> Plan:
@@ -218,7 +342,7 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   t0 = time.perf_counter()
   best = None
   for p in profiles:
-    if p.minimum_bytes > budget:
+    if _minimum(p, uniform) > budget:
       continue
     keep = _solve_one(p, budget, uniform)
     if keep is None:
@@ -227,7 +351,7 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
     if best is None or cand[:2] < best[:2]:
       best = cand
   if best is None:
-    raise InfeasibleBudget(budget, min(p.minimum_bytes for p in profiles))
+    raise InfeasibleBudget(budget, min(_minimum(p, uniform) for p in profiles))
   cost, peak, p, keep = best
   return Plan(variant=p.variant, keep=tuple(keep), predicted_bytes=peak, predicted_cost=cost,
               budget=budget, solve_seconds=time.perf_counter() - t0)

@@ -4,6 +4,7 @@
   python scripts/plan_memory.py                               # ViT-B/16 and GPT-2, bf16, batch 8
   python scripts/plan_memory.py --models vit-b16 --points 5 --batch 4
   python scripts/plan_memory.py --replot bench/plan_memory_gpt2.json   # redraw, no compiling
+  python scripts/plan_memory.py --models gpt2 --profiles bench/plan_memory_gpt2.json  # re-plan
 
 For each model: profiles each variant (standard / inverted activations; see
 models/planning.py), then solves the integer program (invact_jax.planner, HiGHS) at budgets
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
   p.add_argument("--replot", type=pathlib.Path, default=None,
                   help="redraw the table and PNG from a JSON this script wrote (no compiling)")
+  p.add_argument("--profiles", type=pathlib.Path, default=None,
+                 help="take the profiles from a JSON this script wrote (same models, dtype, batch, "
+                      "sequence length and overrides) instead of measuring them")
   p.add_argument("--device-peak", action="store_true",
                   help="also run every plan and fixed policy once, each in a child process, "
                        "and record the allocator's peak_bytes_in_use (GPU only)")
@@ -82,6 +86,15 @@ def main(argv=None) -> int:
   if args.points < 2:
     print("error: --points must be at least 2", file=sys.stderr)
     return 2
+  overrides = {k: v for k, v in (("depth", args.depth), ("image_size", args.image_size),
+                                  ("patch_size", args.patch_size)) if v is not None}
+  saved = None
+  if args.profiles is not None:
+    try:
+      saved = _saved_profiles(args.profiles, models, variants, args, overrides, planner)
+    except ValueError as e:
+      print(f"error: --profiles: {e}", file=sys.stderr)
+      return 2
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
   results = {}
   bar = tqdm(desc="plan", unit="step")
@@ -90,16 +103,18 @@ def main(argv=None) -> int:
     bar.set_postfix_str(msg)
     bar.update()
 
-  overrides = {k: v for k, v in (("depth", args.depth), ("image_size", args.image_size),
-                                  ("patch_size", args.patch_size)) if v is not None}
   for m in models:
     try:
       cfg = benchmark.model_config(m, dtype=args.dtype, **overrides)
     except (TypeError, ValueError) as e:
       print(f"error: model {m}: {e}", file=sys.stderr)
       return 2
-    profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len, variants=variants,
-                                progress=progress)
+    if saved is None:
+      profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len, variants=variants,
+                                  progress=progress)
+    else:
+      profiles = [planning.with_input_bytes(cfg, args.batch, q, seq_len=args.seq_len)
+                  for q in saved[m]]
     lo = min(q.base_bytes for q in profiles)
     hi = max(planner.evaluate(q, planning.FIXED_POLICIES["nothing"])[0] for q in profiles)
     budgets = [int(lo + i * (hi - lo) / (args.points - 1)) for i in range(args.points)]
@@ -116,7 +131,8 @@ def main(argv=None) -> int:
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv), "dtype": args.dtype, "batch": args.batch,
-          "seq_len": args.seq_len, "variants": variants, "overrides": overrides}
+          "seq_len": args.seq_len, "variants": variants, "overrides": overrides,
+          "profiles_from": None if args.profiles is None else str(args.profiles)}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
                                                       indent=1, default=list))
@@ -124,6 +140,31 @@ def main(argv=None) -> int:
   _plot(results, args.out.with_suffix(".png"))
   print(f"wrote {args.out.with_suffix('.json')}, .md, .png")
   return 0
+
+
+def _saved_profiles(path, models, variants, args, overrides, planner):
+  """{model: [LayerProfile]} from a JSON this script wrote, checked against this run."""
+  if not path.is_file():
+    raise ValueError(f"no such file {str(path)!r}")
+  try:
+    saved = json.loads(path.read_text())
+    meta, results = saved["meta"], saved["results"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{str(path)!r} is not a plan_memory.py JSON ({e})") from None
+  want = {"dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+          "overrides": overrides}
+  for key, value in want.items():
+    if meta.get(key, {} if key == "overrides" else None) != value:
+      raise ValueError(f"{str(path)!r} was profiled with {key}={meta.get(key)!r}, this run has "
+                       f"{value!r}")
+  out = {}
+  for m in models:
+    got = {q["variant"]: q for q in results.get(m, {}).get("profiles", [])}
+    missing = [v for v in variants if v not in got]
+    if missing:
+      raise ValueError(f"{str(path)!r} has no profile of model {m!r}, variants {missing}")
+    out[m] = [planner.LayerProfile(**got[v]) for v in variants]
+  return out
 
 
 def _add_device_peak(row, model, args, overrides):

@@ -123,12 +123,51 @@ def test_relief_counts_only_where_every_layer_keeps_the_tag():
     planner.solve([cheap], 919)
 
 
-def test_per_layer_runs_are_ordered_longest_first():
-  # Room for "mlp" in one layer and "q" in another: the two one-layer runs come last.
-  p = dataclasses.replace(PROFILE, tag_relief=(0, 0, 0))
-  plan = planner.solve([p], 1000 + 300 + 100, uniform=False)
-  runs = [(k, len(list(g))) for k, g in itertools.groupby(plan.keep)]
-  assert [n for _, n in runs] == sorted((n for _, n in runs), reverse=True), plan.keep
+def _compositions(depth):
+  """Run lengths of every plan shape the planner may choose (one run, or up to MAX_RUNS runs
+  of at least MIN_RUN layers)."""
+  out = {(depth,)}
+  for k in range(2, planner.MAX_RUNS + 1):
+    out |= {c for c in itertools.product(range(planner.MIN_RUN, depth + 1), repeat=k)
+            if sum(c) == depth}
+  return sorted(out)
+
+
+def test_peak_is_the_largest_phase_of_the_runs():
+  p = dataclasses.replace(PROFILE, depth=6, input_bytes=50)
+  # "mlp" in the last two layers: that run's phase, 2 * 300 - 200, over base.
+  assert p.peak(((),) * 4 + (("mlp",),) * 2) == 1000 + 600 - 200
+  # Reversed, the keep-nothing run is last: nothing relieved, every input kept.
+  assert p.peak((("mlp",),) * 2 + ((),) * 4) == 1000 + 600
+  # Phases of "mlp" x4 then "q" x2: 4 * 300 - 200 - 2 inputs, then 4 * 300 + 2 * 100.
+  assert p.peak((("mlp",),) * 4 + (("q",),) * 2) == 1000 + max(1200 - 200 - 100, 1400)
+  # An earlier run binds when the last one relieves more than it adds: "q" x2 then a cheap
+  # "mlp" x4 (30 bytes, relief 420): phases 200 - 0 - 4 inputs and 200 + 120 - 420.
+  cheap = dataclasses.replace(p, tag_bytes=(100, 100, 30), tag_relief=(0, 0, 420))
+  assert cheap.peak((("q",),) * 2 + (("mlp",),) * 4) == 1000 + max(200 - 200, 320 - 420)
+  # One set for every layer: base + depth * bytes - relief, as before.
+  assert p.peak((("mlp",),) * 6) == 1000 + 6 * 300 - 200
+
+
+def test_per_layer_plans_match_brute_force_over_run_shapes():
+  # Runs of at least MIN_RUN layers, at most MAX_RUNS runs; relief and inputs per phase.
+  p = planner.LayerProfile(variant="v", depth=6, base_bytes=1000, tags=("q", "k", "mlp"),
+                           tag_bytes=(100, 60, 300), tag_gain=(5.0, 4.0, 20.0), full_cost=30.0,
+                           tag_relief=(0, 150, 420), input_bytes=50)
+  sets = [s for r in range(len(p.tags) + 1) for s in itertools.combinations(p.tags, r)]
+  plans = [tuple(s for s, n in zip(choice, comp) for _ in range(n))
+           for comp in _compositions(p.depth) for choice in itertools.product(sets, repeat=len(comp))]
+  assert p.minimum_bytes == min(p.peak(k) for k in plans) < p.base_bytes
+  for budget in range(900, 3200, 190):
+    fits = [(round(p.cost(k), 9), p.peak(k)) for k in plans if p.peak(k) <= budget]
+    if not fits:
+      with pytest.raises(planner.InfeasibleBudget):
+        planner.solve([p], budget)
+      continue
+    plan = planner.solve([p], budget)
+    assert (round(plan.predicted_cost, 9), plan.predicted_bytes) == min(fits), budget
+    runs = [len(list(g)) for _, g in itertools.groupby(plan.keep)]
+    assert len(runs) <= planner.MAX_RUNS and (len(runs) == 1 or min(runs) >= planner.MIN_RUN)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -213,16 +252,24 @@ def test_save_names_config_and_grouped_scan_match_unplanned():
     cfg.replace(save_names=((), ()))
 
 
-def test_a_per_layer_plan_compiles_no_larger_than_the_uniform_one():
-  """Issue 15 (1): one layer different (a 0-byte tag in the last layer) once compiled to 3.6x
-  the uniform plan, when every run scanned a slice of one parameter stack."""
+def test_runs_compile_to_their_largest_phase():
+  """Issue 15 (1): a plan of runs of two or more layers compiles to the planner's phase model.
+  ViT-Ti, 6 layers, C = {key, value, attn_out, mlp_pre, mlp_out}: C x2 then nothing x4 peaks
+  in the last run's phase, 2 layers of C and no relief; nothing x4 then C x2 in C's phase,
+  2 layers of C minus C's relief, as all-C is 6 layers minus it.  Measured 5.9e-4 apart on
+  JAX 0.10 and 0.12 (lone layers do not follow it: see the planner's doc)."""
   def temp(save_names):
     _, step, args = benchmark.gradient_step(
         "vit-ti16", "float32", 8, "inverted",
         extra=dict(depth=6, image_size=32, patch_size=8, save_names=save_names))
     return memory.compiled(step, *args).temp
-  uniform, one_off = temp(((),)), temp(((),) * 5 + (("mlp_out",),))
-  assert one_off <= 1.05 * uniform, (one_off, uniform)
+  c = ("key", "value", "attn_out", "mlp_pre", "mlp_out")
+  base, all_c = temp(((),)), temp((c,))
+  c_first, c_last = temp((c,) * 2 + ((),) * 4), temp(((),) * 4 + (c,) * 2)
+  two_layers = c_first - base
+  assert two_layers > 0
+  assert all_c - c_last == pytest.approx(2 * two_layers, rel=2e-3)
+  assert c_last < c_first  # the relief counts where C's run is last
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +336,26 @@ def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
   assert script.main(["--models", "resnet"]) == 2
   assert "unknown model" in capsys.readouterr().err
   assert script.main(["--points", "1"]) == 2
+  # --profiles: from a JSON of the same models and settings, else a one-line error.
+  prof = dict(frontier[1][0].__dict__)
+  meta = {"dtype": "bfloat16", "batch": 8, "seq_len": 512, "overrides": {}}
+  saved.write_text(json.dumps({"meta": meta, "results": {"vit-b16": {"profiles": [prof]}}},
+                              default=list))
+  for argv, message in [(["--batch", "4"], "was profiled with batch=8, this run has 4"),
+                        (["--models", "gpt2"], "has no profile of model 'gpt2'"),
+                        ([], "variants ['standard', 'inverted-norms']")]:
+    assert script.main(["--profiles", str(saved)] + argv) == 2
+    assert message in capsys.readouterr().err
+  assert script.main(["--profiles", str(tmp_path / "missing.json")]) == 2
+  assert "--profiles: no such file" in capsys.readouterr().err
+
+
+def test_input_bytes_of_a_saved_profile_are_measured_as_profile_measures_them(frontier):
+  cfg, profiles, _, _ = frontier
+  prof = profiles[0]
+  assert prof.input_bytes > 0
+  older = dataclasses.replace(prof, input_bytes=0)  # saved before the field existed
+  assert planning.with_input_bytes(cfg, 8, older) == prof
 
 
 SMALL_VIT = dict(image_size=16, patch_size=4, channels=3, num_classes=5, hidden=32, depth=2,
@@ -342,3 +409,15 @@ def test_device_peak_check(monkeypatch, capsys):
   if not memory.reports_peak():
     assert script.main(["--device-peak", "--models", "gpt2"]) == 2
     assert "--device-peak needs a device" in capsys.readouterr().err
+
+
+def test_plan_run_shapes_script_covers_both_orders_and_lone_layers(capsys):
+  script = load_script("plan_run_shapes")
+  shapes = script.shapes(6)
+  assert all(sum(n for _, n in runs) == 6 for runs in shapes.values())
+  assert {"Ex4+Cx2", "Cx2+Ex4", "Bx4+Cx2", "Cx2+Bx4"} <= set(shapes)  # runs of >= 2, both orders
+  assert {"Ex5+A", "A+Ex5", "Bx5+C", "C+Bx5"} <= set(shapes)          # a lone layer last, first
+  assert script.main(["--depth", "3"]) == 2
+  assert "--depth must be at least 4" in capsys.readouterr().err
+  assert script.main(["--models", "resnet"]) == 2
+  assert "unknown model 'resnet'" in capsys.readouterr().err

@@ -12,6 +12,8 @@ inverted activations), what ``invact_jax.planner`` needs:
 * ``tag_relief[t]``: the intercept: how far the peak falls below ``base + depth * bytes`` —
   keeping e.g. the MLP input removes its recompute workspace from the backward (counted
   once, the largest among kept tags);
+* ``input_bytes``: the slope of ``base_bytes`` over depth: a layer's input, which a scan
+  keeps for every layer whatever the plan;
 * ``tag_gain[t]``: FLOPs of the step saved by keeping ``t`` (XLA cost analysis of the
   lowered 1-layer step, keep {} minus keep {t}); ``full_cost``: keep {} minus keep all.
 
@@ -99,8 +101,26 @@ def profile(cfg, batch: int, *, seq_len: int = 128, variants: Sequence[str] = tu
     full_cost = max(f0 - flops(tuple(tags)), 0.0)
     out.append(planner.LayerProfile(variant=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
                                     tag_bytes=tuple(tag_bytes), tag_gain=tuple(tag_gain),
-                                    full_cost=full_cost, tag_relief=tuple(tag_relief)))
+                                    full_cost=full_cost, tag_relief=tuple(tag_relief),
+                                    input_bytes=_slope(base, base2, c.depth)))
   return out
+
+
+def _slope(base: int, base2: int, depth: int) -> int:
+  return max((base - base2) // (depth - 2), 0) if depth > 2 else 0
+
+
+def with_input_bytes(cfg, batch: int, prof: planner.LayerProfile, *,
+                     seq_len: int = 128) -> planner.LayerProfile:
+  """``prof`` with ``input_bytes`` measured (one compile at depth 2), for profiles saved
+  before it was part of :func:`profile`; a profile that has it is returned as is."""
+  if prof.input_bytes or prof.depth <= 2:
+    return prof
+  c = cfg.replace(**options.CONFIGURATIONS[prof.variant], depth=2, save_names=((),),
+                  scan_layers=True)
+  step, args, _ = _step(c, batch, seq_len)
+  return dataclasses.replace(
+      prof, input_bytes=_slope(prof.base_bytes, memory.compiled(step, *args).temp, prof.depth))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,13 +192,13 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
                     uniform: bool | None = True) -> tuple[planner.Plan, Measured]:
   """Solve, compile, and re-solve with a tighter target while XLA's peak exceeds ``budget``.
 
-  The linear model is calibrated, not exact (XLA overlaps a layer's recompute with what it
-  frees); each round lowers the target by the measured excess.  ``uniform`` (default): one
-  set for every layer, one ``lax.scan``; ``uniform=False``: per-layer plans, one scan per run
-  of equal layers over its own parameter stack (README "Memory-budget planner" has both
+  The model is calibrated, not exact (a tag's relief is measured alone, a set's can differ);
+  each round lowers the target by the measured excess.  ``uniform`` (default): one set for
+  every layer, one ``lax.scan``; ``uniform=False``: per-layer plans, one scan per run of
+  equal layers over its own parameter stack (README "Memory-budget planner" has both
   measured against their predictions).  A per-layer search that finds no plan within the
-  budget falls back to the uniform one (lone layers between runs can compile far above the
-  linear model on XLA:CPU), so ``uniform=False`` always fits where ``uniform=True`` does.
+  budget falls back to the uniform one, so ``uniform=False`` always fits where
+  ``uniform=True`` does.
   ``uniform=None``: both searches, and the plan whose compiled step does fewer FLOPs (the
   uniform one on a tie) -- per-layer plans can fit and still recompute more than the uniform
   plan at the same budget, because the re-solve rounds lower their target (GPT-2, README).
