@@ -239,14 +239,12 @@ def _program(p: LayerProfile, uniform: bool):
   lower[iP], upper[iP] = -(tau.max(initial=0.0) + u * L) - 1.0, big
   integrality = np.ones(nv)
   integrality[iP] = 0
-  if K == 1:
-    lower[n0] = lower[a0] = 1.0
   gain = np.zeros(nv)
   for r in range(K):
     for t in range(T):
       gain[W(r, t)] = p.tag_gain[t]
   return dict(A=np.asarray(rows), lo=np.asarray(lo_b), hi=np.asarray(hi_b), lower=lower,
-              upper=upper, integrality=integrality, gain=gain, scale=scale, K=K, T=T, iP=iP,
+              upper=upper, integrality=integrality, gain=gain, scale=scale, K=K, iP=iP,
               n0=n0, a0=a0, Y=Y)
 
 
@@ -342,8 +340,6 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   t0 = time.perf_counter()
   best = None
   for p in profiles:
-    if _minimum(p, uniform) > budget:
-      continue
     keep = _solve_one(p, budget, uniform)
     if keep is None:
       continue

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
   saved = None
   if args.profiles is not None:
     try:
-      saved = _saved_profiles(args.profiles, models, variants, args, overrides, planner)
+      saved = _saved_profiles(args.profiles, models, variants, args, overrides)
     except ValueError as e:
       print(f"error: --profiles: {e}", file=sys.stderr)
       return 2
@@ -142,8 +142,9 @@ def main(argv=None) -> int:
   return 0
 
 
-def _saved_profiles(path, models, variants, args, overrides, planner):
+def _saved_profiles(path, models, variants, args, overrides):
   """{model: [LayerProfile]} from a JSON this script wrote, checked against this run."""
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
   if not path.is_file():
     raise ValueError(f"no such file {str(path)!r}")
   try:

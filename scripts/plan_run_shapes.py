@@ -55,22 +55,19 @@ def main(argv=None) -> int:
     print("error: --depth must be at least 4 (two runs of two layers)", file=sys.stderr)
     return 2
   import jax  # pylint: disable=import-outside-toplevel
-  from invact_jax import memory  # pylint: disable=import-outside-toplevel
   from models.experiments import model_memory  # pylint: disable=import-outside-toplevel
+  from models.experiments import plan_profiles  # pylint: disable=import-outside-toplevel
   if args.models not in model_memory.MODELS:
     print(f"error: unknown model {args.models!r}; choose from {sorted(model_memory.MODELS)}",
           file=sys.stderr)
     return 2
   extra = {k: v for k, v in (("image_size", args.image_size), ("patch_size", args.patch_size))
            if v is not None}
+  cfg = model_memory.model_config(args.models, dtype=args.dtype, depth=args.depth, **extra)
   rows = []
   for name, runs in shapes(args.depth).items():
-    keep = tuple(SETS[s] for s, n in runs for _ in range(n))
-    save = keep if len(set(keep)) > 1 else keep[:1]
-    _, step, xs = model_memory.gradient_step(args.models, args.dtype, 8, "inverted",
-                                             seq_len=args.seq_len,
-                                             extra=dict(extra, depth=args.depth, save_names=save))
-    temp = memory.compiled(step, *xs).temp
+    keep = [SETS[s] for s, n in runs for _ in range(n)]
+    temp = plan_profiles.compiled_temp(cfg, 8, "inverted", keep, seq_len=args.seq_len)
     nothing = rows[0]["compiled_temp_bytes"] if rows else temp  # the first plan keeps nothing
     rows.append({"plan": name, "runs": runs, "compiled_temp_bytes": temp,
                  "over_keep_nothing": temp - nothing})

@@ -71,18 +71,12 @@ def profile(cfg, batch: int, *, seq_len: int = 128, variants: Sequence[str] = tu
     c = cfg.replace(**options.CONFIGURATIONS[v])
     if progress:
       progress(f"{v}: base (depth {c.depth}, keep nothing)")
-    full = c.replace(save_names=((),), scan_layers=True)
-    step, args, _ = _step(full, batch, seq_len)
-    base = memory.compiled(step, *args).temp
     one = c.replace(depth=1, scan_layers=False)
 
-    short = full.replace(depth=2)
+    def temp(keep, depth):
+      return compiled_temp(cfg.replace(depth=depth), batch, v, (tuple(keep),), seq_len=seq_len)
 
-    def compiled_temp(keep, c_):
-      step_l, args_l, _ = _step(c_.replace(save_names=(tuple(keep),)), batch, seq_len)
-      return memory.compiled(step_l, *args_l).temp
-
-    base2 = compiled_temp((), short)
+    base, base2 = temp((), c.depth), temp((), 2)
 
     def flops(keep):
       step1, args1, _ = _step(one.replace(save_names=(tuple(keep),)), batch, seq_len)
@@ -93,7 +87,7 @@ def profile(cfg, batch: int, *, seq_len: int = 128, variants: Sequence[str] = tu
     for t in tags:
       if progress:
         progress(f"{v}: tag {t}")
-      at_depth, at_2 = compiled_temp((t,), full) - base, compiled_temp((t,), short) - base2
+      at_depth, at_2 = temp((t,), c.depth) - base, temp((t,), 2) - base2
       slope = max((at_depth - at_2) // max(c.depth - 2, 1), 0) if c.depth > 2 else max(at_depth // 2, 0)
       tag_bytes.append(int(slope))
       tag_relief.append(int(max(c.depth * slope - at_depth, 0)))
@@ -116,11 +110,8 @@ def with_input_bytes(cfg, batch: int, prof: planner.LayerProfile, *,
   before it was part of :func:`profile`; a profile that has it is returned as is."""
   if prof.input_bytes or prof.depth <= 2:
     return prof
-  c = cfg.replace(**options.CONFIGURATIONS[prof.variant], depth=2, save_names=((),),
-                  scan_layers=True)
-  step, args, _ = _step(c, batch, seq_len)
-  return dataclasses.replace(
-      prof, input_bytes=_slope(prof.base_bytes, memory.compiled(step, *args).temp, prof.depth))
+  at_2 = compiled_temp(cfg.replace(depth=2), batch, prof.variant, ((),), seq_len=seq_len)
+  return dataclasses.replace(prof, input_bytes=_slope(prof.base_bytes, at_2, prof.depth))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +127,18 @@ def _planned(cfg, variant: str, keep: Sequence[Sequence[str]]):
                      scan_layers=True)
 
 
+def compiled_temp(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+                  seq_len: int = 128) -> int:
+  """XLA's compiled temp bytes of the step under a per-layer plan (one entry = every layer)."""
+  step, args, _ = _step(_planned(cfg, variant, keep), batch, seq_len)
+  return memory.compiled(step, *args).temp
+
+
 def measure(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
             seq_len: int = 128) -> Measured:
   """Compile the step under a per-layer plan (one entry = every layer) and measure it."""
   c = _planned(cfg, variant, keep)
-  step, args, _ = _step(c, batch, seq_len)
-  temp = memory.compiled(step, *args).temp
+  temp = compiled_temp(cfg, batch, variant, keep, seq_len=seq_len)
   # FLOPs from the unrolled program: XLA's cost analysis counts a loop body once.
   step_u, args_u, _ = _step(c.replace(scan_layers=False), batch, seq_len)
   return Measured(temp, _flops(step_u, *args_u))
