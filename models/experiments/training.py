@@ -419,13 +419,41 @@ def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) ->
     if existing is None:
       raise ConfigError(f"--resume: no checkpoint in {workdir / 'checkpoints'}")
     if cfg_file.is_file():
-      saved = json.loads(cfg_file.read_text())
+      try:
+        saved = json.loads(cfg_file.read_text())
+      except ValueError as e:
+        raise ConfigError(f"--resume: {cfg_file} is not the JSON this script writes ({e}); "
+                          "restore it or start a new --workdir") from None
+      if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: {cfg_file} holds no options (a JSON object was expected)")
       if saved != dataclasses.asdict(cfg):
         diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items() if saved.get(k) != v}
         raise ConfigError(f"--resume: options differ from the checkpointed run: {diff}")
   elif existing is not None:
     raise ConfigError(f"{workdir} already holds checkpoints (step {existing}); pass --resume to "
                       "continue that run or --workdir to start a new one")
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+  """Replace ``path``'s content at once: a reader (another process of the run, on a shared file
+  system) sees the old file or the new one, never a truncated one."""
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
+def _logged_up_to(metrics_path: pathlib.Path, step: int) -> list[str]:
+  """The lines of ``metrics.jsonl`` up to ``step`` (a resumed run drops what the interrupted one
+  logged past its checkpoint); a line cut short by the kill is dropped too."""
+  kept = []
+  for line in metrics_path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(record, dict) and record.get("step", step + 1) <= step:
+      kept.append(line)
+  return kept
 
 
 def _all_finite(tree) -> bool:
@@ -462,17 +490,15 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   # process 0 writes the logs and shows progress.
   main = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)
-  if main:
-    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+  if main:  # the other processes read it in prepare_workdir: replaced at once
+    write_atomic(workdir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
   manager = _checkpoint_manager(workdir, cfg.checkpoint_every)
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   start = trainer.restore(manager) if resume else 0
   metrics_path = workdir / "metrics.jsonl"
-  kept = []
-  if resume and metrics_path.is_file():  # drop what the interrupted run logged past the checkpoint
-    kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= start]
+  kept = _logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
   if main:
-    metrics_path.write_text("".join(l + "\n" for l in kept))
+    write_atomic(metrics_path, "".join(l + "\n" for l in kept))
   n = dataset.x_train.shape[0]
   per_epoch = n // cfg.batch_size
   history = [json.loads(l) for l in kept]
@@ -547,7 +573,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
           "predicted_bytes": trainer.plan.predicted_bytes},
   }
   if main:
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(workdir / "summary.json", json.dumps(summary, indent=1))
   summary["history"] = history
   summary["trainer"] = trainer
   return summary

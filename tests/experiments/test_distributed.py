@@ -41,6 +41,11 @@ def _finish(procs, timeout):
       p.kill()
 
 
+def _stderrs(outs) -> str:
+  """Each process's stderr, whole (a list's repr would be cut short), for a failure message."""
+  return "".join(f"\n--- process {i} stderr ---\n{e[-8000:]}" for i, (_, e) in enumerate(outs))
+
+
 def _long_run(work) -> list[str]:
   return [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "5000",
           "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
@@ -83,7 +88,7 @@ def test_two_processes_train_like_one_and_resume_elsewhere(tmp_path):
   finally:
     for p in procs:
       p.kill()
-  assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+  assert [p.returncode for p in procs] == [0, 0], _stderrs(outs)
   # stdout: the summary (process 0 only) among gloo's connection messages.
   block = lambda out: re.search(r"^\{$.*?^\}$", out, re.S | re.M)  # noqa: E731
   summary = json.loads(block(outs[0][0]).group(0))
@@ -131,7 +136,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_both_resume(tmp_path
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}", "--distributed-timeout",
                           "60", "--resume", "--stop-after", str(last + 5)], env)
   outs = _finish(procs, 400)
-  assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+  assert [p.returncode for p in procs] == [0, 0], _stderrs(outs)
   summary = json.loads(re.search(r"^\{$.*?^\}$", outs[0][0], re.S | re.M).group(0))
   assert (summary["processes"], summary["steps"]) == (2, last + 5)
 
@@ -205,7 +210,7 @@ def test_mismatched_num_processes_is_one_line_and_exit_2_on_both(tmp_path):
   procs = _launch(base, env, extra=(("--num-processes", "2"), ("--num-processes", "3")))
   outs = _finish(procs, 60)
   took = time.monotonic() - start
-  assert [p.returncode for p in procs] == [2, 2], [e[-2000:] for _, e in outs]
+  assert [p.returncode for p in procs] == [2, 2], _stderrs(outs)
   line = ("--num-processes 3: the coordinator at {} runs 2 processes; give every process the "
           "same value").format(base[base.index("--coordinator") + 1])
   assert outs[1][1].strip() == f"error: {line}"
@@ -225,7 +230,7 @@ def test_process_0_waiting_for_more_processes_is_one_line_and_exit_2(tmp_path):
                  90)
   line = (f"error: could not join coordinator {coordinator} within 3 s (XLA gave up registering "
           "this process); check --coordinator, --num-processes and that every process was started")
-  assert [e.strip() for _, e in outs] == [line, line], [e[-2000:] for _, e in outs]
+  assert [e.strip() for _, e in outs] == [line, line], _stderrs(outs)
 
 
 def _workers(marker: str) -> list[int]:

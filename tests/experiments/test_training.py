@@ -41,6 +41,8 @@ def test_resume_after_kill_matches_uninterrupted(digits, tmp_path):
   for f in (ckpt / "10").rglob("*"):
     if f.is_file():
       f.write_bytes(b"torn write")
+  with (tmp_path / "part" / "metrics.jsonl").open("a") as f:  # the kill cut a log line short
+    f.write('{"step": 12, "lo')
   with pytest.warns(UserWarning, match=r"checkpoint step 10 is unreadable.*falling back"):
     resumed = training.train(SMALL, digits, tmp_path / "part", resume=True, progress=False,
                              devices=1)
@@ -54,11 +56,41 @@ def test_resume_after_kill_matches_uninterrupted(digits, tmp_path):
   assert steps == sorted(set(steps)) and steps[-1] == SMALL.steps
 
 
-def test_resume_rejects_changed_options(digits, tmp_path):
+def test_resume_rejects_changed_options_and_a_broken_config_file(digits, tmp_path):
   training.train(SMALL, digits, tmp_path / "r", progress=False, stop_after=6, devices=1)
   with pytest.raises(training.ConfigError, match="options differ"):
     training.train(dataclasses.replace(SMALL, lr=0.5), digits, tmp_path / "r", resume=True,
                    progress=False, devices=1)
+  cfg_file = tmp_path / "r" / "config.json"
+  for text, pattern in [("", "is not the JSON this script writes"),
+                        ("[1, 2]", "holds no options")]:
+    cfg_file.write_text(text)
+    with pytest.raises(training.ConfigError, match=re.escape(str(cfg_file)) + ".*" + pattern):
+      training.prepare_workdir(SMALL, tmp_path / "r", resume=True)
+
+
+def test_files_other_processes_read_are_replaced_at_once(tmp_path):
+  """config.json and metrics.jsonl are rewritten by process 0 while the others read them
+  (a resumed multi-process run read a truncated config.json: CI, 2026-11-23); a reader running
+  beside the writer never sees a partial file (with Path.write_text, most reads fail)."""
+  import threading  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "config.json"
+  text = json.dumps(list(range(2000)))
+  training.write_atomic(path, text)
+  done, seen = threading.Event(), []
+  def read():
+    while not done.is_set():
+      seen.append(path.read_text())
+  reader = threading.Thread(target=read)
+  reader.start()
+  try:
+    for _ in range(300):
+      training.write_atomic(path, text)
+  finally:
+    done.set()
+    reader.join()
+  assert len(seen) > 10 and all(s == text for s in seen)
+  assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary file left
 
 
 def test_data_parallel_matches_single_device(digits):
