@@ -154,6 +154,15 @@ def main(argv=None) -> int:
       raise
     distributed.lost(training.first_line(e))  # e.g. a collective whose peer was killed
     return 1  # (not reached)
+  except Exception as e:  # pylint: disable=broad-except  # a bug: say it, and tell the others
+    if not several:
+      raise
+    import traceback  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    traceback.print_exc()
+    # Tell the others now: they would wait for this process until their watchdogs give up.
+    return distributed.fail(f"unexpected {type(e).__name__}: {training.first_line(e)} (the "
+                            f"traceback is in process {jax.process_index()}'s output)", 1)
   import jax  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
     shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}

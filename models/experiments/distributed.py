@@ -154,7 +154,8 @@ class _Watchdog:
                  for k, v in self.client.key_value_dir_get(f"{self.PREFIX}/alive/")}
         done = {k.rsplit("/", 1)[-1] for k, _ in
                 self.client.key_value_dir_get(f"{self.PREFIX}/done/")}
-        errors = self.client.key_value_dir_get(f"{self.PREFIX}/error/")
+        errors = [(k, v) for k, v in self.client.key_value_dir_get(f"{self.PREFIX}/error/")
+                  if k.rsplit("/", 1)[-1] != str(self.me)]  # its own: fail() said it already
       except Exception:  # pylint: disable=broad-except  # XLA raises runtime errors
         if self.stop.is_set():
           return
