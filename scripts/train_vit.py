@@ -108,6 +108,7 @@ def main(argv=None) -> int:
   from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
   from models.experiments import compare  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel  # (distributed imported it already)
   from jax import errors as jax_errors  # pylint: disable=import-outside-toplevel
   several = False
   try:
@@ -158,12 +159,10 @@ def main(argv=None) -> int:
     if not several:
       raise
     import traceback  # pylint: disable=import-outside-toplevel
-    import jax  # pylint: disable=import-outside-toplevel
     traceback.print_exc()
     # Tell the others now: they would wait for this process until their watchdogs give up.
     return distributed.fail(f"unexpected {type(e).__name__}: {training.first_line(e)} (the "
                             f"traceback is in process {jax.process_index()}'s output)", 1)
-  import jax  # pylint: disable=import-outside-toplevel
   if jax.process_index() == 0:
     shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
     print(json.dumps(shown, indent=1))

@@ -442,17 +442,17 @@ def write_atomic(path: pathlib.Path, text: str) -> None:
   os.replace(tmp, path)
 
 
-def _logged_up_to(metrics_path: pathlib.Path, step: int) -> list[str]:
-  """The lines of ``metrics.jsonl`` up to ``step`` (a resumed run drops what the interrupted one
-  logged past its checkpoint); a line cut short by the kill is dropped too."""
+def _logged_up_to(metrics_path: pathlib.Path, step: int) -> list[dict[str, Any]]:
+  """The records of ``metrics.jsonl`` up to ``step`` (a resumed run drops what the interrupted
+  one logged past its checkpoint); a line cut short by the kill is dropped too."""
   kept = []
   for line in metrics_path.read_text().splitlines():
     try:
       record = json.loads(line)
     except ValueError:
       continue
-    if isinstance(record, dict) and record.get("step", step + 1) <= step:
-      kept.append(line)
+    if isinstance(record, dict) and "step" in record and record["step"] <= step:
+      kept.append(record)
   return kept
 
 
@@ -496,12 +496,11 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   start = trainer.restore(manager) if resume else 0
   metrics_path = workdir / "metrics.jsonl"
-  kept = _logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
-  if main:
-    write_atomic(metrics_path, "".join(l + "\n" for l in kept))
+  history = _logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
+  if main:  # the lines log() wrote, as it wrote them
+    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
   n = dataset.x_train.shape[0]
   per_epoch = n // cfg.batch_size
-  history = [json.loads(l) for l in kept]
   step_times = []
 
   bar = None
