@@ -41,7 +41,8 @@ def parse(argv=None):
   p.add_argument("--dtypes", type=_list(parity.DTYPES), default=list(parity.DTYPES))
   p.add_argument("--configurations", type=_list(parity.CONFIGURATIONS),
                  default=list(parity.CONFIGURATIONS))
-  p.add_argument("--quick", action="store_true", help="2 seeds, a few steps (tests the script)")
+  p.add_argument("--quick", action="store_true",
+                 help="2 seeds, 8 steps, 64 held-out examples (tests the script)")
   p.add_argument("--no-gradients", action="store_true",
                  help="skip the gradient-at-initialisation comparison")
   p.add_argument("--out", type=pathlib.Path, default=None,

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise
-    distributed.lost(training.first_line(e))  # e.g. a collective whose peer was killed
+    distributed.collective_failed(e)  # e.g. a collective whose peer was killed
     return 1  # (not reached)
   except Exception as e:  # pylint: disable=broad-except  # a bug: say it, and tell the others
     if not several:

@@ -14,6 +14,7 @@ from invact_jax import memory, planner
 from models import options, vit
 from models.experiments import model_memory as benchmark
 from models.experiments import plan_profiles as planning
+import tests
 from tests import load_script
 
 PROFILE = planner.LayerProfile(
@@ -232,7 +233,7 @@ def test_save_names_config_and_grouped_scan_match_unplanned():
   def grads(c):
     model = vit.ViT(c, rngs=nnx.Rngs(0))
     g, p = nnx.split(model, nnx.Param)
-    grad = jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(g, p)(x) ** 2)))(p)
+    grad = tests.jit(jax.grad(lambda p: jnp.sum(nnx.merge(g, p)(x) ** 2)))(p)  # last ulp
     blocks = grad["encoder"]["blocks"]
     if isinstance(model.encoder.blocks, nnx.List):  # one parameter stack per run of layers
       runs = [blocks[i] for i in range(len(model.encoder.blocks))]

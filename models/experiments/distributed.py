@@ -175,6 +175,17 @@ class _Watchdog:
           lost(f"process {p} stopped answering for {self.stale_s:g} s")
 
 
+def collective_failed(error: Exception) -> None:
+  """A collective raised (its peer went away): one line, exit 1.  Gloo's error names only a
+  socket, so ask the coordination service first: if it is gone too, process 0 is what went
+  away, and the line says so as the watchdog and the supervisor would."""
+  try:
+    _client().key_value_dir_get(f"{_Watchdog.PREFIX}/alive/")
+  except Exception:  # pylint: disable=broad-except  # XLA raises runtime errors
+    lost(SERVICE_GONE)
+  lost(first_line(error))
+
+
 def lost(reason: str) -> None:
   """This process lost the others (a collective failed, or the watchdog saw it): one line, exit
   1 at once — a normal exit would wait in JAX's shutdown barrier and print XLA's errors."""

@@ -75,18 +75,19 @@ def test_quick_study_end_to_end_resumes_and_never_recomputes(tmp_path):
   argv = ["--quick", "--tasks", "text", "--dtypes", "bfloat16",
           "--configurations", "standard,inverted-all",
           "--workdir", str(work), "--out", str(out), "--no-progress"]
-  # An interrupted run: text, inverted-all, seed 1 stopped after 6 of its 12 steps.
+  # An interrupted run: text, inverted-all, seed 1 stopped at its checkpoint half-way.
   text = parity.quick(parity.TASKS["text"])
+  assert text.load(1).x_test.shape == (parity.QUICK_HELDOUT, 64)
   cut = parity.run_dir(work, "text", "bfloat16", "inverted-all", 1)
   cfg = dataclasses.replace(text.config, dtype="bfloat16", seed=1, activations="inverted-all")
-  training.train(cfg, text.load(1), cut, progress=False, stop_after=6)
+  training.train(cfg, text.load(1), cut, progress=False, stop_after=parity.QUICK_STEPS // 2)
   assert script.main(argv) == 0
   report = json.loads(out.with_suffix(".json").read_text())
   runs = report["runs"]
   assert len(runs) == 2 * 2 * 2  # configurations x seeds x metrics
   assert set(runs[0]) == {"task", "dtype", "configuration", "seed", "metric", "value",
                           "higher_is_better", "steps", "wall_s"}
-  assert all(r["steps"] == 12 and math.isfinite(r["value"]) for r in runs)
+  assert all(r["steps"] == parity.QUICK_STEPS and math.isfinite(r["value"]) for r in runs)
   assert json.loads((cut / "parity_run.json").read_text())["resumed"] is True
   diffs = [r for r in report["summary"] if r["configuration"] == "inverted-all"]
   assert len(diffs) == 1 and all(r["paired_seeds"] == 2 and r["diff_ci95_half_width"] is not None
