@@ -12,6 +12,8 @@ The logic behind ``scripts/bench_kernels.py``.
   bitcast, copy, reshape and fusion; fused computations' bodies counted).
 * :func:`cpu_rows`: per activation and dtype, HLO ops of the fused forward+backward
   (``jit(lambda x, dy: (y, vjp(dy)))``) and its time relative to ``jax.nn``'s.
+* :func:`cost_split`: where that time goes: each pass alone, and the backward with one of its
+  expensive parts (bit unpacking, log, square roots, division) replaced by something free.
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from invact_jax import Implementation, available
+from invact_jax import bitpack
 from invact_jax.ops import _implementation
+from invact_jax.ops.activations import _rational
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import registry
 
 __all__ = ["Row", "measure", "table", "hlo_ops", "cpu_rows", "cpu_table", "write_report", "fwd_bwd",
-           "interleaved"]
+           "interleaved", "cost_split", "split_table"]
 
 _SKIP = {"parameter", "constant", "broadcast", "tuple", "get-tuple-element", "bitcast", "copy",
          "reshape", "fusion"}
@@ -119,6 +123,70 @@ def cpu_rows(names: Sequence[str], dtypes: Sequence[str] = ("float32", "bfloat16
                    "hlo_by_op": by_op, "seconds": t["ours"], "seconds_jax_nn": t["ref"],
                    "time_ratio": t["ours"] / t["ref"]})
   return rows
+
+
+class _Ablated:
+  """``_rational.evaluate``'s ``ops`` with some of sqrt/log/divide replaced by free stand-ins
+  (wrong values; for timing what each part costs)."""
+
+  def __init__(self, *, sqrt=True, log=True, divide=True):
+    ident = lambda v: v  # pylint: disable=unnecessary-lambda-assignment
+    self.sqrt = jnp.sqrt if sqrt else ident
+    self.log = jnp.log if log else ident
+    self.divide = jnp.divide if divide else jnp.multiply
+
+
+#: Backward variants of :func:`cost_split`: (unpack the bits?, ops for the fit).
+_ABLATIONS = {
+    "backward": (True, None),
+    "backward, no unpacking (bit = y < 0)": (False, None),
+    "backward, log -> identity": (True, _Ablated(log=False)),
+    "backward, sqrt -> identity": (True, _Ablated(sqrt=False)),
+    "backward, divide -> multiply": (True, _Ablated(divide=False)),
+    "backward, none of log/sqrt/divide": (True, _Ablated(sqrt=False, log=False, divide=False)),
+}
+
+
+def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 15
+               ) -> list[dict]:
+  """Where the XLA path's time goes for the non-monotone activation ``name``: medians
+  (interleaved) of jax.nn's forward and forward+backward, ours forward (y + packed bits),
+  backward and forward+backward, and the fit's backward with parts replaced (see
+  ``_ABLATIONS``; those variants compute wrong values and only time the rest)."""
+  o = op(name)
+  if not o.activation.nonmonotone:
+    raise ValueError(f"cost_split: argument `name` must be a non-monotone activation (its "
+                     f"backward evaluates a fit), got {name!r}")
+  x, dy = _inputs(elements, jnp.dtype(dtype))
+  backend = _implementation.resolve("xla", op=o.public)
+  y, packed = base.forward(o, backend, x)
+  fit = _rational.fit_for(name, y.dtype)
+
+  def backward(unpack, ops):
+    if unpack and ops is None:  # the real one
+      return lambda y, packed, dy: base.backward(o, backend, y, packed, dy)
+    def bwd(y, packed, dy):
+      left = bitpack.unpack_bits(packed, y.shape) if unpack else y < 0
+      g = _rational.evaluate(fit, y.astype(jnp.float32), left, ops=ops)
+      return (dy.astype(jnp.float32) * g).astype(dy.dtype)
+    return bwd
+
+  whole = {"jax.nn forward": lambda x, dy: o.forward(x),
+           "jax.nn forward+backward": fwd_bwd(o.forward),
+           "ours forward (y + packed bits)": lambda x, dy: base.forward(o, backend, x),
+           "ours forward+backward": fwd_bwd(inverted_fn(name))}
+  parts = {k: backward(*v) for k, v in _ABLATIONS.items()}
+  times = {**interleaved(whole, (x, dy), rounds=rounds, inner=1),
+           **interleaved(parts, (y, packed, dy), rounds=rounds, inner=1)}
+  return [{"activation": name, "dtype": dtype, "elements": int(x.size), "variant": k,
+           "seconds": times[k]} for k in [*whole, *parts]]
+
+
+def split_table(rows: Sequence[dict]) -> str:
+  lines = ["| activation | dtype | variant | ms |", "|---|---|---|---:|"]
+  lines += [f"| {r['activation']} | {r['dtype']} | {r['variant']} | {r['seconds'] * 1e3:.2f} |"
+            for r in rows]
+  return "\n".join(lines)
 
 
 def write_report(out, meta: dict, rows: list, md: str | None = None, note: str = "") -> None:

@@ -50,3 +50,37 @@ def test_script_writes_json(tmp_path):
   data = json.loads(out.read_text())
   assert data["meta"]["jax"] and data["meta"]["device"]
   assert {row["implementation"] for row in data["rows"]} == {"copy", "jax.nn", "xla"}
+
+
+def test_cost_split_times_every_pass_and_ablation():
+  rows = op_speed.cost_split("silu", "bfloat16", elements=1024, rounds=1)
+  assert [r["variant"] for r in rows] == [
+      "jax.nn forward", "jax.nn forward+backward", "ours forward (y + packed bits)",
+      "ours forward+backward", *op_speed._ABLATIONS]  # pylint: disable=protected-access
+  assert all(r["seconds"] > 0 and r["elements"] == 1024 for r in rows)
+  assert "| silu | bfloat16 | backward, log -> identity |" in op_speed.split_table(rows)
+
+
+def test_cost_split_stand_ins_replace_only_what_they_name():
+  import jax.numpy as jnp
+  from invact_jax.ops.activations import _rational
+  fit = _rational.fit_for("silu", jnp.bfloat16)
+  y = jnp.linspace(-0.27, 4.0, 256, dtype=jnp.float32)
+  left = y < 0  # each value on a branch that reaches it
+  exact = _rational.evaluate(fit, y, left)
+  nothing = op_speed._Ablated()  # pylint: disable=protected-access
+  assert jnp.isfinite(exact).all()
+  assert (_rational.evaluate(fit, y, left, ops=nothing) == exact).all()
+  no_log = op_speed._Ablated(log=False)  # pylint: disable=protected-access
+  assert not jnp.allclose(_rational.evaluate(fit, y, left, ops=no_log), exact)
+
+
+def test_cost_split_rejects_monotone_activations():
+  with pytest.raises(ValueError, match="argument `name`"):
+    op_speed.cost_split("relu", "float32", elements=1024)
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "scripts" / "bench_kernels.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  assert script.main(["--cost-split", "--activations", "relu"]) == 2
+  assert script.main(["--cost", "--cost-split"]) == 2
