@@ -36,14 +36,15 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--inner", type=int, default=None,
                  help="calls per timed round (default 10 on a GPU, 1 elsewhere)")
-  p.add_argument("--cost", action="store_true",
-                 help="instead: per activation x dtype, HLO ops of the fused forward+backward "
-                 "and its time vs jax.nn (interleaved medians, --elements); writes "
-                 "bench/activation_cost.{json,md}")
-  p.add_argument("--cost-split", action="store_true",
-                 help="instead: per non-monotone activation x dtype, the time of each pass alone "
-                 "and of the backward with its bit unpacking, log, square roots or division "
-                 "replaced by free stand-ins; writes bench/activation_cost_split.{json,md}")
+  report = p.add_mutually_exclusive_group()
+  report.add_argument("--cost", action="store_true",
+                      help="instead: per activation x dtype, HLO ops of the fused forward+backward "
+                      "and its time vs jax.nn (interleaved medians, --elements); writes "
+                      "bench/activation_cost.{json,md}")
+  report.add_argument("--cost-split", action="store_true",
+                      help="instead: per non-monotone activation x dtype, the time of each pass alone "
+                      "and of the backward with its bit unpacking, log, square roots or division "
+                      "replaced by free stand-ins; writes bench/activation_cost_split.{json,md}")
   p.add_argument("--elements", type=int, default=1 << 23,
                  help="--cost, --cost-split: elements per call")
   p.add_argument("--out", type=pathlib.Path, default=None,
@@ -70,9 +71,6 @@ def main(argv=None) -> int:
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv)}
-  if args.cost and args.cost_split:
-    print("error: --cost and --cost-split are separate reports; pass one", file=sys.stderr)
-    return 2
   if args.cost:
     return _cost(args, meta, op_speed, tqdm)
   if args.cost_split:

@@ -136,10 +136,9 @@ class _Ablated:
     self.divide = jnp.divide if divide else jnp.multiply
 
 
-#: Backward variants of :func:`cost_split`: (unpack the bits?, ops for the fit).
+#: The fit's backward variants of :func:`cost_split`: (unpack the bits?, ops for the fit).
 _ABLATIONS = {
-    "backward": (True, None),
-    "backward, no unpacking (bit = y < 0)": (False, None),
+    "backward, no unpacking (bit = y < 0)": (False, _Ablated()),
     "backward, log -> identity": (True, _Ablated(log=False)),
     "backward, sqrt -> identity": (True, _Ablated(sqrt=False)),
     "backward, divide -> multiply": (True, _Ablated(divide=False)),
@@ -162,9 +161,7 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
   y, packed = base.forward(o, backend, x)
   fit = _rational.fit_for(name, y.dtype)
 
-  def backward(unpack, ops):
-    if unpack and ops is None:  # the real one
-      return lambda y, packed, dy: base.backward(o, backend, y, packed, dy)
+  def ablated(unpack, ops):
     def bwd(y, packed, dy):
       left = bitpack.unpack_bits(packed, y.shape) if unpack else y < 0
       g = _rational.evaluate(fit, y.astype(jnp.float32), left, ops=ops)
@@ -175,7 +172,8 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
            "jax.nn forward+backward": fwd_bwd(o.forward),
            "ours forward (y + packed bits)": lambda x, dy: base.forward(o, backend, x),
            "ours forward+backward": fwd_bwd(inverted_fn(name))}
-  parts = {k: backward(*v) for k, v in _ABLATIONS.items()}
+  parts = {"backward": lambda y, packed, dy: base.backward(o, backend, y, packed, dy),
+           **{k: ablated(*v) for k, v in _ABLATIONS.items()}}
   times = {**interleaved(whole, (x, dy), rounds=rounds, inner=1),
            **interleaved(parts, (y, packed, dy), rounds=rounds, inner=1)}
   return [{"activation": name, "dtype": dtype, "elements": int(x.size), "variant": k,

@@ -56,7 +56,8 @@ def test_cost_split_times_every_pass_and_ablation():
   rows = op_speed.cost_split("silu", "bfloat16", elements=1024, rounds=1)
   assert [r["variant"] for r in rows] == [
       "jax.nn forward", "jax.nn forward+backward", "ours forward (y + packed bits)",
-      "ours forward+backward", *op_speed._ABLATIONS]  # pylint: disable=protected-access
+      "ours forward+backward", "backward",
+      *op_speed._ABLATIONS]  # pylint: disable=protected-access
   assert all(r["seconds"] > 0 and r["elements"] == 1024 for r in rows)
   assert "| silu | bfloat16 | backward, log -> identity |" in op_speed.split_table(rows)
 
@@ -83,4 +84,6 @@ def test_cost_split_rejects_monotone_activations():
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
   assert script.main(["--cost-split", "--activations", "relu"]) == 2
-  assert script.main(["--cost", "--cost-split"]) == 2
+  with pytest.raises(SystemExit) as exit_info:  # argparse: not allowed together
+    script.main(["--cost", "--cost-split"])
+  assert exit_info.value.code == 2
