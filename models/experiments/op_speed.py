@@ -12,8 +12,10 @@ The logic behind ``scripts/bench_kernels.py``.
   bitcast, copy, reshape and fusion; fused computations' bodies counted).
 * :func:`cpu_rows`: per activation and dtype, HLO ops of the fused forward+backward
   (``jit(lambda x, dy: (y, vjp(dy)))``) and its time relative to ``jax.nn``'s.
-* :func:`cost_split`: where that time goes: each pass alone, and the backward with one of its
-  expensive parts (bit unpacking, log, square roots, division) replaced by something free.
+* :func:`cost_split`: where that time goes: each pass alone, the backward with one of its
+  expensive parts (bit unpacking, log, square roots, division) replaced by something free,
+  and, for 16-bit outputs, the same backward as a gather from a table of its values over every
+  bit pattern (:func:`lookup_table`; measured for comparison, not what the library runs).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from invact_jax.ops.activations import base
 from invact_jax.ops.activations import registry
 
 __all__ = ["Row", "measure", "table", "hlo_ops", "cpu_rows", "cpu_table", "write_report", "fwd_bwd",
-           "interleaved", "cost_split", "split_table"]
+           "interleaved", "cost_split", "split_table", "lookup_table", "table_backward"]
 
 _SKIP = {"parameter", "constant", "broadcast", "tuple", "get-tuple-element", "bitcast", "copy",
          "reshape", "fusion"}
@@ -146,12 +148,41 @@ _ABLATIONS = {
 }
 
 
+def lookup_table(o: base.Op, dtype) -> jax.Array:
+  """The XLA backward's f'(f^-1(y)) for every bit pattern of the 16-bit ``dtype`` and both
+  branch bits: float32 of shape (2 * 2^16,), entry ``bit * 2^16 + pattern``."""
+  dt = jnp.dtype(dtype)
+  if dt.itemsize != 2:
+    raise ValueError(f"lookup_table: argument `dtype` must be a 16-bit float, got {dt.name}")
+  y = jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint16), dt)
+  return jnp.concatenate([o.derivative(y, jnp.zeros(y.shape, bool)),
+                          o.derivative(y, jnp.ones(y.shape, bool))])
+
+
+def table_backward(table: jax.Array) -> Callable:
+  """``(y, packed, dy) -> dx`` with g gathered from :func:`lookup_table`'s ``table``."""
+  def bwd(y, packed, dy):
+    bits = bitpack.unpack_bits(packed, y.shape)
+    idx = (jax.lax.bitcast_convert_type(y, jnp.uint16).astype(jnp.int32)
+           | (bits.astype(jnp.int32) << 16))
+    g = table.at[idx].get(mode="promise_in_bounds")  # idx < 2^17 by construction
+    return (dy.astype(g.dtype) * g).astype(dy.dtype)
+  return bwd
+
+
+#: :func:`cost_split`'s 16-bit rows: the backward as a table gather (not the library's path).
+TABLE_FUSED = "ours forward + lookup-table backward, one jit"
+TABLE_BACKWARD = "backward by lookup table (2 x 2^16 float32, same values)"
+
+
 def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 15
                ) -> list[dict]:
   """Where the XLA path's time goes for the non-monotone activation ``name``: medians
   (interleaved) of jax.nn's forward and forward+backward, ours forward (y + packed bits),
   backward and forward+backward, and the fit's backward with parts replaced (see
-  ``_ABLATIONS``; those variants compute wrong values and only time the rest)."""
+  ``_ABLATIONS``; those variants compute wrong values and only time the rest).  For 16-bit
+  ``dtype`` also the backward as a gather from :func:`lookup_table` (the same values), alone
+  and after our forward in one jit."""
   o = op(name)
   if not o.activation.nonmonotone:
     raise ValueError(f"cost_split: argument `name` must be a non-monotone activation (its "
@@ -174,6 +205,16 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
            "ours forward+backward": fwd_bwd(inverted_fn(name))}
   parts = {"backward": lambda y, packed, dy: base.backward(o, backend, y, packed, dy),
            **{k: ablated(*v) for k, v in _ABLATIONS.items()}}
+  if jnp.dtype(dtype).itemsize == 2:
+    by_table = table_backward(lookup_table(o, dtype))
+
+    @jax.custom_vjp
+    def inverted_by_table(x):
+      return o.forward(x)
+    inverted_by_table.defvjp(lambda x: (lambda y, p: (y, (y, p)))(*base.forward(o, backend, x)),
+                             lambda res, dy: (by_table(*res, dy),))
+    whole[TABLE_FUSED] = fwd_bwd(inverted_by_table)
+    parts[TABLE_BACKWARD] = by_table
   times = {**interleaved(whole, (x, dy), rounds=rounds, inner=1),
            **interleaved(parts, (y, packed, dy), rounds=rounds, inner=1)}
   return [{"activation": name, "dtype": dtype, "elements": int(x.size), "variant": k,

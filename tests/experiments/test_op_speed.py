@@ -52,14 +52,44 @@ def test_script_writes_json(tmp_path):
   assert {row["implementation"] for row in data["rows"]} == {"copy", "jax.nn", "xla"}
 
 
-def test_cost_split_times_every_pass_and_ablation():
-  rows = op_speed.cost_split("silu", "bfloat16", elements=1024, rounds=1)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cost_split_times_every_pass_and_ablation(dtype):
+  rows = op_speed.cost_split("silu", dtype, elements=1024, rounds=1)
+  table = [op_speed.TABLE_FUSED] if dtype == "bfloat16" else []  # 16-bit patterns only
   assert [r["variant"] for r in rows] == [
       "jax.nn forward", "jax.nn forward+backward", "ours forward (y + packed bits)",
-      "ours forward+backward", "backward",
-      *op_speed._ABLATIONS]  # pylint: disable=protected-access
+      "ours forward+backward", *table, "backward",
+      *op_speed._ABLATIONS,  # pylint: disable=protected-access
+      *(op_speed.TABLE_BACKWARD for _ in table)]
   assert all(r["seconds"] > 0 and r["elements"] == 1024 for r in rows)
-  assert "| silu | bfloat16 | backward, log -> identity |" in op_speed.split_table(rows)
+  assert f"| silu | {dtype} | backward, log -> identity |" in op_speed.split_table(rows)
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu_erf", "mish"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_table_backward_gives_the_backward_values(name, dtype):
+  """The gathered g is the fit's g: dx equal to the XLA backward's within one ulp of dx
+  (the table is computed in its own jit, whose float32 rounding can differ by an ulp)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from invact_jax.ops.activations import base
+  o = op_speed.op(name)
+  backend = invact_jax.ops._implementation.resolve("xla", op=o.public)  # pylint: disable=protected-access
+  x = jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint16), jnp.dtype(dtype))
+  dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32).astype(x.dtype)
+  y, packed = jax.jit(lambda x: base.forward(o, backend, x))(x)  # every pattern as input
+  want = jax.jit(lambda *a: base.backward(o, backend, *a))(y, packed, dy)
+  got = jax.jit(op_speed.table_backward(op_speed.lookup_table(o, dtype)))(y, packed, dy)
+  want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+  ok = np.isfinite(want)
+  assert (np.isnan(want) == np.isnan(got)).all()
+  assert (got[np.isinf(want)] == want[np.isinf(want)]).all()
+  ulp = np.spacing(np.abs(np.where(ok, want, 0)).astype(jnp.dtype(dtype))).astype(np.float32)
+  assert (np.abs(got - want)[ok] <= ulp[ok]).all()
+  assert (got[ok] == want[ok]).mean() > 0.999
+  with pytest.raises(ValueError, match="argument `dtype`"):
+    op_speed.lookup_table(o, "float32")
 
 
 def test_cost_split_stand_ins_replace_only_what_they_name():
