@@ -211,8 +211,11 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
     @jax.custom_vjp
     def inverted_by_table(x):
       return o.forward(x)
-    inverted_by_table.defvjp(lambda x: (lambda y, p: (y, (y, p)))(*base.forward(o, backend, x)),
-                             lambda res, dy: (by_table(*res, dy),))
+
+    def table_fwd(x):  # base.apply's residuals: y and the packed bits
+      y, bits = base.forward(o, backend, x)
+      return y, (y, bits)
+    inverted_by_table.defvjp(table_fwd, lambda res, dy: (by_table(*res, dy),))
     whole[TABLE_FUSED] = fwd_bwd(inverted_by_table)
     parts[TABLE_BACKWARD] = by_table
   times = {**interleaved(whole, (x, dy), rounds=rounds, inner=1),
