@@ -10,7 +10,7 @@ train: $(VENV)/.installed
 	$(BIN)/python scripts/train_vit.py $(ARGS)
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -n 2 --dist loadfile README.md invact_jax pallas_kernels models tests $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile README.md docs invact_jax pallas_kernels models tests $(ARGS)
 
 # On a GPU machine with JAX installed (no downloads needed): every GPU figure, ~8 minutes.
 gpu-report:

@@ -217,9 +217,8 @@ def audit(name: str, dtype, *, approx: Callable | None = None,
   dt = _float_dtype(dtype)
   x = audit_grid(dt, name=name) if grid is None else np.asarray(grid, dt)
   op = base.Op(_registry.get(name), _registry.get(name).params)
-  xla = base.Backend("xla")
   xj = jnp.asarray(x)
-  y, packed = jax.jit(lambda x: base.forward(op, xla, x))(xj)
+  y, packed = jax.jit(lambda x: base.XLA.forward(op, x))(xj)
   if approx is None:
     g = np.asarray(jax.jit(lambda y, p: base.derivative_from_packed(op, y, p))(y, packed),
                    np.float64)

@@ -1,18 +1,18 @@
-"""Memory-budget planner (MONeT-style): what to keep, what to recompute, which variant.
+"""Memory-budget planner (MONeT-style): what to keep, what to recompute, which configuration.
 
 Given per-tag figures of one transformer layer — bytes a tag costs if kept, and the
 recompute cost saved by keeping it — and a budget in bytes, :func:`solve` picks per layer
 the set of ``checkpoint_name`` tags to keep (the rest are recomputed in the backward) and
-the operator variant (e.g. standard vs inverted activations) by a mixed-integer linear
+the configuration (e.g. standard vs inverted activations) by a mixed-integer linear
 program solved with HiGHS (``scipy.optimize.milp``), minimizing recompute cost subject to a
 predicted peak <= budget.  A plan is a sequence of runs (contiguous layers keeping the same
 set; ``models`` runs each as its own ``lax.scan`` over its own parameter stack).  The backward
 processes the runs last to first, and each run's stacked residuals stay alive until its
 backward ends, so the peak is the largest of the runs' phases:
 
-    peak = base[variant] + max_r ( sum_{runs s <= r} layers[s] * sum_{t in s} bytes[variant, t]
-                                   - max_{t in r} relief[variant, t]
-                                   - input[variant] * layers after r ).
+    peak = base[c] + max_r ( sum_{runs s <= r} layers[s] * sum_{t in s} bytes[c, t]
+                             - max_{t in r} relief[c, t]
+                             - input[c] * layers after r )        (c: the configuration)
 
 ``base`` is the measured peak with nothing kept (every layer fully recomputed), so the
 model is calibrated per platform; ``models.experiments.plan_profiles`` measures all of it and
@@ -20,23 +20,18 @@ checks the prediction against XLA's compiled memory.  ``relief`` is the backward
 workspace that keeping a tag removes (one layer is recomputed at a time, so the largest of
 the run's tags counts); ``input`` is a layer's input, which the scan keeps for every layer
 (the layers after r are freed by then).  For one set in every layer this is
-``base + depth * bytes - relief``.  Measured on XLA:CPU (ViT-Ti, GPT-2; JAX 0.10 and 0.12),
-a plan of runs of two or more layers compiles to its largest phase within 0.06 %, each taken
-from its run's uniform figure (``relief`` per tag approximates a set's); a run of one layer
-does not: XLA unrolls a one-trip scan and schedules that layer's recompute freely (GPT-2, 6
-layers, 128 tokens, batch 8: a lone last layer keeping a 0-byte tag, +101 MB over keeping
-nothing, +14 %; ViT-Ti: its kept bytes cost nothing at the end of the stack, and at the
-start +15 % on JAX 0.10 but -33 % on 0.12).  So runs have at least ``MIN_RUN``
-layers, at most ``MAX_RUNS`` runs (each run is a compile of its own).  ``uniform=True`` gives
-one set for all layers.
+``base + depth * bytes - relief``.  A run of one layer is not modelled well (XLA unrolls a
+one-trip scan and schedules its recompute freely; docs/planner.md has the measurements), so
+runs have at least ``MIN_RUN`` layers, at most ``MAX_RUNS`` runs (each run is a compile of
+its own).  ``uniform=True`` gives one set for all layers.
 
-Variants change ``base`` (the whole model's activations), so the program is solved once
-per variant and the cheapest feasible plan wins; among equally cheap plans (also within a
-variant), the one that uses less memory, then the one with fewer runs.
+Configurations change ``base`` (the whole model's activations), so the program is solved once
+per configuration and the cheapest feasible plan wins; among equally cheap plans (also within a
+configuration), the one that uses less memory, then the one with fewer runs.
 
 Example:
   >>> from invact_jax import planner
-  >>> prof = planner.LayerProfile(variant="inverted", depth=4, base_bytes=1000,
+  >>> prof = planner.LayerProfile(configuration="inverted", depth=4, base_bytes=1000,
   ...     tags=("q", "mlp"), tag_bytes=(100, 300), tag_gain=(5.0, 20.0), full_cost=40.0)
   >>> plan = planner.solve([prof], budget=1600)   # per layer: "mlp" kept in two layers
   >>> plan.keep, plan.predicted_bytes, plan.predicted_cost
@@ -49,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import time
 from typing import Sequence
 
@@ -62,10 +58,10 @@ MAX_RUNS = 3  # runs per plan (each is a lax.scan of its own)
 
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
-  """Measured figures of one model variant.
+  """Measured figures of one model configuration.
 
   Attributes:
-    variant: name of the operator variant (a model configuration).
+    configuration: name of the configuration (a model configuration).
     depth: number of layers.
     base_bytes: peak bytes with no tag kept in any layer.
     tags: tag names.
@@ -78,7 +74,7 @@ class LayerProfile:
     input_bytes: bytes of one layer's input, which a scan keeps for every layer whatever the
       plan (the slope of ``base_bytes`` over depth); 0 if unknown (the model then errs high).
   """
-  variant: str
+  configuration: str
   depth: int
   base_bytes: int
   tags: tuple[str, ...]
@@ -94,8 +90,8 @@ class LayerProfile:
       if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"LayerProfile argument `{name}` must be a sequence, got {value!r}")
       object.__setattr__(self, name, tuple(value))
-    if not isinstance(self.variant, str) or not self.variant:
-      raise ValueError(f"LayerProfile argument `variant` must be a non-empty string, got {self.variant!r}")
+    if not isinstance(self.configuration, str) or not self.configuration:
+      raise ValueError(f"LayerProfile argument `configuration` must be a non-empty string, got {self.configuration!r}")
     if isinstance(self.depth, bool) or not isinstance(self.depth, (int, np.integer)) or self.depth < 1:
       raise ValueError(f"LayerProfile argument `depth` must be a positive integer, got {self.depth!r}")
     if not all(isinstance(t, str) and t for t in self.tags):
@@ -112,20 +108,31 @@ class LayerProfile:
       for v in (value if isinstance(value, tuple) else (value,)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
           raise TypeError(f"LayerProfile argument `{name}` must hold numbers, got {v!r}")
-        if not np.isfinite(v) or v < 0:
+        if not math.isfinite(float(v)) or v < 0:
           raise ValueError(f"LayerProfile argument `{name}` must hold finite numbers >= 0, got {v!r}")
 
   def relief(self, t: str) -> int:
     return dict(zip(self.tags, self.tag_relief)).get(t, 0) if self.tag_relief else 0
 
+  def _check_keep(self, keep: Sequence[Sequence[str]]) -> None:
+    if isinstance(keep, str) or any(isinstance(k, str) for k in keep):
+      raise TypeError("argument `keep` must hold one sequence of tags per layer, got "
+                      f"{keep!r}")
+    unknown = sorted({t for k in keep for t in k} - set(self.tags))
+    if unknown:
+      raise ValueError(f"argument `keep`: unknown tags {unknown}; this profile has "
+                       f"{list(self.tags)}")
+
   def cost(self, keep: Sequence[Sequence[str]]) -> float:
     """Predicted recompute cost of keeping ``keep[l]`` in layer l (additive model)."""
+    self._check_keep(keep)
     gain = dict(zip(self.tags, self.tag_gain))
     return float(sum(max(self.full_cost - sum(gain[t] for t in k), 0.0) for k in keep))
 
   def peak(self, keep: Sequence[Sequence[str]]) -> int:
     """Predicted peak of keeping ``keep[l]`` in layer l: the largest phase of the backward
     (see module doc; ``keep`` in forward order, equal neighbours form one run)."""
+    self._check_keep(keep)
     nbytes = dict(zip(self.tags, self.tag_bytes))
     kept, layers, phases = 0, 0, []
     for k, n in _runs(keep):
@@ -144,8 +151,8 @@ class LayerProfile:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Per layer, the tags to keep, and the variant; with the model's predictions."""
-  variant: str
+  """Per layer, the tags to keep, and the configuration; with the model's predictions."""
+  configuration: str
   keep: tuple[tuple[str, ...], ...]
   predicted_bytes: int
   predicted_cost: float
@@ -321,7 +328,7 @@ def _minimum(p: LayerProfile, uniform: bool) -> int:
 
 
 def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False) -> Plan:
-  """The cheapest plan over ``profiles`` (variants) whose predicted peak fits ``budget``.
+  """The cheapest plan over ``profiles`` (configurations) whose predicted peak fits ``budget``.
 
   Raises:
     InfeasibleBudget: when even keeping nothing exceeds the budget (the error states the
@@ -334,7 +341,7 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
     raise TypeError("argument `profiles` must hold LayerProfile objects")
   if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
     raise TypeError(f"argument `budget` must be a number of bytes, got {budget!r}")
-  if not np.isfinite(budget):
+  if not math.isfinite(float(budget)):
     raise ValueError(f"argument `budget` must be a finite number of bytes, got {budget!r}")
   budget = int(budget)
   t0 = time.perf_counter()
@@ -349,11 +356,14 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   if best is None:
     raise InfeasibleBudget(budget, min(_minimum(p, uniform) for p in profiles))
   cost, peak, p, keep = best
-  return Plan(variant=p.variant, keep=tuple(keep), predicted_bytes=peak, predicted_cost=cost,
+  return Plan(configuration=p.configuration, keep=tuple(keep), predicted_bytes=peak, predicted_cost=cost,
               budget=budget, solve_seconds=time.perf_counter() - t0)
 
 
 def evaluate(profile: LayerProfile, keep_per_layer: Sequence[str]) -> tuple[int, float]:
   """(predicted peak, predicted cost) of one fixed set kept in every layer."""
+  if isinstance(keep_per_layer, str):
+    raise TypeError(f"argument `keep_per_layer` must be a sequence of tags, got the string "
+                    f"{keep_per_layer!r}")
   keep = (tuple(keep_per_layer),) * profile.depth
   return profile.peak(keep), profile.cost(keep)

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
 from invact_jax.ops.activations import registry
+from models.options import REMAT_POLICIES
 from models.options import TAGS  # noqa: F401  (re-exported: the planner's tag list)
 
 
@@ -30,14 +31,6 @@ def tag(x, name: str, on: bool):
   copy of a custom_vjp's output can be kept beside the output itself.
   """
   return checkpoint_name(x, name) if on else x
-
-
-REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 def activation_fn(name: str, mode: str, implementation=None) -> Callable[[jax.Array], jax.Array]:
@@ -55,7 +48,7 @@ def activation_fn(name: str, mode: str, implementation=None) -> Callable[[jax.Ar
 
 
 def dropout(x, rate: float, key, mode: str = "standard") -> jax.Array:
-  """Inverted-scaling dropout with an explicit key; identity when ``key`` is None.
+  """Dropout (scaled at training time) with an explicit key; identity when ``key`` is None.
 
   Every ``mode`` draws the same mask for the same key (see ``dropout_mode``).
   """

@@ -25,8 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any
+from typing import Any, Callable
 
+import jax
+
+from invact_jax.ops import NAMES as _IMPLEMENTATION_NAMES
 from invact_jax.ops.activations import registry
 
 ACTIVATION_MODES = ("standard", "checkpointed", "inverted")
@@ -34,7 +37,8 @@ NORM_MODES = ("standard", "inverted", "fused")
 SOFTMAX_MODES = ("standard", "inverted")
 DROPOUT_MODES = ("standard", "regenerate", "bits")
 ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product")
-IMPLEMENTATIONS = (None, "xla", "pallas", "triton")
+#: ``implementation``: how the invact_jax ops run (None: the library's default, XLA).
+IMPLEMENTATIONS = (None, *_IMPLEMENTATION_NAMES)
 
 #: Named memory configurations (model-config overrides).  "standard" is the baseline.
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
@@ -105,7 +109,13 @@ def config(cls):
 # Every saveable tensor of a block, tagged with jax.ad_checkpoint.checkpoint_name.
 TAGS = ("norm_attn", "query", "key", "value", "attn_probs", "attn_context", "attn_out",
         "norm_mlp", "mlp_pre", "mlp_act", "mlp_out")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+#: ``remat``: the ``jax.checkpoint`` policy of each layer (None: no remat).
+REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @config
@@ -153,7 +163,7 @@ def validate(cfg) -> None:
   for field, allowed in (("activation_mode", ACTIVATION_MODES), ("norm_mode", NORM_MODES),
                          ("softmax_mode", SOFTMAX_MODES), ("dropout_mode", DROPOUT_MODES),
                          ("attention", ATTENTION_IMPLEMENTATIONS),
-                         ("implementation", IMPLEMENTATIONS), ("remat", REMAT_POLICIES)):
+                         ("implementation", IMPLEMENTATIONS), ("remat", tuple(REMAT_POLICIES))):
     _one_of(cfg, field, allowed)
   if cfg.activation not in registry.ACTIVATIONS:
     raise ValueError(f"activation must be one of {tuple(registry.ACTIVATIONS)}, got "

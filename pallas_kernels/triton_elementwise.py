@@ -320,16 +320,15 @@ def backward(g_fn: Callable, y: jax.Array, packed: jax.Array | None, dy: jax.Arr
 def compile_for(name, src: str | None, signature: dict, constexprs: dict, *,
                 capability: int = 90, num_warps: int = 4) -> dict:
   """Compile a kernel with ``triton.compile`` for ``GPUTarget("cuda", capability, 32)`` (no GPU
-  needed: Triton bundles ptxas) and return its SASS statistics
-  (:func:`pallas_kernels._sass.stats`: instructions, MUFU, registers, spill bytes) and ``asm``.
+  needed: Triton bundles ptxas) and return its ``asm`` (``ttir`` ... ``ptx``, ``cubin``; SASS
+  statistics of the cubin: :func:`models.experiments.sass.stats`).
   ``name, src``: a generated kernel; ``name`` alone (``src=None``): a Python kernel function."""
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
-  from pallas_kernels import _sass  # pylint: disable=import-outside-toplevel
   fn = _python_kernel(name, False) if src is None else _function(name, src, False)
   k = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs),
                      target=GPUTarget("cuda", capability, 32),
                      options={"num_warps": num_warps, "num_stages": 1,
                               "enable_fp_fusion": _FP_FUSION})
-  return {**_sass.stats(k.asm["cubin"]), "asm": k.asm}
+  return k.asm

@@ -5,7 +5,7 @@ the planner's device check; one command on one NVIDIA GPU (issue 18).
   python scripts/gpu_report.py                         # everything, ~8 min on an H100
   python scripts/gpu_report.py --sections kernels,tests
   python scripts/gpu_report.py --dry-run               # CPU, tiny sizes (the test suite runs this)
-  python scripts/gpu_report.py --readme bench/gpu_*.json   # the README's GPU section (newest per device)
+  python scripts/gpu_report.py --docs bench/gpu_*.json     # docs/gpu-report.md's block (newest per device)
 
 On the GPU machine (Python 3.12, JAX 0.11.2, nothing to download): ``pip install --no-deps -e .``
 or ``PYTHONPATH=.``.  Writes ``<out-dir>/gpu_<device>_<date>.json`` and ``.md``; sections
@@ -31,22 +31,23 @@ def _slug(text: str) -> str:
   return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def readme(paths, readme_path: pathlib.Path) -> int:
+def write_docs(paths, doc_path: pathlib.Path) -> int:
+  """Regenerate the report block of ``doc_path`` (docs/gpu-report.md) from report JSONs."""
   from models.experiments import gpu_report  # pylint: disable=import-outside-toplevel
   for p in paths:
     if not p.is_file():
-      print(f"error: --readme: no such file {str(p)!r}", file=sys.stderr)
+      print(f"error: --docs: no such file {str(p)!r}", file=sys.stderr)
       return 2
   parts = [gpu_report.markdown(json.loads(p.read_text()))
            for p in gpu_report.newest_per_device(paths)]
-  text = readme_path.read_text()
+  text = doc_path.read_text()
   if BEGIN not in text or END not in text:
-    print(f"error: {readme_path} has no {BEGIN} ... {END} block", file=sys.stderr)
+    print(f"error: {doc_path} has no {BEGIN} ... {END} block", file=sys.stderr)
     return 2
   head, rest = text.split(BEGIN, 1)
   _, tail = rest.split(END, 1)
-  readme_path.write_text(head + BEGIN + "\n" + "\n".join(parts) + "\n" + END + tail)
-  print(f"updated {readme_path}")
+  doc_path.write_text(head + BEGIN + "\n" + "\n".join(parts) + "\n" + END + tail)
+  print(f"updated {doc_path}")
   return 0
 
 
@@ -56,20 +57,17 @@ def main(argv=None) -> int:
   p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise every path")
   p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget, seconds")
   p.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench")
-  p.add_argument("--readme", type=pathlib.Path, nargs="+", default=None,
-                 help="regenerate README.md's GPU section from these report JSONs and exit")
-  p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--docs", "--readme", dest="docs", type=pathlib.Path, nargs="+", default=None,
+                 help="regenerate docs/gpu-report.md's report block from these report JSONs "
+                      "and exit (--readme: the old name)")
   args = p.parse_args(argv)
-  if args.readme:
-    return readme(args.readme, ROOT / "README.md")
+  if args.docs:
+    return write_docs(args.docs, ROOT / "docs" / "gpu-report.md")
   # The parent must not take the GPU's memory: its children measure peaks and batch sizes.
   for k, v in (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
                ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"), ("PYTHONUNBUFFERED", "1")):
     os.environ.setdefault(k, v)
   from models.experiments import gpu_report  # pylint: disable=import-outside-toplevel
-  if args.child is not None:
-    print(json.dumps(gpu_report.child(json.loads(args.child))))
-    return 0
   sections = args.sections.split(",") if args.sections else list(gpu_report.SECTIONS)
   bad = [s for s in sections if s not in gpu_report.SECTIONS]
   if bad:

@@ -71,9 +71,9 @@ def main(argv=None) -> int:
       op = base.Op(entry, entry.params)
       for br in map(int, args.block_rows.split(",")):
         for nw in map(int, args.warps.split(",")):
-          kb = base.Backend("pallas", block_rows=br, num_warps=nw)
-          fwd = jax.jit(lambda x, kb=kb, op=op: pallas.forward(op, kb, x))
-          bwd = jax.jit(lambda y, m, dy, kb=kb, op=op: pallas.backward(op, kb, y, m, dy))
+          kb = pallas.PallasActivation(block_rows=br, num_warps=nw)
+          fwd = jax.jit(lambda x, kb=kb, op=op: kb.forward(op, x))
+          bwd = jax.jit(lambda y, m, dy, kb=kb, op=op: kb.backward(op, y, m, dy))
           y, m = fwd(x)
           tf = _median_seconds(fwd, x, repeats=args.repeats)
           tb = _median_seconds(bwd, y, m, dy, repeats=args.repeats)

@@ -8,7 +8,7 @@
 (bench/plan_run_shapes_{vit_ti,gpt2}.json: JAX 0.10.2; bench/plan_run_shapes_vit_ti_jax012.json:
 the first command under JAX 0.12.)
 
-Compiles the training step (variant ``inverted``, layers scanned, batch 8) under plans made of
+Compiles the training step (configuration ``inverted``, layers scanned, batch 8) under plans made of
 three sets, E = nothing, A = {mlp_out} (0 bytes), B = {attn_out, mlp_pre, mlp_out} and
 C = B + {key, value}: one set everywhere, runs of two or more layers in both orders, and one
 lone layer (first or last).  Prints one JSON row per plan: XLA's compiled temp bytes and their

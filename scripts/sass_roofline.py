@@ -56,22 +56,24 @@ def _capture_ttir():
 def _sass_stats(ttir: str, num_warps: int) -> dict:
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-  from pallas_kernels import _sass  # pylint: disable=import-outside-toplevel
+  from models.experiments import sass  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:
     src = pathlib.Path(tmp) / "kernel.ttir"
     src.write_text(ttir)
     k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps})
-  return _sass.stats(k.asm["cubin"])
+  return sass.stats(k.asm["cubin"])
 
 
 def _triton_rows(name, op, dtype) -> list[dict]:
   """The raw Triton kernels of ``op`` (generated source, compiled with triton.compile)."""
   from invact_jax.ops.activations import triton as triton_impl  # pylint: disable=import-outside-toplevel
+  from models.experiments import sass  # pylint: disable=import-outside-toplevel
   from pallas_kernels import triton_elementwise  # pylint: disable=import-outside-toplevel
   out = []
   for pass_, (kname, src, sig, const, nbytes) in triton_impl.kernel_sources(op, dtype).items():
-    st = triton_elementwise.compile_for(kname, src, sig, const, num_warps=NUM_WARPS)
+    asm = triton_elementwise.compile_for(kname, src, sig, const, num_warps=NUM_WARPS)
+    st = sass.stats(asm["cubin"])
     out.append(_row(name, "triton", dtype, pass_, nbytes, st, 32 * NUM_WARPS, 8 * const["BR"]))
   return out
 
@@ -108,9 +110,8 @@ def _norm_rows(captured, widths, dtypes) -> list[dict]:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax import export  # pylint: disable=import-outside-toplevel
   from invact_jax.ops.norms import pallas as norm_pallas  # pylint: disable=import-outside-toplevel
-  from invact_jax.ops.activations import base  # pylint: disable=import-outside-toplevel
   from pallas_kernels import norms  # pylint: disable=import-outside-toplevel
-  kb = base.Backend("pallas", interpret=False)
+  kb = norm_pallas.PallasNorm(interpret=False)
   out = []
   for rms in (False, True):
     name = "rms_norm" if rms else "layer_norm"
@@ -123,11 +124,11 @@ def _norm_rows(captured, widths, dtypes) -> list[dict]:
         r = jax.ShapeDtypeStruct((64, 1), jnp.float32)
         bias = None if rms else vec
         passes = {
-            "forward": (lambda x, s, *b, rms=rms, dt=dt: norm_pallas.forward(
-                kb, rms, 1e-6, jnp.dtype(dt), x, s, b[0] if b else None),
+            "forward": (lambda x, s, *b, rms=rms, dt=dt: kb.forward(
+                rms, 1e-6, jnp.dtype(dt), x, s, b[0] if b else None),
                 (x, vec) + (() if bias is None else (bias,)), 3 * size + 4 / n),
-            "backward": (lambda xh, rs, dz, s, rms=rms, dt=dt: norm_pallas.backward_dx(
-                kb, rms, xh, rs, dz, s, jnp.dtype(dt)), (x, r, x, vec), 3 * size + 4 / n)}
+            "backward": (lambda xh, rs, dz, s, rms=rms, dt=dt: kb.backward_dx(
+                rms, xh, rs, dz, s, jnp.dtype(dt)), (x, r, x, vec), 3 * size + 4 / n)}
         for pass_, (fn, avals, nbytes) in passes.items():
           captured.clear()
           export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
 
   rows_n, cols = 4096, 1024
   impls = args.implementations.split(",")
-  kb = base.Backend("pallas", interpret=False)
+  kb = pallas.PallasActivation(interpret=False)
   rows = []
   for name in args.activations.split(","):
     entry = registry.get(name)
@@ -171,8 +172,8 @@ def main(argv=None) -> int:
       itemsize = jnp.dtype(dt).itemsize
       x = jax.ShapeDtypeStruct((rows_n, cols), jnp.dtype(dt))
       m = jax.ShapeDtypeStruct((rows_n, cols // 8), jnp.uint8)
-      passes = {"forward": (lambda x: pallas.forward(op, kb, x), (x,), 2 * itemsize + 1 / 8),
-                "backward": (lambda y, m, dy: pallas.backward(op, kb, y, m, dy), (x, m, x),
+      passes = {"forward": (lambda x: kb.forward(op, x), (x,), 2 * itemsize + 1 / 8),
+                "backward": (lambda y, m, dy: kb.backward(op, y, m, dy), (x, m, x),
                              3 * itemsize + 1 / 8)}
       if "triton" in impls:
         rows += _triton_rows(name, op, dt)

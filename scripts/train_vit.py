@@ -27,69 +27,41 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def parse(argv=None):
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
-  d = training.TrainConfig()
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--data", type=pathlib.Path, help=".npz with x_train, y_train, x_test, y_test "
                  "(default: scikit-learn's digits)")
-  p.add_argument("--preset", default=d.preset, help="model preset: digits, ti16, s16, b16")
-  p.add_argument("--activations", default=d.activations,
-                 choices=list(training.CONFIGURATION_CHOICES),
-                 help="inverted: invact_jax activations; inverted-all: also output-saving "
-                      "norms (fused with the projections), softmax, and key-only dropout")
+  # Every option that shapes the result: TrainConfig's fields (--activations: the old name).
+  cli.add_arguments(p, training.TrainConfig, aliases={"configuration": ["--activations"]})
   p.add_argument("--compare", action="store_true",
-                 help="train standard and --activations (inverted if standard) from the same seed")
-  p.add_argument("--batch-size", type=int, default=d.batch_size)
-  p.add_argument("--epochs", type=int, default=d.epochs)
-  p.add_argument("--steps", type=int, default=None, help="total steps (overrides --epochs)")
-  p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-  p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-  p.add_argument("--schedule", default=d.schedule, choices=["cosine", "constant"])
-  p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-  p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-  p.add_argument("--seed", type=int, default=d.seed)
-  p.add_argument("--scan-layers", action="store_true")
-  p.add_argument("--remat", default=d.remat)
-  p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-  p.add_argument("--memory-budget", type=_bytes, default=None,
-                 help="bytes (or e.g. 300MiB) for the gradient step: the planner picks what each "
-                      "layer keeps and the activation variant (layers scanned)")
+                 help="train standard and --configuration (inverted if standard) from the same seed")
   p.add_argument("--workdir", type=pathlib.Path, help="run directory (default: runs/<preset>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--shard-params", action="store_true",
                  help="FSDP: split parameters and optimizer state over the devices (data axis) "
                       "instead of replicating them; a run may resume with or without it")
-  p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+  p.add_argument("--stop-after", type=cli.positive_int, default=None, metavar="STEP",
                  help="stop once STEP is reached, as if killed (continue later with --resume)")
   g = p.add_argument_group("several processes (JAX multi-controller; give all processes the "
                            "same options and --workdir on a shared file system)")
   g.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
-  g.add_argument("--num-processes", type=int, help="how many processes take part")
-  g.add_argument("--process-id", type=int, help="this process's rank, 0 .. N-1")
+  g.add_argument("--num-processes", type=cli.positive_int, help="how many processes take part")
+  g.add_argument("--process-id", type=cli.nonnegative_int, help="this process's rank, 0 .. N-1")
   g.add_argument("--distributed", action="store_true",
                  help="join the cluster JAX detects (SLURM, Open MPI, ...) with no addresses")
-  g.add_argument("--distributed-timeout", type=int, default=120,
+  g.add_argument("--distributed-timeout", type=cli.positive_int, default=120,
                  help="seconds to wait for every process to join (default 120)")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if "--activations" in (sys.argv[1:] if argv is None else argv):
+    print("warning: --activations is now called --configuration", file=sys.stderr)
+  return args
 
 
 def _latest_run(preset: str) -> pathlib.Path | None:
   runs = sorted((ROOT / "runs").glob(f"{preset}-*"), key=lambda p: p.stat().st_mtime)
   return runs[-1] if runs else None
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}
-
-
-def _bytes(text: str) -> int:
-  """'123', '300MiB', '1.5GB' -> bytes (argparse type)."""
-  import re  # pylint: disable=import-outside-toplevel
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-  if not m or m.group(2).lower() not in _UNITS:
-    raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 300MiB, 2GB, 123456)")
-  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def main(argv=None) -> int:
@@ -105,6 +77,7 @@ def main(argv=None) -> int:
   from models.experiments import distributed  # pylint: disable=import-outside-toplevel
   import warnings  # pylint: disable=import-outside-toplevel
   warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
   from models.experiments import data as data_lib  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
   from models.experiments import compare  # pylint: disable=import-outside-toplevel
@@ -127,12 +100,7 @@ def main(argv=None) -> int:
           ROOT / "runs" / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
       if workdir is None:
         raise training.ConfigError(f"--resume: no earlier run of preset {args.preset!r} under runs/")
-    cfg = training.TrainConfig(
-        preset=args.preset, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
-        lr=args.lr, warmup_steps=args.warmup_steps, schedule=args.schedule,
-        weight_decay=args.weight_decay, dtype=args.dtype, seed=args.seed,
-        activations=args.activations, scan_layers=args.scan_layers, remat=args.remat,
-        checkpoint_every=args.checkpoint_every, memory_budget=args.memory_budget)
+    cfg = cli.from_args(training.TrainConfig, args)
     progress = not args.no_progress
     if args.compare:
       result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress,
@@ -140,7 +108,7 @@ def main(argv=None) -> int:
       print(result["table"])
       print(f"\nwrote {result['json']}\nwrote {result['png']}")
       return 0
-    summary = training.train(cfg, dataset, workdir / cfg.activations, resume=args.resume,
+    summary = training.train(cfg, dataset, workdir / cfg.configuration, resume=args.resume,
                              progress=progress, stop_after=args.stop_after,
                              shard_params=args.shard_params)
     distributed.finished()

@@ -44,9 +44,12 @@ def test_no_private_names_across_modules():
 
 
 def test_only_the_registry_spells_out_the_activation_list():
-  """Outside tests/, a file naming (nearly) every activation is the registry (or generated)."""
+  """Outside tests/, a file naming (nearly) every activation is the registry, the public
+  functions written out over it (tests/ops/activations/test_api.py keeps the two in step), or
+  generated."""
   names = [n for n in registry.ACTIVATIONS if n not in ("tanh", "relu")]  # common words too
   allowed = {ROOT / "invact_jax/ops/activations/registry.py",
+             ROOT / "invact_jax/ops/activations/api.py",
              ROOT / "invact_jax/ops/activations/_fits.py"}
   for path in ROOT.rglob("*.py"):
     if "tests" in path.parts or ".venv" in path.parts or path in allowed:
@@ -70,10 +73,19 @@ def test_submodules_reachable_after_import():
   assert {"memory", "planner"} <= set(dir(invact_jax))
 
 
-def test_readme_layout_names_every_module():
-  readme = (ROOT / "README.md").read_text()
+def test_layout_page_names_every_module():
+  layout = (ROOT / "docs" / "layout.md").read_text()
   for pkg in ("invact_jax", "pallas_kernels", "models", "scripts"):
     for path in (ROOT / pkg).rglob("*.py"):
       if path.name == "__init__.py":
         continue
-      assert path.stem in readme, f"README layout section does not name {path.relative_to(ROOT)}"
+      assert f"{path.stem}.py" in layout, f"docs/layout.md does not name {path.relative_to(ROOT)}"
+
+
+def test_nothing_runs_a_script_as_a_child_process():
+  """The experiment layer runs children as modules (``python -m``), never ``scripts/*.py``."""
+  for pkg in ("invact_jax", "models"):
+    for path in (ROOT / pkg).rglob("*.py"):
+      text = path.read_text()
+      assert '"scripts"' not in text and "scripts/" not in "".join(
+          l for l in text.splitlines() if "subprocess" in l or "sys.executable" in l), path

@@ -18,7 +18,7 @@ import tests
 from tests import load_script
 
 PROFILE = planner.LayerProfile(
-    variant="inverted", depth=4, base_bytes=1000, tags=("q", "k", "mlp"),
+    configuration="inverted", depth=4, base_bytes=1000, tags=("q", "k", "mlp"),
     tag_bytes=(100, 100, 300), tag_gain=(5.0, 5.0, 20.0), full_cost=30.0,
     tag_relief=(0, 0, 200))
 
@@ -50,18 +50,18 @@ def test_per_layer_plans_are_finer_than_uniform_ones():
 
 
 def test_infeasible_budget_names_the_minimum():
-  other = dataclasses.replace(PROFILE, variant="standard", base_bytes=1200)
+  other = dataclasses.replace(PROFILE, configuration="standard", base_bytes=1200)
   with pytest.raises(planner.InfeasibleBudget, match="minimum feasible budget is 1,000 bytes"):
     planner.solve([PROFILE, other], 999)
-  # The cheaper variant wins where both fit.
-  assert planner.solve([PROFILE, other], 5000).variant == "inverted"
+  # The cheaper configuration wins where both fit.
+  assert planner.solve([PROFILE, other], 5000).configuration == "inverted"
 
 
 def test_per_layer_search_falls_back_to_the_uniform_plan_and_names_the_budget(monkeypatch):
   # Lone layers between runs can compile far above the linear model (XLA:CPU: a 4-layer ViT
   # plan with runs of 2, 1, 1 layers measured +46 %).  Model that: non-uniform plans compile
   # 50 % above their prediction, uniform ones as predicted.
-  def measure(cfg, batch, variant, keep, *, seq_len=128):
+  def measure(cfg, batch, configuration, keep, *, seq_len=128):
     keep = tuple(keep)
     peak = PROFILE.peak(keep if len(keep) == PROFILE.depth else keep * PROFILE.depth)
     return planning.Measured(int(peak * (1.0 if len(set(keep)) <= 1 else 1.5)), 0.0)
@@ -81,7 +81,7 @@ def test_per_layer_search_falls_back_to_the_uniform_plan_and_names_the_budget(mo
 def _measured_as_predicted(per_layer_flops_factor):
   """A stand-in for compiling: every plan compiles to its prediction; a non-uniform plan's
   FLOPs are its predicted cost times ``per_layer_flops_factor``."""
-  def measure(cfg, batch, variant, keep, *, seq_len=128):
+  def measure(cfg, batch, configuration, keep, *, seq_len=128):
     keep = tuple(keep) if len(keep) == PROFILE.depth else tuple(keep) * PROFILE.depth
     factor = 1.0 if len(set(keep)) <= 1 else per_layer_flops_factor
     return planning.Measured(PROFILE.peak(keep), PROFILE.cost(keep) * factor)
@@ -152,7 +152,7 @@ def test_peak_is_the_largest_phase_of_the_runs():
 
 def test_per_layer_plans_match_brute_force_over_run_shapes():
   # Runs of at least MIN_RUN layers, at most MAX_RUNS runs; relief and inputs per phase.
-  p = planner.LayerProfile(variant="v", depth=6, base_bytes=1000, tags=("q", "k", "mlp"),
+  p = planner.LayerProfile(configuration="v", depth=6, base_bytes=1000, tags=("q", "k", "mlp"),
                            tag_bytes=(100, 60, 300), tag_gain=(5.0, 4.0, 20.0), full_cost=30.0,
                            tag_relief=(0, 150, 420), input_bytes=50)
   sets = [s for r in range(len(p.tags) + 1) for s in itertools.combinations(p.tags, r)]
@@ -180,7 +180,7 @@ def test_per_layer_plans_match_brute_force_over_run_shapes():
     (dict(tag_bytes=(1, 2)), "`tag_bytes` has 2 entries for 3 tags"),
     (dict(tag_relief=(0,)), "`tag_relief` has 1 entries for 3 tags"),
     (dict(tags="qkv"), "`tags` must be a sequence"),
-    (dict(variant=""), "`variant` must be a non-empty string"),
+    (dict(configuration=""), "`configuration` must be a non-empty string"),
 ])
 def test_profile_rejects_bad_figures_naming_the_argument(change, message):
   with pytest.raises((ValueError, TypeError), match=re.escape(message)):
@@ -193,7 +193,7 @@ def test_solve_rejects_bad_budgets_and_plans_an_empty_tag_list():
       planner.solve([PROFILE], budget)
   with pytest.raises(TypeError, match="argument `budget`"):
     planner.solve([PROFILE], "1000")
-  bare = planner.LayerProfile(variant="v", depth=3, base_bytes=500, tags=(), tag_bytes=(),
+  bare = planner.LayerProfile(configuration="v", depth=3, base_bytes=500, tags=(), tag_bytes=(),
                               tag_gain=(), full_cost=7.0)
   plan = planner.solve([bare], 600)
   assert plan.keep == ((), (), ()) and plan.predicted_bytes == 500 and plan.predicted_cost == 21.0
@@ -203,7 +203,7 @@ def test_solve_rejects_bad_budgets_and_plans_an_empty_tag_list():
 
 def test_equal_cost_plans_take_the_one_with_less_memory():
   # Instances where a single cost-only solve returned the heavier of two equally cheap plans.
-  p = planner.LayerProfile(variant="inverted", depth=1, base_bytes=1000, tags=("a", "b", "c"),
+  p = planner.LayerProfile(configuration="inverted", depth=1, base_bytes=1000, tags=("a", "b", "c"),
                            tag_bytes=(200, 300, 200), tag_gain=(1.0, 1.0, 3.0), full_cost=20.0)
   for uniform in (True, False):
     plan = planner.solve([p], 1500, uniform=uniform)  # {a, c} and {b, c} both gain 4
@@ -275,12 +275,12 @@ def test_runs_compile_to_their_largest_phase():
 
 @pytest.fixture(scope="module")
 def frontier():
-  # One variant and the tags of the fixed policies except "nothing", to keep CI short; the
-  # script profiles every tag and both variants.
+  # One configuration and the tags of the fixed policies except "nothing", to keep CI short; the
+  # script profiles every tag and both configurations.
   cfg = benchmark.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
                                num_classes=5, hidden=32, depth=4, heads=4, mlp_dim=128)
   tags = planning.FIXED_POLICIES["minimal"]
-  profiles = planning.profile(cfg, 8, variants=("inverted",), tags=tags)
+  profiles = planning.profile(cfg, 8, configurations=("inverted",), tags=tags)
   lo = min(p.base_bytes for p in profiles)
   hi = max(planner.evaluate(p, p.tags)[0] for p in profiles)
   budgets = [int(lo + f * (hi - lo)) for f in (0.0, 0.3, 0.6)]
@@ -312,19 +312,19 @@ def test_frontier_beats_or_matches_fixed_policies(frontier):
     planning.plan_for_budget(cfg, 8, lo - 1, profiles)
 
 
-def test_every_variant_compiles_under_a_plan():
+def test_every_configuration_compiles_under_a_plan():
   cfg = benchmark.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
                                num_classes=5, hidden=32, depth=2, heads=4, mlp_dim=64)
   temps = {v: planning.measure(cfg, 2, v, (("query", "mlp_pre"),)).compiled_temp_bytes
-           for v in planning.VARIANTS}
+           for v in planning.PLANNED_CONFIGURATIONS}
   assert all(t > 0 for t in temps.values())
-  with pytest.raises(ValueError, match="unknown variant"):
-    planning.profile(cfg, 2, variants=("fast",))
+  with pytest.raises(ValueError, match="unknown configuration"):
+    planning.profile(cfg, 2, configurations=("fast",))
 
 
 def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
   import json
-  script = load_script("plan_memory")
+  from models.experiments import plan_memory as script
   _, _, _, fr = frontier
   saved = tmp_path / "frontier.json"
   saved.write_text(json.dumps({"meta": {}, "results": {"tiny-vit": fr}}, default=list))
@@ -344,7 +344,7 @@ def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
                               default=list))
   for argv, message in [(["--batch", "4"], "was profiled with batch=8, this run has 4"),
                         (["--models", "gpt2"], "has no profile of model 'gpt2'"),
-                        ([], "variants ['standard', 'inverted-norms']")]:
+                        ([], "configurations ['standard', 'inverted-norms']")]:
     assert script.main(["--profiles", str(saved)] + argv) == 2
     assert message in capsys.readouterr().err
   assert script.main(["--profiles", str(tmp_path / "missing.json")]) == 2
@@ -376,12 +376,12 @@ def test_device_peak_check(monkeypatch, capsys):
     got = planning.device_peak(cfg, 2, "inverted", (("query",),))
     temp = planning.measure(cfg, 2, "inverted", (("query",),)).compiled_temp_bytes
     assert abs((got["peak_increase"] - got["output_bytes"]) / temp - 1) <= 0.10, (got, temp)
-  script = load_script("plan_memory")
+  from models.experiments import plan_memory as script
   # Child: one row in, the allocator's figures out as JSON.
   monkeypatch.setattr(planning, "device_peak", lambda *a, **k: {
       "peak_bytes_in_use": 900, "peak_increase": 700, "output_bytes": 200})
   row = {"model": "gpt2", "dtype": "float32", "batch": 2, "seq_len": 8,
-         "variant": "inverted", "keep": [["query"]], "overrides": {"depth": 2}}
+         "configuration": "inverted", "keep": [["query"]], "overrides": {"depth": 2}}
   assert script.main(["--peak-of", json.dumps(row)]) == 0
   child_out = capsys.readouterr().out
   assert json.loads(child_out)["peak_increase"] == 700
@@ -392,9 +392,9 @@ def test_device_peak_check(monkeypatch, capsys):
     return types.SimpleNamespace(returncode=0, stdout=child_out, stderr="")
   monkeypatch.setattr(subprocess, "run", fake_run)
   args = types.SimpleNamespace(dtype="float32", batch=2, seq_len=8)
-  plan_row = {"budget": 1000, "variant": "inverted", "keep": [["query"], []],
+  plan_row = {"budget": 1000, "configuration": "inverted", "keep": [["query"], []],
               "predicted_bytes": 550}
-  fixed_row = {"policy": "full", "variant": "inverted", "keep": [], "predicted_bytes": 450}
+  fixed_row = {"policy": "full", "configuration": "inverted", "keep": [], "predicted_bytes": 450}
   script._add_device_peak(plan_row, "gpt2", args, {"depth": 2})  # pylint: disable=protected-access
   script._add_device_peak(fixed_row, "gpt2", args, {})  # pylint: disable=protected-access
   assert calls[0]["keep"] == [["query"], []] and calls[1]["keep"] == [[]]
@@ -422,3 +422,19 @@ def test_plan_run_shapes_script_covers_both_orders_and_lone_layers(capsys):
   assert "--depth must be at least 4" in capsys.readouterr().err
   assert script.main(["--models", "resnet"]) == 2
   assert "unknown model 'resnet'" in capsys.readouterr().err
+
+
+def test_huge_budgets_and_unknown_tags_are_clear():
+  """A budget of 2**64 bytes plans (before: a TypeError from isfinite); unknown tags and a
+  string where a set of tags belongs are one-line errors naming the argument (before: a bare
+  KeyError)."""
+  assert planner.solve([PROFILE], 2**64).keep == (PROFILE.tags,) * PROFILE.depth
+  with pytest.raises(ValueError, match=r"argument `keep`: unknown tags \['zz'\]"):
+    planner.evaluate(PROFILE, ["zz"])
+  with pytest.raises(ValueError, match="unknown tags"):
+    PROFILE.peak([("nope",)] * PROFILE.depth)
+  with pytest.raises(TypeError, match="argument `keep_per_layer` must be a sequence of tags"):
+    planner.evaluate(PROFILE, "q")
+  with pytest.raises(ValueError, match="`base_bytes` must hold finite numbers"):
+    dataclasses.replace(PROFILE, base_bytes=float("inf"))
+  assert dataclasses.replace(PROFILE, base_bytes=2**70).base_bytes == 2**70

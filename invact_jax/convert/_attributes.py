@@ -253,6 +253,10 @@ def inverted(only: str | tuple[str, ...] | None = None, *, warn: bool = True,
              norms: bool = True) -> Iterator[ConversionReport]:
   """Context manager: ``jax.nn``/Flax activations called in the block are the inverted ones.
 
+  The attribute swap, kept for code that looks functions up at call time; the recommended
+  entry point is :func:`invact_jax.invert`, which also converts what this cannot reach
+  (functions captured before the block, hand-written forms, other libraries).
+
   Args:
     only: public names to replace (a name or a tuple; default: every registry name).
     warn: warn at exit if nothing was replaced.

@@ -33,8 +33,10 @@ from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
+from invact_jax.ops.activations import api as _act_api
 from invact_jax.ops.activations import base as _act_base
 from invact_jax.ops.activations import registry
+from invact_jax.ops.norms import api as _norm_api
 from invact_jax.ops.norms import base as _norm_base
 from invact_jax.ops.softmax import base as _softmax_base
 
@@ -322,7 +324,7 @@ def _region(target: _graph.Graph, match: _Match) -> Callable[..., Any]:
   return run
 
 
-def _activation_fn(match: _Match, region, backend):
+def _activation_fn(match: _Match, region, implementation):
   entry = match.pattern.form.entry
   params = tuple((k, float(match.caught[k])) for k, _ in entry.params)
   op = _act_base.Op(entry, params)
@@ -335,11 +337,14 @@ def _activation_fn(match: _Match, region, backend):
     y = region(x)
     return y, (y, _act_base.packed_bits(op, x))
 
-  f.defvjp(fwd, functools.partial(_act_base._apply_bwd, op, backend))  # pylint: disable=protected-access
+  def bwd(res, dy):
+    return (implementation.backward(op, *res, dy),)
+
+  f.defvjp(fwd, bwd)
   return f
 
 
-def _scaled_silu_fn(match: _Match, region, backend):
+def _scaled_silu_fn(match: _Match, region, implementation):
   """``y = x * sigmoid(c x) = silu(c x) / c``: keeps y and SiLU's bit of ``c x``; the backward
   is ``dy * silu'(c x)`` from ``silu(c x) = c y`` (rounded to y's dtype, as SiLU stores it)."""
   c = float(match.caught["c"])
@@ -356,14 +361,14 @@ def _scaled_silu_fn(match: _Match, region, backend):
   def bwd(res, dy):
     y, packed = res
     s = (y.astype(_common.compute_dtype(y.dtype)) * c).astype(y.dtype)
-    return _act_base._apply_bwd(op, backend, (s, packed), dy)  # pylint: disable=protected-access
+    return (implementation.backward(op, s, packed, dy),)
 
   f.defvjp(fwd, bwd)
   return f
 
 
-def _norm_fn(match: _Match, region, backend, target):
-  """The norm's residuals and backward are invact_jax's norm's (``base._norm_bwd``); the
+def _norm_fn(match: _Match, region, implementation, target):
+  """The norm's residuals and backward are invact_jax's norm's (``base.backward``); the
   form's parameters are always ``[d]`` vectors (the patterns are traced with them)."""
   roles = match.pattern.form.roles
   rms = match.pattern.form.kind == "rms_norm"
@@ -381,7 +386,7 @@ def _norm_fn(match: _Match, region, backend, target):
     return z, (xhat.astype(z.dtype), rstd, named.get("scale"), named.get("bias"))
 
   def bwd(res, dz):
-    dx, dscale, dbias = _norm_base._norm_bwd(backend, rms, eps, dz.dtype, x_dtype, res, dz)  # pylint: disable=protected-access
+    dx, dscale, dbias = _norm_base.backward(implementation, rms, x_dtype, res, dz)
     grads = {"scale": dscale, "bias": dbias}
     return (dx, *(grads[r] for r in roles[1:]))
 
@@ -401,7 +406,7 @@ def _softmax_fn(match: _Match, region, target):
     return p, p
 
   def bwd(p, dp):
-    return _softmax_base._bwd(-1, p.dtype, x_dtype, p, dp)  # pylint: disable=protected-access
+    return _softmax_base.backward(-1, x_dtype, p, dp)
 
   f.defvjp(fwd, bwd)
   return f
@@ -411,7 +416,8 @@ def _softmax_fn(match: _Match, region, target):
 @dataclasses.dataclass
 class _Options:
   names: frozenset
-  backend: Any
+  activation: Any  # the activations' implementation (activations.api.IMPLEMENTATIONS)
+  norm: Any        # the norms' implementation (norms.api.IMPLEMENTATIONS)
   report: ProgramReport
 
 
@@ -463,13 +469,13 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
     region = _region(target, m)
     kind = m.pattern.form.kind
     if kind == "activation":
-      fn = _activation_fn(m, region, opts.backend)
+      fn = _activation_fn(m, region, opts.activation)
     elif kind == "scaled_silu":
-      fn = _scaled_silu_fn(m, region, opts.backend)
+      fn = _scaled_silu_fn(m, region, opts.activation)
     elif kind == "softmax":
       fn = _softmax_fn(m, region, target)
     else:
-      fn = _norm_fn(m, region, opts.backend, target)
+      fn = _norm_fn(m, region, opts.norm, target)
     at[m.root] = _replacement(fn, m)
     opts.report.converted.append((m.pattern.form.public, m.pattern.form.name,
                                   target.nodes[m.root].where))
@@ -576,6 +582,9 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
            implementation=None) -> Callable[..., Any]:
   """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.
 
+  The recommended way to apply invact_jax to code you did not write (see also
+  :func:`invact_jax.inverted`, the attribute swap, for code that looks functions up by name).
+
   ``fn`` is traced; the activations (every :mod:`invact_jax` activation), LayerNorm/RMSNorm
   and last-axis softmax in the traced program are recognized by their computation (whatever
   Python object computed them: ``jax.nn`` functions, ``functools.partial`` objects, entries of
@@ -607,27 +616,39 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
     {'gelu': 1}
   """
   names = _names(only, norms)
-  backend = _implementation.resolve(implementation, op="invert",
-                                    supported=("xla", "pallas", "triton"))
+  act_impl = _implementation.resolve(implementation, op="invert",
+                                     implementations=_act_api.IMPLEMENTATIONS)
+  norm_impl = _implementation.resolve(implementation, op="invert",
+                                      implementations=_norm_api.IMPLEMENTATIONS)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     leaves, tree = jax.tree.flatten((args, kwargs))
     dyn = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
+    out_structure = {}
+
     def flat(*vals):
       ls = list(leaves)
       for i, v in zip(dyn, vals):
         ls[i] = v
       a, k = jax.tree.unflatten(tree, ls)
-      return fn(*a, **k)
+      out_leaves, out_tree = jax.tree.flatten(fn(*a, **k))
+      # Arrays (traced or not) are the program's outputs; anything else (a string, a Python
+      # number, None in has_aux) is returned as the function returned it.
+      arrays = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+      out_structure.update(tree=out_tree, leaves=out_leaves, arrays=arrays)
+      return [out_leaves[i] for i in arrays]
 
     vals = [leaves[i] for i in dyn]
-    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*vals)
+    closed = jax.make_jaxpr(flat)(*vals)
     report = ProgramReport()
-    outs = _run(_graph.flatten(closed), vals, _Options(names, backend, report))
+    outs = _run(_graph.flatten(closed), vals, _Options(names, act_impl, norm_impl, report))
     wrapped.last_report = report
-    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+    out_leaves = list(out_structure["leaves"])
+    for i, v in zip(out_structure["arrays"], outs):
+      out_leaves[i] = v
+    return jax.tree.unflatten(out_structure["tree"], out_leaves)
 
   wrapped.last_report = None
   return wrapped

@@ -8,21 +8,26 @@
   platforms it is an error, except with ``Implementation(name="triton", interpret=True)``,
   which runs the same kernels in Triton's interpreter (slow; for tests and debugging).
 
-Each family states which implementations it has (``SUPPORTED``) and which
-:class:`Implementation` options apply; anything else is a ValueError naming the op, never a
-silent fallback.
+Each family (``ops/<family>/``) has an ``IMPLEMENTATIONS`` map in its ``api.py``: name ->
+an instance of that backend's :class:`ImplementationBase` subclass (``base.py`` for XLA,
+``pallas.py``, ``triton.py``).  :func:`resolve` turns a user's choice into one of them with
+its kernel options; the family's ``custom_vjp`` takes it as a static argument and calls its
+methods.  A choice the family lacks, or an option its kernels ignore, is a ValueError naming
+the op, never a silent fallback.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib.util
+from typing import ClassVar, Mapping
 
 import jax
 
-__all__ = ["Implementation", "Backend", "IMPLEMENTATIONS", "resolve", "available"]
+__all__ = ["Implementation", "ImplementationBase", "Xla", "XLA", "NAMES", "resolve", "available"]
 
-IMPLEMENTATIONS = ("xla", "pallas", "triton")
+#: Every implementation name (each family has a subset: its ``IMPLEMENTATIONS`` keys).
+NAMES = ("xla", "pallas", "triton")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +53,8 @@ class Implementation:
   interpret: bool | None = None
 
   def __post_init__(self):
-    if self.name not in IMPLEMENTATIONS:
-      raise ValueError(f"Implementation: argument `name` must be one of {IMPLEMENTATIONS}, got "
+    if self.name not in NAMES:
+      raise ValueError(f"Implementation: argument `name` must be one of {NAMES}, got "
                        f"{self.name!r}")
     for arg in ("block_rows", "num_warps"):
       b = getattr(self, arg)
@@ -62,12 +67,27 @@ class Implementation:
 
 
 @dataclasses.dataclass(frozen=True)
-class Backend:
-  """A resolved, hashable implementation choice (static argument of the custom_vjps)."""
-  name: str = "xla"
+class ImplementationBase:
+  """A resolved implementation of an op family: hashable (a static argument of the family's
+  ``custom_vjp``), with the kernel options :func:`resolve` filled in.
+
+  Each family's ``NAMES`` maps a name to a default instance of one subclass per
+  backend: ``base.py`` (XLA, also the reference), ``pallas.py``, ``triton.py``.  ``name`` is
+  a class attribute; the fields are the kernel options (unused by XLA).
+  """
+  name: ClassVar[str] = "xla"
   interpret: bool = False
   block_rows: int | None = None
   num_warps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Xla(ImplementationBase):
+  """The XLA implementation of a family with no kernels (softmax, dropout)."""
+
+
+#: The resolved XLA implementation of a family with no kernels.
+XLA = Xla()
 
 
 def _platform() -> str:
@@ -98,32 +118,37 @@ def available(name: str) -> tuple[bool, str]:
         return False, (f"the {mod!r} package is not installed (pip install "
                        "'invact-jax[triton]')")
     return True, ""
-  raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS}")
+  raise ValueError(f"unknown implementation {name!r}; choose from {NAMES}")
 
 
-def resolve(implementation, *, op: str, supported=IMPLEMENTATIONS,
-            options: tuple[str, ...] = ("block_rows", "num_warps", "interpret")) -> Backend:
-  """The :class:`Backend` for ``implementation`` of op ``op``; a clear error if it cannot run.
+def resolve(implementation, *, op: str, implementations: Mapping[str, ImplementationBase],
+            options: tuple[str, ...] = ("block_rows", "num_warps", "interpret")
+            ) -> ImplementationBase:
+  """The family's implementation instance for ``implementation`` of op ``op``, with its
+  kernel options; a clear error if it cannot run here.
 
   Args:
     implementation: None, a name, or an :class:`Implementation`.
     op: public name of the op (for messages).
-    supported: the implementations this op has.
+    implementations: the family's ``IMPLEMENTATIONS`` (name -> default instance).
     options: the :class:`Implementation` options this op's kernels take.
+
+  Returns:
+    ``implementations[name]`` with ``interpret``, ``block_rows`` and ``num_warps`` set.
   """
   opts = None
   if isinstance(implementation, Implementation):
     opts, name = implementation, implementation.name
   elif implementation is None:
     name = "xla"
-  elif isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
+  elif isinstance(implementation, str) and implementation in NAMES:
     name = implementation
   else:
     raise ValueError(f"invact_jax.{op}: argument `implementation` must be None, one of "
-                     f"{IMPLEMENTATIONS} or an invact_jax.Implementation, got {implementation!r}")
-  if name not in supported:
+                     f"{NAMES} or an invact_jax.Implementation, got {implementation!r}")
+  if name not in implementations:
     raise ValueError(f"invact_jax.{op}: implementation={name!r} is not available for this op; it "
-                     f"has {tuple(supported)}")
+                     f"has {tuple(implementations)}")
   if opts is not None:
     given = [o for o in ("block_rows", "num_warps") if getattr(opts, o) is not None]
     unused = [o for o in given if o not in options]
@@ -131,7 +156,7 @@ def resolve(implementation, *, op: str, supported=IMPLEMENTATIONS,
       raise ValueError(f"invact_jax.{op}: Implementation option(s) {unused} have no effect on "
                        f"this op's {name} kernels (they take {[o for o in options]})")
   if name == "xla":
-    return Backend("xla")
+    return implementations["xla"]
   interpret = opts.interpret if opts is not None and opts.interpret is not None else None
   if name == "pallas":
     ok, why = available("pallas")
@@ -148,6 +173,6 @@ def resolve(implementation, *, op: str, supported=IMPLEMENTATIONS,
       if not ok:
         raise RuntimeError(f"invact_jax.{op}: implementation='triton' cannot run here: {why}")
       interpret = False
-  return Backend(name, interpret=bool(interpret),
-                 block_rows=None if opts is None else opts.block_rows,
-                 num_warps=None if opts is None else opts.num_warps)
+  return dataclasses.replace(implementations[name], interpret=bool(interpret),
+                             block_rows=None if opts is None else opts.block_rows,
+                             num_warps=None if opts is None else opts.num_warps)

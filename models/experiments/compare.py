@@ -14,7 +14,7 @@ from models.experiments import training
 
 def _impls(cfg) -> tuple[str, str]:
   """standard vs the configured implementation ("inverted" when that is "standard")."""
-  return ("standard", "inverted" if cfg.activations == "standard" else cfg.activations)
+  return ("standard", "inverted" if cfg.configuration == "standard" else cfg.configuration)
 
 
 def _device_peak(trainer: training.Trainer) -> int | None:
@@ -30,12 +30,12 @@ def compare(cfg: training.TrainConfig, dataset: data_lib.Dataset, workdir: pathl
   workdir = pathlib.Path(workdir)
   impls = _impls(cfg)
   for impl in impls:  # check both run directories before training either
-    training.validate(dataclasses.replace(cfg, activations=impl), dataset, len(jax.devices()))
-    training.prepare_workdir(dataclasses.replace(cfg, activations=impl), workdir / impl,
+    training.validate(dataclasses.replace(cfg, configuration=impl), dataset, len(jax.devices()))
+    training.prepare_workdir(dataclasses.replace(cfg, configuration=impl), workdir / impl,
                              resume=resume)
   runs = {}
   for impl in impls:
-    c = dataclasses.replace(cfg, activations=impl)
+    c = dataclasses.replace(cfg, configuration=impl)
     s = training.train(c, dataset, workdir / impl, resume=resume, progress=progress,
                        shard_params=shard_params)
     trainer = s.pop("trainer")

@@ -1,4 +1,4 @@
-"""The GPU report (issue 18): every GPU figure the README promises, from one command.
+"""The GPU report (issue 18): every GPU figure the docs promise, from one command.
 
 The logic behind ``scripts/gpu_report.py``.  Sections, each bounded in time:
 
@@ -12,10 +12,11 @@ The logic behind ``scripts/gpu_report.py``.  Sections, each bounded in time:
   the step time (one child process, configurations interleaved, medians).
 * ``max_batch``: the largest ViT-B/16 batch that runs, default vs inverted-all (bisection,
   one child process per probe, bounded probes).
-* ``planner``: ``scripts/plan_memory.py --device-peak`` for three budgets.
+* ``planner``: :mod:`models.experiments.plan_memory` ``--device-peak`` for three budgets.
 
-Children are this module's :func:`child` run as ``scripts/gpu_report.py --child JSON``;
-each prints one JSON line last.
+Children are modules, never scripts: this module's :func:`child` run as
+``python -m models.experiments.gpu_report SPEC_JSON`` (each prints one JSON line last), the
+planner's ``python -m models.experiments.plan_memory`` and ``python -m pytest``.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ import xml.etree.ElementTree as ET
 from typing import Callable, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_report.py"
 SECTIONS = ("kernels", "tests", "models", "max_batch", "planner")
 # "+pallas": the same modes with the invact_jax ops as Pallas kernels (models.options).
 CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all", "inverted+pallas",
@@ -181,7 +181,8 @@ def child(spec: dict) -> dict:
 
 def _run_child(spec: dict, timeout_s: float) -> dict:
   try:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--child", json.dumps(spec)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "models.experiments.gpu_report", json.dumps(spec)],
+                          cwd=ROOT,
                           env={**os.environ, **CHILD_ENV}, capture_output=True, text=True,
                           timeout=max(timeout_s, 1.0), check=False)
   except subprocess.TimeoutExpired:
@@ -284,10 +285,10 @@ def _largest(r: dict) -> str:
 
 def planner(out_dir: pathlib.Path, *, model: str, batch: int, timeout_s: float,
             extra: Sequence[str] = ()) -> dict:
-  """``scripts/plan_memory.py`` for three budgets, with ``--device-peak`` on a GPU."""
+  """:mod:`models.experiments.plan_memory` for three budgets, ``--device-peak`` on a GPU."""
   import jax  # pylint: disable=import-outside-toplevel
-  cmd = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--models", model,
-         "--batch", str(batch), "--points", "3", "--variants", "standard,inverted",
+  cmd = [sys.executable, "-m", "models.experiments.plan_memory", "--models", model,
+         "--batch", str(batch), "--points", "3", "--configurations", "standard,inverted",
          "--out", str(out_dir / "gpu_planner"), *extra]
   if jax.default_backend() == "gpu":
     cmd.append("--device-peak")
@@ -313,7 +314,7 @@ def _mib(b):
 
 
 def markdown(report: dict) -> str:
-  """The README's GPU section, from a report JSON."""
+  """The report block of docs/gpu-report.md, from a report JSON."""
   env = report["environment"]
   v = env["versions"]
   lines = [f"Measured by `scripts/gpu_report.py` on {env['device']} (driver {env['driver']}), "
@@ -365,17 +366,21 @@ def markdown(report: dict) -> str:
   pl = report.get("planner")
   if pl and "results" in pl:
     lines += ["**Planner on the device** (`" + pl["command"] + "`):", "",
-              "| model | budget MiB | variant | predicted MiB | device temp MiB | error |",
+              "| model | budget MiB | configuration | predicted MiB | device temp MiB | error |",
               "|---|---:|---|---:|---:|---:|"]
     for model, fr in pl["results"].items():
       for p in fr["plans"]:
         if "infeasible" in p:
           continue
         err = p.get("device_prediction_error")
-        lines.append(f"| {model} | {_mib(p['budget'])} | {p['variant']} | "
+        lines.append(f"| {model} | {_mib(p['budget'])} | {p['configuration']} | "
                      f"{_mib(p['predicted_bytes'])} | {_mib(p.get('device_temp_bytes'))} | "
                      f"{'n/a' if err is None else f'{err:+.1%}'} |")
     lines.append("")
   elif pl:
     lines += [f"**Planner on the device**: not measured: {pl.get('note') or pl.get('error') or pl.get('tail', '')[-300:]}", ""]
   return "\n".join(lines)
+
+
+if __name__ == "__main__":  # a child: one measurement, one JSON line
+  print(json.dumps(child(json.loads(sys.argv[1]))))

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from invact_jax import Implementation, available
 from invact_jax import bitpack
-from invact_jax.ops import _implementation
+from invact_jax.ops.activations import api as activations_api
 from invact_jax.ops.activations import _rational
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import registry
@@ -75,8 +75,8 @@ def reference_fn(name: str) -> Callable:
 
 def inverted_fn(name: str, implementation="xla") -> Callable:
   o = op(name)
-  backend = _implementation.resolve(implementation, op=o.public)
-  return lambda x: base.apply(o, backend, x)
+  impl = activations_api.resolve(implementation, op=o.public)
+  return lambda x: base.apply(o, impl, x)
 
 
 def interleaved(fns: dict[str, Callable], args, *, rounds: int = 20, inner: int = 3
@@ -188,8 +188,7 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
     raise ValueError(f"cost_split: argument `name` must be a non-monotone activation (its "
                      f"backward evaluates a fit), got {name!r}")
   x, dy = _inputs(elements, jnp.dtype(dtype))
-  backend = _implementation.resolve("xla", op=o.public)
-  y, packed = base.forward(o, backend, x)
+  y, packed = base.XLA.forward(o, x)
   fit = _rational.fit_for(name, y.dtype)
 
   def ablated(unpack, ops):
@@ -201,9 +200,9 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
 
   whole = {"jax.nn forward": lambda x, dy: o.forward(x),
            "jax.nn forward+backward": fwd_bwd(o.forward),
-           "ours forward (y + packed bits)": lambda x, dy: base.forward(o, backend, x),
+           "ours forward (y + packed bits)": lambda x, dy: base.XLA.forward(o, x),
            "ours forward+backward": fwd_bwd(inverted_fn(name))}
-  parts = {"backward": lambda y, packed, dy: base.backward(o, backend, y, packed, dy),
+  parts = {"backward": lambda y, packed, dy: base.XLA.backward(o, y, packed, dy),
            **{k: ablated(*v) for k, v in _ABLATIONS.items()}}
   if jnp.dtype(dtype).itemsize == 2:
     by_table = table_backward(lookup_table(o, dtype))
@@ -213,7 +212,7 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
       return o.forward(x)
 
     def table_fwd(x):  # base.apply's residuals: y and the packed bits
-      y, bits = base.forward(o, backend, x)
+      y, bits = base.XLA.forward(o, x)
       return y, (y, bits)
     inverted_by_table.defvjp(table_fwd, lambda res, dy: (by_table(*res, dy),))
     whole[TABLE_FUSED] = fwd_bwd(inverted_by_table)
@@ -309,14 +308,12 @@ def measure(*, activation: str = "gelu_tanh", sizes: Sequence[int] = (1 << 20,),
         interpret = isinstance(impl, Implementation) and impl.interpret
         if not interpret and not available(name)[0]:
           continue
-        backend = _implementation.resolve(impl, op=o.public)
-        mod = base._impl(backend)  # pylint: disable=protected-access
-        y, m = jax.jit(lambda x, mod=mod, b=backend: mod.forward(o, b, x))(x)
-        add((name, "fwd"), lambda x, mod=mod, b=backend: mod.forward(o, b, x), (x,),
-            2 * n * item + mask)
-        add((name, "bwd"), lambda y, m, dy, mod=mod, b=backend: mod.backward(o, b, y, m, dy),
+        im = activations_api.resolve(impl, op=o.public)
+        y, m = jax.jit(lambda x, im=im: im.forward(o, x))(x)
+        add((name, "fwd"), lambda x, im=im: im.forward(o, x), (x,), 2 * n * item + mask)
+        add((name, "bwd"), lambda y, m, dy, im=im: im.backward(o, y, m, dy),
             (y, m, dy), 3 * n * item + mask)
-        add((name, "fwd+bwd"), fwd_bwd(lambda x, b=backend: base.apply(o, b, x)), (x, dy),
+        add((name, "fwd+bwd"), fwd_bwd(lambda x, im=im: base.apply(o, im, x)), (x, dy),
             4 * n * item + 2 * mask)
       if progress:
         progress(f"{activation} {dt} 2^{n.bit_length() - 1}")

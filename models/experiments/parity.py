@@ -35,7 +35,7 @@ class Task:
   name: str
   description: str
   load: Callable[[int], data_lib.Dataset]   # seed -> dataset
-  config: training.TrainConfig               # everything but dtype, seed, activations
+  config: training.TrainConfig               # everything but dtype, seed, configuration
   metric: str                                # the metric the margin applies to
   margin: float                              # in the units of ``diff_units``
   diff_units: str                            # "points" (x100 of a fraction) or "percent" (of standard)
@@ -100,12 +100,12 @@ def run_one(task: Task, dtype: str, configuration: str, seed: int, workdir: path
   Returns ``{"summary", "history", "wall_s", "cached"}``; raises ``training.ConfigError`` if
   the directory holds a run with other options (e.g. a ``--quick`` study in the same place).
   """
-  cfg = dataclasses.replace(task.config, dtype=dtype, seed=seed, activations=configuration)
+  cfg = dataclasses.replace(task.config, dtype=dtype, seed=seed, configuration=configuration)
   path = run_dir(workdir, task.name, dtype, configuration, seed)
   done = path / "parity_run.json"
   if done.is_file():
     saved = json.loads(done.read_text())
-    if saved["config"] != dataclasses.asdict(cfg):
+    if training.saved_options(saved["config"]) != dataclasses.asdict(cfg):
       raise training.ConfigError(f"--workdir: {path} holds a run with other options; use "
                                  "another --workdir")
     return {"summary": saved["summary"], "history": _read_history(path),
@@ -135,7 +135,7 @@ def init_gradients(task: Task, dtype: str, configurations=CONFIGURATIONS, seed: 
   import jax  # pylint: disable=import-outside-toplevel
   dataset = task.load(seed)
   def grads(configuration, dt):
-    cfg = dataclasses.replace(task.config, dtype=dt, seed=seed, activations=configuration)
+    cfg = dataclasses.replace(task.config, dtype=dt, seed=seed, configuration=configuration)
     _, g = training.Trainer(cfg, dataset, devices=1).gradients(0)
     return g
   ref = grads("standard", dtype)

@@ -1,6 +1,6 @@
 """Profiling the models for the memory planner, and checking its plans against XLA.
 
-:func:`profile` measures, per variant (a set of config overrides, e.g. standard vs
+:func:`profile` measures, per configuration (a set of config overrides, e.g. standard vs
 inverted activations), what ``invact_jax.planner`` needs:
 
 * ``base_bytes``: compiled ``temp_size_in_bytes`` of the training step with every layer
@@ -40,8 +40,8 @@ FIXED_POLICIES: dict[str, tuple[str, ...]] = {
     "nothing": options.TAGS,                                           # keep every tag
 }
 
-# The operator variants the planner chooses among (models.options.CONFIGURATIONS).
-VARIANTS = ("standard", "inverted", "inverted-norms")
+# The configurations the planner chooses among (models.options.CONFIGURATIONS).
+PLANNED_CONFIGURATIONS = ("standard", "inverted", "inverted-norms")
 
 
 def _flops(fn, *args) -> float:
@@ -60,14 +60,14 @@ def _step(cfg, batch: int, seq_len: int):
   return jax.value_and_grad(loss), (params, x, y), loss
 
 
-def profile(cfg, batch: int, *, seq_len: int = 128, variants: Sequence[str] = tuple(VARIANTS),
+def profile(cfg, batch: int, *, seq_len: int = 128, configurations: Sequence[str] = tuple(PLANNED_CONFIGURATIONS),
             tags: Sequence[str] = options.TAGS,
             progress: Callable[[str], None] | None = None) -> list[planner.LayerProfile]:
-  """One :class:`invact_jax.planner.LayerProfile` per variant (see module doc)."""
+  """One :class:`invact_jax.planner.LayerProfile` per configuration (see module doc)."""
   out = []
-  for v in variants:
-    if v not in VARIANTS:
-      raise ValueError(f"argument `variants`: unknown variant {v!r}; choose from {sorted(VARIANTS)}")
+  for v in configurations:
+    if v not in PLANNED_CONFIGURATIONS:
+      raise ValueError(f"argument `configurations`: unknown configuration {v!r}; choose from {sorted(PLANNED_CONFIGURATIONS)}")
     c = cfg.replace(**options.CONFIGURATIONS[v])
     if progress:
       progress(f"{v}: base (depth {c.depth}, keep nothing)")
@@ -93,7 +93,7 @@ def profile(cfg, batch: int, *, seq_len: int = 128, variants: Sequence[str] = tu
       tag_relief.append(int(max(c.depth * slope - at_depth, 0)))
       tag_gain.append(max(f0 - flops((t,)), 0.0))
     full_cost = max(f0 - flops(tuple(tags)), 0.0)
-    out.append(planner.LayerProfile(variant=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
+    out.append(planner.LayerProfile(configuration=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
                                     tag_bytes=tuple(tag_bytes), tag_gain=tuple(tag_gain),
                                     full_cost=full_cost, tag_relief=tuple(tag_relief),
                                     input_bytes=_slope(base, base2, c.depth)))
@@ -110,7 +110,7 @@ def with_input_bytes(cfg, batch: int, prof: planner.LayerProfile, *,
   before it was part of :func:`profile`; a profile that has it is returned as is."""
   if prof.input_bytes or prof.depth <= 2:
     return prof
-  at_2 = compiled_temp(cfg.replace(depth=2), batch, prof.variant, ((),), seq_len=seq_len)
+  at_2 = compiled_temp(cfg.replace(depth=2), batch, prof.configuration, ((),), seq_len=seq_len)
   return dataclasses.replace(prof, input_bytes=_slope(prof.base_bytes, at_2, prof.depth))
 
 
@@ -120,31 +120,31 @@ class Measured:
   flops: float
 
 
-def _planned(cfg, variant: str, keep: Sequence[Sequence[str]]):
-  """``cfg`` with ``variant`` and a per-layer plan (one entry = every layer), layers scanned."""
+def _planned(cfg, configuration: str, keep: Sequence[Sequence[str]]):
+  """``cfg`` with ``configuration`` and a per-layer plan (one entry = every layer), layers scanned."""
   keep = tuple(tuple(k) for k in keep)
-  return cfg.replace(**options.CONFIGURATIONS[variant], save_names=keep if len(set(keep)) > 1 else keep[:1],
+  return cfg.replace(**options.CONFIGURATIONS[configuration], save_names=keep if len(set(keep)) > 1 else keep[:1],
                      scan_layers=True)
 
 
-def compiled_temp(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+def compiled_temp(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,
                   seq_len: int = 128) -> int:
   """XLA's compiled temp bytes of the step under a per-layer plan (one entry = every layer)."""
-  step, args, _ = _step(_planned(cfg, variant, keep), batch, seq_len)
+  step, args, _ = _step(_planned(cfg, configuration, keep), batch, seq_len)
   return memory.compiled(step, *args).temp
 
 
-def measure(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+def measure(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,
             seq_len: int = 128) -> Measured:
   """Compile the step under a per-layer plan (one entry = every layer) and measure it."""
-  c = _planned(cfg, variant, keep)
-  temp = compiled_temp(cfg, batch, variant, keep, seq_len=seq_len)
+  c = _planned(cfg, configuration, keep)
+  temp = compiled_temp(cfg, batch, configuration, keep, seq_len=seq_len)
   # FLOPs from the unrolled program: XLA's cost analysis counts a loop body once.
   step_u, args_u, _ = _step(c.replace(scan_layers=False), batch, seq_len)
   return Measured(temp, _flops(step_u, *args_u))
 
 
-def device_peak(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
+def device_peak(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,
                 seq_len: int = 128) -> dict[str, int]:
   """Run the step under a plan once and read the allocator (GPU; the check beside XLA's temp).
 
@@ -157,14 +157,14 @@ def device_peak(cfg, batch: int, variant: str, keep: Sequence[Sequence[str]], *,
   Raises:
     RuntimeError: the device keeps no ``memory_stats()`` (e.g. CPU).
   """
-  step, args, _ = _step(_planned(cfg, variant, keep), batch, seq_len)
+  step, args, _ = _step(_planned(cfg, configuration, keep), batch, seq_len)
   return memory.device_peak(step, *args)
 
 
-def recompute_flops(cfg, batch: int, variant: str, keep, *, seq_len: int = 128) -> float:
+def recompute_flops(cfg, batch: int, configuration: str, keep, *, seq_len: int = 128) -> float:
   """Measured recompute FLOPs of a plan: its step's FLOPs minus the keep-everything step's."""
-  m = measure(cfg, batch, variant, keep, seq_len=seq_len)
-  ref = measure(cfg, batch, variant, (options.TAGS,), seq_len=seq_len)
+  m = measure(cfg, batch, configuration, keep, seq_len=seq_len)
+  ref = measure(cfg, batch, configuration, (options.TAGS,), seq_len=seq_len)
   return m.flops - ref.flops
 
 
@@ -176,7 +176,7 @@ def _fit_rounds(cfg, batch, budget, profiles, *, seq_len, max_rounds, uniform):
       plan = planner.solve(profiles, target, uniform=uniform)
     except planner.InfeasibleBudget:  # the lowered target went below every plan
       return None
-    m = measure(cfg, batch, plan.variant, plan.keep, seq_len=seq_len)
+    m = measure(cfg, batch, plan.configuration, plan.keep, seq_len=seq_len)
     if m.compiled_temp_bytes <= budget:
       return dataclasses.replace(plan, budget=int(budget)), m
     # Lower the target by the excess, and by at least 2 % of the budget per round.
@@ -237,14 +237,14 @@ def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
   fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
   best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
   # A per-layer request that fell back to the uniform plan is reported as uniform.
-  return {"budget": int(b), "per_layer": not plan.uniform, "variant": plan.variant,
+  return {"budget": int(b), "per_layer": not plan.uniform, "configuration": plan.configuration,
           "keep": [list(k) for k in plan.keep],
           "predicted_bytes": plan.predicted_bytes,
           "compiled_temp_bytes": m.compiled_temp_bytes,
           "prediction_error": plan.predicted_bytes / m.compiled_temp_bytes - 1.0,
-          "recompute_flops": m.flops - ref[plan.variant],
+          "recompute_flops": m.flops - ref[plan.configuration],
           "solve_seconds": plan.solve_seconds,
-          "best_fixed": None if best is None else f"{best['policy']} ({best['variant']})",
+          "best_fixed": None if best is None else f"{best['policy']} ({best['configuration']})",
           "best_fixed_recompute_flops": None if best is None else best["recompute_flops"]}
 
 
@@ -258,7 +258,7 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
   (``"per_layer": True``) compiled the same way; where no per-layer plan compiles within the
   budget, the uniform row gets ``"per_layer_fell_back": True`` instead.
   """
-  ref = {p.variant: measure(cfg, batch, p.variant, (options.TAGS,), seq_len=seq_len).flops
+  ref = {p.configuration: measure(cfg, batch, p.configuration, (options.TAGS,), seq_len=seq_len).flops
          for p in profiles}
   fixed = []
   for name, keep in FIXED_POLICIES.items():
@@ -266,12 +266,12 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
       if not set(keep) <= set(p.tags):  # a profile over a subset of the tags
         continue
       if progress:
-        progress(f"fixed {name} {p.variant}")
-      m = measure(cfg, batch, p.variant, (keep,), seq_len=seq_len)
-      fixed.append({"policy": name, "variant": p.variant, "keep": list(keep),
+        progress(f"fixed {name} {p.configuration}")
+      m = measure(cfg, batch, p.configuration, (keep,), seq_len=seq_len)
+      fixed.append({"policy": name, "configuration": p.configuration, "keep": list(keep),
                     "compiled_temp_bytes": m.compiled_temp_bytes,
                     "predicted_bytes": planner.evaluate(p, keep)[0],
-                    "recompute_flops": m.flops - ref[p.variant]})
+                    "recompute_flops": m.flops - ref[p.configuration]})
   plans = []
   for b in budgets:
     if progress:

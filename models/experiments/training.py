@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from invact_jax import memory
 from models import options, text, vit
+from models.experiments import cli
 from models.experiments import data as data_lib
 
 
@@ -44,30 +45,76 @@ def first_line(error: BaseException, limit: int = 300) -> str:
   return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
-# --activations choices: the configurations of models.options (same vocabulary everywhere).
-CONFIGURATION_CHOICES = ("standard", "checkpointed", "inverted", "inverted-norms", "inverted-all")
+def _positive(v) -> str | None:
+  return None if v > 0 else "must be positive"
+
+
+def _positive_finite(v) -> str | None:
+  return None if math.isfinite(v) and v > 0 else "must be a positive finite number"
+
+
+def _finite_nonnegative(v) -> str | None:
+  return None if math.isfinite(v) and v >= 0 else "must be a finite number >= 0"
+
+
+def _nonnegative(v) -> str | None:
+  return None if v >= 0 else "must be >= 0"
+
+
+def _known_configuration(name) -> str | None:
+  try:
+    options.configuration(name)
+  except ValueError as e:
+    return f"must be a configuration of models.options ({e})"
+  return None
+
+
+def parse_bytes(text: str) -> int:
+  """'123', '300MiB', '1.5GB' -> bytes (an argparse ``type``)."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+           "gib": 2**30}
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+  if not m or m.group(2).lower() not in units:
+    raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 300MiB, 2GB, 123456)")
+  return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Options of one training run (see ``scripts/train_vit.py --help``)."""
-  preset: str = "digits"
-  batch_size: int = 64
-  epochs: int = 100
-  steps: int | None = None       # total steps; overrides epochs
-  lr: float = 3e-3               # peak learning rate
-  warmup_steps: int = 200
-  schedule: str = "cosine"       # "cosine" (warmup + cosine decay) or "constant" (after warmup)
-  weight_decay: float = 0.05
-  dtype: str = "float32"
-  seed: int = 0
-  activations: str = "inverted"  # a configuration of models.options (CONFIGURATION_CHOICES)
-  scan_layers: bool = False
-  remat: str = "none"
-  memory_budget: int | None = None  # bytes for the model's gradient step (planner; see below)
-  checkpoint_every: int = 500
-  log_every: int = 20
-  shift: int | None = None       # random-translation augmentation in pixels (None: image_size // 8)
+  """Options of one training run; each field is also ``scripts/train_vit.py``'s option of the
+  same name (``--batch-size`` for ``batch_size``: :mod:`models.experiments.cli`)."""
+  preset: str = cli.option("digits", "model preset (models.vit.PRESETS; text data: "
+                           "models.text.PRESETS)")
+  batch_size: int = cli.option(64, "global batch size", check=_positive)
+  epochs: int = cli.option(100, "epochs (when --steps is not given)", check=_positive)
+  steps: int | None = cli.option(None, "total steps (overrides --epochs)", check=_positive)
+  lr: float = cli.option(3e-3, "peak learning rate (AdamW)", check=_positive_finite)
+  warmup_steps: int = cli.option(200, "linear warm-up steps", check=_nonnegative)
+  schedule: str = cli.option("cosine", "learning-rate schedule after warm-up",
+                             choices=("cosine", "constant"))
+  weight_decay: float = cli.option(0.05, "AdamW weight decay", check=_finite_nonnegative)
+  dtype: str = cli.option("float32", "compute dtype (parameters stay float32)",
+                          choices=("float32", "bfloat16", "float16"))
+  seed: int = cli.option(0, "seed of the initialisation, data order and dropout")
+  configuration: str = cli.option(
+      "inverted", "which ops run in their memory-saving form: a configuration of "
+      f"models.options ({', '.join(options.CONFIGURATIONS)}), optionally +pallas or +triton",
+      check=_known_configuration)
+  scan_layers: bool = cli.option(False, "run the layers under jax.lax.scan")
+  remat: str = cli.option("none", "jax.checkpoint policy per layer",
+                          choices=tuple(options.REMAT_POLICIES))
+  memory_budget: int | None = cli.option(
+      None, "bytes (or e.g. 300MiB) for the gradient step: the planner picks what each layer "
+      "keeps and the configuration (layers scanned)", check=_positive, parse=parse_bytes)
+  checkpoint_every: int = cli.option(500, "steps between checkpoints", check=_positive)
+  log_every: int = cli.option(20, "steps between metrics lines", check=_positive)
+  shift: int | None = cli.option(None, "random-translation augmentation in pixels (default: "
+                                 "image_size // 8)", check=_nonnegative)
+
+  def __post_init__(self):
+    cli.check(self, ConfigError)
 
   def model_config(self, dataset: data_lib.Dataset) -> vit.ViTConfig | text.TextConfig:
     if dataset.modality == "text":
@@ -84,7 +131,7 @@ class TrainConfig:
     try:
       return base.replace(image_size=dataset.image_size, patch_size=patch,
                           channels=dataset.channels, num_classes=dataset.num_classes,
-                          **options.configuration(self.activations), dtype=self.dtype,
+                          **options.configuration(self.configuration), dtype=self.dtype,
                           scan_layers=self.scan_layers, remat=self.remat)
     except ValueError as e:
       raise ConfigError(str(e)) from None
@@ -96,7 +143,7 @@ class TrainConfig:
     base = text.PRESETS[self.preset]
     try:
       return base.replace(vocab=dataset.num_classes, max_len=max(base.max_len, dataset.seq_len),
-                          **options.configuration(self.activations), dtype=self.dtype,
+                          **options.configuration(self.configuration), dtype=self.dtype,
                           scan_layers=self.scan_layers, remat=self.remat)
     except ValueError as e:
       raise ConfigError(str(e)) from None
@@ -106,26 +153,8 @@ class TrainConfig:
 
 
 def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> None:
-  """Raise ConfigError for options that cannot work with this data or machine."""
-  if cfg.activations not in CONFIGURATION_CHOICES:
-    raise ConfigError(f"--activations must be one of {CONFIGURATION_CHOICES}, "
-                      f"got {cfg.activations!r}")
-  if cfg.dtype not in ("float32", "bfloat16", "float16"):
-    raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
-  if cfg.schedule not in ("cosine", "constant"):
-    raise ConfigError(f"--schedule must be 'cosine' or 'constant', got {cfg.schedule!r}")
-  if cfg.batch_size <= 0:
-    raise ConfigError(f"--batch-size must be positive, got {cfg.batch_size}")
-  if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-    raise ConfigError(f"--lr must be a positive finite number, got {cfg.lr}")
-  if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
-    raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}")
-  if cfg.checkpoint_every < 1:
-    raise ConfigError(f"--checkpoint-every must be a positive number of steps, got {cfg.checkpoint_every}")
-  if cfg.log_every < 1:
-    raise ConfigError(f"log_every must be a positive number of steps, got {cfg.log_every}")
-  if cfg.memory_budget is not None and cfg.memory_budget <= 0:
-    raise ConfigError(f"--memory-budget must be positive, got {cfg.memory_budget}")
+  """Raise ConfigError for options that cannot work with this data or machine (each option's
+  own range is checked when the config is built: :func:`models.experiments.cli.check`)."""
   n = dataset.x_train.shape[0]
   if cfg.batch_size > n:
     raise ConfigError(f"--batch-size {cfg.batch_size} is larger than the training set ({n} images)")
@@ -198,7 +227,7 @@ def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
                                        uniform=None)
   except planner.InfeasibleBudget as e:
     raise ConfigError(f"--memory-budget: {e}") from None
-  return cfg.replace(save_names=plan.save_names(), **options.CONFIGURATIONS[plan.variant]), plan
+  return cfg.replace(save_names=plan.save_names(), **options.CONFIGURATIONS[plan.configuration]), plan
 
 
 @dataclasses.dataclass
@@ -410,6 +439,13 @@ def _check_writable(workdir: pathlib.Path) -> None:
     raise ConfigError(f"--workdir {workdir}: {probe} is not writable")
 
 
+def saved_options(saved: dict) -> dict:
+  """A saved ``TrainConfig`` dict in today's field names (``activations`` before 0.3)."""
+  if "activations" in saved and "configuration" not in saved:
+    saved = {("configuration" if k == "activations" else k): v for k, v in saved.items()}
+  return saved
+
+
 def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) -> None:
   """Check the run directory before anything is written to it."""
   _check_writable(workdir)
@@ -426,6 +462,7 @@ def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) ->
                           "restore it or start a new --workdir") from None
       if not isinstance(saved, dict):
         raise ConfigError(f"--resume: {cfg_file} holds no options (a JSON object was expected)")
+      saved = saved_options(saved)
       if saved != dataclasses.asdict(cfg):
         diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items() if saved.get(k) != v}
         raise ConfigError(f"--resume: options differ from the checkpointed run: {diff}")
@@ -507,7 +544,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   if progress and main:
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
-               desc=f"{cfg.preset} {cfg.activations}")
+               desc=f"{cfg.preset} {cfg.configuration}")
   def log(record):
     history.append(record)
     if main:
@@ -556,7 +593,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   evals = [h for h in history if "test_acc" in h]
   trains = [h for h in history if "loss" in h]
   summary = {
-      "preset": cfg.preset, "activations": cfg.activations, "dtype": cfg.dtype,
+      "preset": cfg.preset, "configuration": cfg.configuration, "dtype": cfg.dtype,
       "steps": trainer.step, "total_steps": trainer.total, "finished": trainer.step == trainer.total,
       "final_test_acc": evals[-1]["test_acc"] if evals else None,
       "final_test_loss": evals[-1]["test_loss"] if evals else None,
@@ -567,7 +604,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
       "state_bytes_per_device": trainer.state_bytes_per_device(),
       "platform": jax.default_backend(),
       "memory_plan": None if trainer.plan is None else {
-          "budget": trainer.plan.budget, "variant": trainer.plan.variant,
+          "budget": trainer.plan.budget, "configuration": trainer.plan.configuration,
           "keep": [list(k) for k in trainer.plan.save_names()],
           "predicted_bytes": trainer.plan.predicted_bytes},
   }

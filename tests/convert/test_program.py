@@ -419,3 +419,21 @@ def test_a_norm_ending_in_a_cast_keeps_xhat_in_the_cast_dtype():
   saved = memory.residuals(inv, x, s, b)
   big = sorted(str(r.dtype) for r in saved if tuple(r.shape) == (16, 64))
   assert big == ["bfloat16"], saved
+
+
+def test_non_array_outputs_pass_through_unchanged():
+  """has_aux with a string, a Python number or None: returned as the function returned them
+  (before: a TypeError from tracing, or a Python int turned into an int32 array)."""
+  def f(x):
+    return jnp.sum(jax.nn.gelu(x)), ("step", 3, None, 2.5)
+  inv = invact_jax.invert(f)
+  x = jnp.linspace(-2.0, 2.0, 8)
+  (v, aux), g = jax.value_and_grad(inv, has_aux=True)(x)
+  (v_ref, aux_ref), _ = jax.value_and_grad(f, has_aux=True)(x)
+  assert aux == aux_ref and type(aux[1]) is int and type(aux[3]) is float
+  assert inv.last_report.replaced == {"gelu": 1}
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(v_ref))
+  assert_at_float32_floor(lambda x: f(x)[0], (x,), g,
+                          hand_loss=lambda x: jnp.sum(invact_jax.gelu(x)))
+  assert invact_jax.invert(lambda x: 3)(x) == 3
+  assert invact_jax.invert(lambda x: None)(x) is None

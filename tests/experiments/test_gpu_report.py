@@ -85,12 +85,12 @@ def test_resume_keeps_measured_figures():
   assert g["peaks"]["standard"] == {"peak_bytes_in_use": 5}
 
 
-def test_readme_block_is_generated_from_the_committed_report():
+def test_docs_block_is_generated_from_the_committed_report():
   reports = gpu_report.newest_per_device((ROOT / "bench").glob("gpu_*_????-??-??.json"))
   if not reports:
     pytest.skip("no GPU report committed")
   md = "\n".join(gpu_report.markdown(json.loads(p.read_text())) for p in reports)
-  readme = (ROOT / "README.md").read_text()
+  readme = (ROOT / "docs" / "gpu-report.md").read_text()
   block = readme.split("<!-- gpu-report:begin -->\n", 1)[1].split("<!-- gpu-report:end -->", 1)[0]
   assert block.strip() == md.strip()
 

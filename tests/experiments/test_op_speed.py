@@ -75,11 +75,10 @@ def test_table_backward_gives_the_backward_values(name, dtype):
   import numpy as np
   from invact_jax.ops.activations import base
   o = op_speed.op(name)
-  backend = invact_jax.ops._implementation.resolve("xla", op=o.public)  # pylint: disable=protected-access
   x = jax.lax.bitcast_convert_type(jnp.arange(1 << 16, dtype=jnp.uint16), jnp.dtype(dtype))
   dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32).astype(x.dtype)
-  y, packed = jax.jit(lambda x: base.forward(o, backend, x))(x)  # every pattern as input
-  want = jax.jit(lambda *a: base.backward(o, backend, *a))(y, packed, dy)
+  y, packed = jax.jit(lambda x: base.XLA.forward(o, x))(x)  # every pattern as input
+  want = jax.jit(lambda *a: base.XLA.backward(o, *a))(y, packed, dy)
   got = jax.jit(op_speed.table_backward(op_speed.lookup_table(o, dtype)))(y, packed, dy)
   want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
   ok = np.isfinite(want)

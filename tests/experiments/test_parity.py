@@ -79,7 +79,7 @@ def test_quick_study_end_to_end_resumes_and_never_recomputes(tmp_path):
   text = parity.quick(parity.TASKS["text"])
   assert text.load(1).x_test.shape == (parity.QUICK_HELDOUT, 64)
   cut = parity.run_dir(work, "text", "bfloat16", "inverted-all", 1)
-  cfg = dataclasses.replace(text.config, dtype="bfloat16", seed=1, activations="inverted-all")
+  cfg = dataclasses.replace(text.config, dtype="bfloat16", seed=1, configuration="inverted-all")
   training.train(cfg, text.load(1), cut, progress=False, stop_after=parity.QUICK_STEPS // 2)
   assert script.main(argv) == 0
   report = json.loads(out.with_suffix(".json").read_text())

@@ -149,6 +149,9 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
       (["--data", str(bad_labels)], "negative labels"),
       (["--batch-size", "5000"], "larger than the training set"),
       (["--preset", "vit-huge"], "unknown preset"),
+      (["--epochs", "0"], "--epochs must be positive"),
+      (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+      (["--configuration", "inverted-some"], "--configuration must be a configuration"),
   ]
   for args, pattern in cases:
     code = main(["--no-progress", *args, "--workdir", wd])
@@ -156,6 +159,45 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
     assert code == 2, cap.err
     _assert_one_line_error(subprocess.CompletedProcess(args, code, cap.out, cap.err), pattern)
   assert not pathlib.Path(wd).exists(), "nothing may be written on bad input"
+
+
+def test_cli_is_generated_from_train_config(capsys):
+  """Every TrainConfig field is an option of the same name; argparse's own checks (a type, a
+  choice, a range) are one line and exit 2; --activations still works, with a warning."""
+  import dataclasses as dc
+  script = load_script("train_vit")
+  with pytest.raises(SystemExit) as e:
+    script.parse(["--help"])
+  assert e.value.code == 0
+  help_text = capsys.readouterr().out
+  for f in dc.fields(training.TrainConfig):
+    assert "--" + f.name.replace("_", "-") in help_text, f.name
+  args = script.parse(["--batch-size", "8", "--activations", "inverted-all", "--no-scan-layers",
+                       "--memory-budget", "1MiB"])
+  assert "--activations is now called --configuration" in capsys.readouterr().err
+  from models.experiments import cli
+  cfg = cli.from_args(training.TrainConfig, args)
+  assert (cfg.batch_size, cfg.configuration, cfg.scan_layers, cfg.memory_budget) == \
+      (8, "inverted-all", False, 2**20)
+  for argv, pattern in ((["--stop-after", "-1"], "--stop-after: must be >= 1"),
+                        (["--distributed-timeout", "0"], "--distributed-timeout: must be >= 1"),
+                        (["--dtype", "float8"], "--dtype: invalid choice"),
+                        (["--lr", "fast"], "--lr: invalid float value")):
+    with pytest.raises(SystemExit) as e:
+      script.parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert pattern in err[-1] and "Traceback" not in "\n".join(err), err
+
+
+def test_old_config_files_resume(digits, tmp_path):
+  """A run directory written before ``activations`` was called ``configuration`` resumes."""
+  wd = tmp_path / "run"
+  training.train(SMALL, digits, wd, progress=False, devices=1, stop_after=5)
+  saved = json.loads((wd / "config.json").read_text())
+  saved["activations"] = saved.pop("configuration")
+  (wd / "config.json").write_text(json.dumps(saved))
+  assert training.train(SMALL, digits, wd, resume=True, progress=False, devices=1)["steps"] == 12
 
 
 def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
@@ -178,7 +220,7 @@ def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
 def test_bad_options_and_unwritable_workdir_fail_before_writing(digits, tmp_path, monkeypatch):
   for field, value, pattern in [("checkpoint_every", 0, "--checkpoint-every"),
                                 ("checkpoint_every", -3, "--checkpoint-every"),
-                                ("log_every", 0, "log_every")]:
+                                ("log_every", 0, "--log-every")]:
     with pytest.raises(training.ConfigError, match=pattern):
       training.validate(dataclasses.replace(SMALL, **{field: value}), digits, 1)
   afile = tmp_path / "afile"
@@ -230,7 +272,7 @@ def test_memory_budget_plans_the_model(digits, monkeypatch):
   here a fixed profile keeps the test short)."""
   from invact_jax import planner
   from models.experiments import plan_profiles as planning
-  prof = planner.LayerProfile(variant="inverted", depth=4, base_bytes=2_000_000,
+  prof = planner.LayerProfile(configuration="inverted", depth=4, base_bytes=2_000_000,
                               tags=("query", "mlp_pre"), tag_bytes=(50_000, 200_000),
                               tag_gain=(1.0, 4.0), full_cost=5.0)
   monkeypatch.setattr(planning, "profile", lambda cfg, batch, **kw: [prof])

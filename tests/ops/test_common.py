@@ -1,4 +1,6 @@
 """The helpers every op family shares: argument checks, implementation resolution."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,14 +23,21 @@ def test_static_scalar_and_axis():
 
 
 def test_resolve():
-  assert _implementation.resolve(None, op="f").name == "xla"
+  from invact_jax.ops.activations import api
+  impls = api.IMPLEMENTATIONS
+  assert _implementation.resolve(None, op="f", implementations=impls) is impls["xla"]
   with pytest.raises(ValueError, match="invact_jax.f: argument `implementation`"):
-    _implementation.resolve("cuda", op="f")
+    _implementation.resolve("cuda", op="f", implementations=impls)
   with pytest.raises(ValueError, match="not available for this op"):
-    _implementation.resolve("pallas", op="f", supported=("xla",))
+    _implementation.resolve("pallas", op="f", implementations={"xla": _implementation.XLA})
   b = _implementation.resolve(_implementation.Implementation(name="pallas", interpret=True),
-                              op="f")
-  assert b.name == "pallas" and b.interpret
+                              op="f", implementations=impls)
+  assert type(b) is type(impls["pallas"]) and b.name == "pallas" and b.interpret
+  b = _implementation.resolve(_implementation.Implementation(name="triton", interpret=True,
+                                                             block_rows=64),
+                              op="f", implementations=impls)
+  assert type(b) is type(impls["triton"]) and b.block_rows == 64
+  assert hash(b) == hash(dataclasses.replace(b))  # a static argument of the custom_vjps
 
 
 def test_first_order_only_allows_first_order_and_refuses_second():

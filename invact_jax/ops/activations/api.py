@@ -1,123 +1,304 @@
-"""Public inverted activations, built from the registry: drop-ins for ``jax.nn``.
+"""Public inverted activations: drop-ins for ``jax.nn`` that keep only their output.
 
-For every public name of :data:`.registry.PUBLIC` this module defines
-
-* ``<public>(x, [selector/params,] *, implementation=None)``: the inverted activation, a
-  ``jax.custom_vjp`` keeping only y (+ the packed branch bit), forward bit-identical to
-  ``jax.nn``'s on the XLA path;
-* ``<public>_reference(x, ...)``: ``jax.nn``'s own function (JAX autodiff), the baseline.
-
-Signatures mirror ``jax.nn`` (``gelu(x, approximate=True)``, ``elu(x, alpha=1.0)``,
-``leaky_relu(x, negative_slope=0.01)``), with ``implementation=`` added (see
-:mod:`invact_jax.ops._implementation`).
+Each ``<op>(x, ..., *, implementation=None)`` is a ``jax.custom_vjp`` keeping y (and, for a
+non-monotone op, one branch bit per element packed 8 per byte); its forward is bit-identical
+to ``jax.nn``'s on the XLA path.  Each ``<op>_reference`` is ``jax.nn``'s own function with
+JAX autodiff, the baseline.  Signatures mirror ``jax.nn``; every function here is a thin
+wrapper over its entry in :mod:`.registry` (the math) and runs on one of
+:data:`IMPLEMENTATIONS` (see :mod:`invact_jax.ops._implementation`).
 """
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+from typing import Any
+
+import jax
+import numpy as np
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 from invact_jax.ops.activations import base
+from invact_jax.ops.activations import pallas
 from invact_jax.ops.activations import registry
+from invact_jax.ops.activations import triton
 
-__all__: list[str] = []
+__all__ = ["gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "elu", "leaky_relu",
+           "relu", "gelu_reference", "silu_reference", "swish_reference", "mish_reference",
+           "sigmoid_reference", "tanh_reference", "softplus_reference", "elu_reference",
+           "leaky_relu_reference", "relu_reference"]
 
+#: How the activations can run: name -> implementation (kernel options set by ``resolve``).
+IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
+    "xla": base.XLA, "pallas": pallas.PallasActivation(), "triton": triton.TritonActivation()}
 
-def _options(entries) -> list[tuple[str, Any]]:
-  """The public keyword arguments (selector first, then numeric params) with defaults."""
-  out: dict[str, Any] = {}
-  for a in entries:
-    for k, v in a.selector:
-      out.setdefault(k, v)  # the first entry's selector value is the default
-    for k, v in a.params:
-      out.setdefault(k, v)
-  return list(out.items())
-
-
-def _select(public: str, entries, kwargs: dict):
-  sel = {k: kwargs[k] for a in entries for k, _ in a.selector}
-  for a in entries:
-    if all(bool(sel[k]) == bool(v) for k, v in a.selector):
-      params = tuple((k, _common.static_scalar(public, k, kwargs[k])) for k, _ in a.params)
-      return a, params
-  raise AssertionError(sel)  # unreachable: selectors cover both values
+Array = jax.Array
+ImplementationLike = Any  # None | str | invact_jax.Implementation
 
 
-def _doc(public: str, entries, options) -> str:
-  first = entries[0]
-  lines = [f"{first.summary.split(';')[0]}, keeping only its output"
-           + (" and a 1-bit branch mask" if any(a.nonmonotone for a in entries) else "")
-           + " for the backward.", ""]
-  lines += [f"Drop-in for ``jax.nn.{first.original.__name__}``: same signature (plus "
-            "``implementation=``) and bit-identical outputs on the XLA path.  The backward "
-            "computes f'(x) from the stored output:", ""]
-  lines += [f"* {a.name}: {a.summary}" for a in entries]
-  lines += ["", "Args:", "  x: floating-point array (float16, bfloat16, float32 or float64)."]
-  for k, v in options:
-    lines.append(f"  {k}: as in ``jax.nn`` (default {v!r})"
-                 + ("; a static number (the backward is specialised on it)."
-                    if isinstance(v, float) else "."))
-  lines += ["  implementation: None (XLA), \"xla\", \"pallas\", \"triton\", or an",
-            "    :class:`invact_jax.Implementation` with kernel options.", "",
-            "Example:", "  >>> import jax, jax.numpy as jnp, invact_jax",
-            "  >>> x = jnp.linspace(-3.0, 3.0, 7)",
-            f"  >>> bool(jnp.all(invact_jax.{public}(x) == invact_jax.{public}_reference(x)))",
-            "  True",
-            f"  >>> g = jax.grad(lambda x: invact_jax.{public}(x).sum())(x)",
-            f"  >>> g_ref = jax.grad(lambda x: invact_jax.{public}_reference(x).sum())(x)",
-            "  >>> bool(jnp.allclose(g, g_ref, atol=1e-5))",
-            "  True"]
-  return "\n".join(lines)
+def _selector(public: str, arg: str, value) -> bool:
+  """A selector argument (``approximate``): a Python or NumPy bool, nothing else."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise TypeError(f"invact_jax.{public}: argument `{arg}` must be True or False, got {value!r}")
 
 
-def _signature(options, with_implementation: bool) -> inspect.Signature:
-  params = [inspect.Parameter("x", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-  params += [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=v)
-             for k, v in options]
-  if with_implementation:
-    params.append(inspect.Parameter("implementation", inspect.Parameter.KEYWORD_ONLY,
-                                    default=None))
-  return inspect.Signature(params)
+def _entry(public: str, selector: dict, params: dict) -> tuple[registry.Activation, tuple]:
+  """The registry entry ``invact_jax.<public>(**selector)`` runs, and its static params."""
+  sel = {k: _selector(public, k, v) for k, v in selector.items()}
+  entry = registry.by_public(public, **sel)
+  return entry, tuple((k, _common.static_scalar(public, k, v)) for k, v in params.items())
 
 
-def _make(public: str, entries) -> tuple[Callable, Callable]:
-  options = _options(entries)
-  sig = _signature(options, True)
-  sig_ref = _signature(options, False)
+def resolve(implementation: ImplementationLike, *, op: str = "gelu"
+            ) -> _implementation.ImplementationBase:
+  """The activation implementation that ``implementation=`` names, with its kernel options.
 
-  def fn(*args, **kwargs):
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    kw = dict(bound.arguments)
-    x = _common.float_array(public, "x", kw.pop("x"))
-    implementation = kw.pop("implementation")
-    entry, params = _select(public, entries, kw)
-    backend = _implementation.resolve(implementation, op=public, supported=entry.implementations)
-    return base.apply(base.Op(entry, params), backend, x)
+  For benchmarks and kernel tools that call an implementation's ``forward``/``backward``
+  or :func:`base.apply` directly.
 
-  def reference(*args, **kwargs):
-    bound = sig_ref.bind(*args, **kwargs)
-    bound.apply_defaults()
-    kw = dict(bound.arguments)
-    entry, _ = _select(public, entries, kw)
-    x = kw.pop("x")
-    return entry.original(x, **{k: kw[k] for k, _ in entry.selector},
-                          **{k: kw[k] for k, _ in entry.params})
+  Args:
+    implementation: None, "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+    op: the public op it is for (for messages).
 
-  for f, name, s in ((fn, public, sig), (reference, f"{public}_reference", sig_ref)):
-    f.__name__ = f.__qualname__ = name
-    f.__module__ = __name__
-    f.__signature__ = s
-  fn.__doc__ = _doc(public, entries, options)
-  reference.__doc__ = (f"``jax.nn.{entries[0].original.__name__}`` with JAX's own autodiff "
-                       f"(it keeps x and intermediates): the baseline of "
-                       f":func:`invact_jax.{public}`.")
-  return fn, reference
+  Returns:
+    An instance of ``IMPLEMENTATIONS``' class for that name.
+  """
+  return _implementation.resolve(implementation, op=op, implementations=IMPLEMENTATIONS)
 
 
-for _public, _entries in registry.PUBLIC.items():
-  _fn, _ref = _make(_public, _entries)
-  globals()[_public], globals()[f"{_public}_reference"] = _fn, _ref
-  __all__ += [_public, f"{_public}_reference"]
-del _public, _entries, _fn, _ref
+def _run(public: str, x, implementation, selector: dict | None = None, **params) -> Array:
+  """``invact_jax.<public>``: check the arguments, pick the entry and the implementation."""
+  x = _common.float_array(public, "x", x)
+  entry, bound = _entry(public, selector or {}, params)
+  impl = _implementation.resolve(implementation, op=public, implementations={
+      k: IMPLEMENTATIONS[k] for k in entry.implementations})
+  return base.apply(base.Op(entry, bound), impl, x)
+
+
+def _reference(public: str, x, selector: dict | None = None, **params) -> Array:
+  """``jax.nn``'s function for ``public`` (captured at import), JAX autodiff."""
+  entry, _ = _entry(public, selector or {}, {})
+  return entry.original(x, **(selector or {}), **params)
+
+
+# ------------------------------------------------------------------- the public ops
+def gelu(x: Array, approximate: bool = True, *,
+         implementation: ImplementationLike = None) -> Array:
+  """GELU keeping only its output and a 1-bit branch mask for the backward.
+
+  Drop-in for ``jax.nn.gelu``: bit-identical outputs on the XLA path.  The backward computes
+  f'(x) from y and the bit ``x < x_min`` (x_min ~ -0.75, where GELU turns).
+
+  Args:
+    x: floating-point array (float16, bfloat16, float32 or float64).
+    approximate: True for the tanh form (Flax's default), False for the erf form.
+    implementation: None (XLA), "xla", "pallas", "triton", or an
+      :class:`invact_jax.Implementation` with kernel options.
+
+  Returns:
+    ``jax.nn.gelu(x, approximate)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, invact_jax
+    >>> x = jnp.linspace(-3.0, 3.0, 7)
+    >>> bool(jnp.all(invact_jax.gelu(x) == jax.nn.gelu(x)))
+    True
+    >>> g = jax.grad(lambda x: invact_jax.gelu(x, approximate=False).sum())(x)
+    >>> g_ref = jax.grad(lambda x: jax.nn.gelu(x, approximate=False).sum())(x)
+    >>> bool(jnp.allclose(g, g_ref, atol=1e-5))
+    True
+  """
+  return _run("gelu", x, implementation, {"approximate": approximate})
+
+
+def silu(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """SiLU (swish), ``x * sigmoid(x)``, keeping its output and a 1-bit branch mask.
+
+  Drop-in for ``jax.nn.silu`` (bit-identical on the XLA path); the bit is
+  ``x < x_min ~ -1.2785``.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.silu(x)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, invact_jax
+    >>> x = jnp.linspace(-3.0, 3.0, 7)
+    >>> g = jax.grad(lambda x: invact_jax.silu(x).sum())(x)
+    >>> bool(jnp.allclose(g, jax.grad(lambda x: jax.nn.silu(x).sum())(x), atol=1e-5))
+    True
+  """
+  return _run("silu", x, implementation)
+
+
+def swish(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Alias of :func:`silu` (as ``jax.nn.swish`` is of ``jax.nn.silu``).
+
+  Args:
+    x: floating-point array.
+    implementation: as for :func:`silu`.
+
+  Returns:
+    ``jax.nn.swish(x)``.
+  """
+  return _run("swish", x, implementation)
+
+
+def mish(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Mish, ``x * tanh(softplus(x))``, keeping its output and a 1-bit branch mask.
+
+  Drop-in for ``jax.nn.mish`` (bit-identical on the XLA path); the bit is
+  ``x < x_min ~ -1.1924``.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.mish(x)``.
+  """
+  return _run("mish", x, implementation)
+
+
+def sigmoid(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Sigmoid keeping only its output: f' = y (1 - y).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.sigmoid(x)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, invact_jax
+    >>> float(jax.grad(lambda x: invact_jax.sigmoid(x))(0.0))
+    0.25
+  """
+  return _run("sigmoid", x, implementation)
+
+
+def tanh(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """tanh keeping only its output: f' = (1 - y)(1 + y).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.tanh(x)``.
+  """
+  return _run("tanh", x, implementation)
+
+
+def softplus(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Softplus keeping only its output: f' = 1 - exp(-y).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.softplus(x)``.
+  """
+  return _run("softplus", x, implementation)
+
+
+def elu(x: Array, alpha: float = 1.0, *, implementation: ImplementationLike = None) -> Array:
+  """ELU keeping only its output: f' = 1 for x > 0, else y + alpha (a bit if alpha < 0).
+
+  Args:
+    x: floating-point array.
+    alpha: as in ``jax.nn.elu``; a static number (the backward is specialised on it).
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.elu(x, alpha)``.
+  """
+  return _run("elu", x, implementation, alpha=alpha)
+
+
+def leaky_relu(x: Array, negative_slope: float = 1e-2, *,
+               implementation: ImplementationLike = None) -> Array:
+  """Leaky ReLU keeping only its output (a bit only if ``negative_slope <= 0``).
+
+  Args:
+    x: floating-point array.
+    negative_slope: as in ``jax.nn.leaky_relu``; a static number.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.leaky_relu(x, negative_slope)``.
+  """
+  return _run("leaky_relu", x, implementation, negative_slope=negative_slope)
+
+
+def relu(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """ReLU keeping only its output: f' = [y > 0] (f'(0) = 0, as ``jax.nn.relu``).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.relu(x)``.
+  """
+  return _run("relu", x, implementation)
+
+
+# ---------------------------------------------------------------- the references
+def gelu_reference(x: Array, approximate: bool = True) -> Array:
+  """``jax.nn.gelu`` with JAX's own autodiff (keeps x): the baseline of :func:`gelu`."""
+  return _reference("gelu", x, {"approximate": approximate})
+
+
+def silu_reference(x: Array) -> Array:
+  """``jax.nn.silu`` with JAX's own autodiff: the baseline of :func:`silu`."""
+  return _reference("silu", x)
+
+
+def swish_reference(x: Array) -> Array:
+  """``jax.nn.swish`` with JAX's own autodiff: the baseline of :func:`swish`."""
+  return _reference("swish", x)
+
+
+def mish_reference(x: Array) -> Array:
+  """``jax.nn.mish`` with JAX's own autodiff: the baseline of :func:`mish`."""
+  return _reference("mish", x)
+
+
+def sigmoid_reference(x: Array) -> Array:
+  """``jax.nn.sigmoid`` with JAX's own autodiff: the baseline of :func:`sigmoid`."""
+  return _reference("sigmoid", x)
+
+
+def tanh_reference(x: Array) -> Array:
+  """``jax.nn.tanh`` with JAX's own autodiff: the baseline of :func:`tanh`."""
+  return _reference("tanh", x)
+
+
+def softplus_reference(x: Array) -> Array:
+  """``jax.nn.softplus`` with JAX's own autodiff: the baseline of :func:`softplus`."""
+  return _reference("softplus", x)
+
+
+def elu_reference(x: Array, alpha: float = 1.0) -> Array:
+  """``jax.nn.elu`` with JAX's own autodiff: the baseline of :func:`elu`."""
+  return _reference("elu", x, alpha=alpha)
+
+
+def leaky_relu_reference(x: Array, negative_slope: float = 1e-2) -> Array:
+  """``jax.nn.leaky_relu`` with JAX's own autodiff: the baseline of :func:`leaky_relu`."""
+  return _reference("leaky_relu", x, negative_slope=negative_slope)
+
+
+def relu_reference(x: Array) -> Array:
+  """``jax.nn.relu`` with JAX's own autodiff: the baseline of :func:`relu`."""
+  return _reference("relu", x)
+
+
+#: public name -> (the op, its reference); a test checks it against :data:`registry.PUBLIC`.
+PUBLIC = {name: (globals()[name], globals()[f"{name}_reference"]) for name in __all__
+          if not name.endswith("_reference")}

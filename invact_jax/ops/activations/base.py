@@ -6,23 +6,22 @@ where the registry says the activation keeps a branch bit, the bit mask packed 8
 (:mod:`.math`).  This is also the reference the kernels are tested against; the
 ``<name>_reference`` functions are ``jax.nn``'s with JAX's own autodiff.
 
-Kernel implementations (:mod:`.pallas`) provide the same two functions,
-``forward(op, backend, x) -> (y, packed)`` and ``backward(op, backend, y, packed, dy) -> dx``,
-with the same mask layout, so residuals are interchangeable.
+Each implementation (:class:`XlaActivation` here, ``pallas.PallasActivation``,
+``triton.TritonActivation``) has the same two methods, ``forward(op, x) -> (y, packed)`` and
+``backward(op, y, packed, dy) -> dx``, with the same mask layout, so residuals are
+interchangeable; :func:`apply` is the ``custom_vjp`` they share.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from invact_jax import bitpack
 from invact_jax.ops import _common
-from invact_jax.ops._implementation import Backend  # noqa: F401  (re-exported)
+from invact_jax.ops import _implementation
 from invact_jax.ops.activations.registry import Activation
 
 
@@ -79,7 +78,7 @@ class Op:
     return self.activation.grad(yc, bits, **self.kwargs)
 
 
-# ----------------------------------------------------------------------- the XLA backend
+# --------------------------------------------------------------- the XLA implementation
 def packed_bits(op: Op, x):
   """The branch bits of ``x`` packed 8 per byte, or None where ``op`` keeps none."""
   if not op.has_bit:
@@ -87,59 +86,59 @@ def packed_bits(op: Op, x):
   return bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
 
 
-def forward(op: Op, backend: Backend, x):
-  """``(y, packed bits or None)``: jax.nn's forward and the bit mask, fused by XLA."""
-  del backend
-  return op.forward(x), packed_bits(op, x)
-
-
-def backward(op: Op, backend: Backend, y, packed, dy):
-  del backend
+def derivative_from_packed(op: Op, y, packed):
+  """f'(x) in the compute dtype from ``y`` and the packed bits (the XLA backward's math)."""
   bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
-  if op.activation.piecewise_linear:  # exact to every order: f'' = 0 a.e.
-    g = op.derivative(y, bits)
-  else:
-    g = _common.first_order_only(op.public, op.derivative, y, bits)
-  return (dy.astype(g.dtype) * g).astype(dy.dtype)
+  return op.derivative(y, bits)
 
 
-_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.activations.pallas",
-            "triton": "invact_jax.ops.activations.triton"}
+@dataclasses.dataclass(frozen=True)
+class XlaActivation(_implementation.ImplementationBase):
+  """Plain jnp, fused by XLA: the reference the kernels are tested against.
+
+  Every implementation of this family has these two methods, with the same mask layout."""
+
+  def forward(self, op: Op, x):
+    """``(y, packed bits or None)``: jax.nn's forward and the bit mask, fused by XLA."""
+    return op.forward(x), packed_bits(op, x)
+
+  def backward(self, op: Op, y, packed, dy):
+    """``dx = dy * f'(f^-1(y))`` from the kept output and bits."""
+    bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
+    if op.activation.piecewise_linear:  # exact to every order: f'' = 0 a.e.
+      g = op.derivative(y, bits)
+    else:
+      g = _common.first_order_only(op.public, op.derivative, y, bits)
+    return (dy.astype(g.dtype) * g).astype(dy.dtype)
 
 
-def _impl(backend: Backend) -> Any:
-  return importlib.import_module(_MODULES[backend.name])
+#: The XLA implementation (``IMPLEMENTATIONS["xla"]``).
+XLA = XlaActivation()
 
 
 # -------------------------------------------------------------------- the custom_vjp
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def apply(op: Op, backend: Backend, x):
-  """``op``'s forward, keeping y (+ bits) for a backward computed by ``backend``.
+def apply(op: Op, implementation: _implementation.ImplementationBase, x):
+  """``op``'s forward, keeping y (+ bits) for a backward computed by ``implementation``.
 
   The primal and the fwd rule run the same implementation's forward, so ``f(x)`` and
   ``jax.vjp(f, x)[0]`` agree bit for bit on every implementation (the kernels compute
   16-bit inputs in float32 and round once, which can differ from ``jax.nn``'s per-op
   rounding by an ulp).
   """
-  if backend.name == "xla":
+  if implementation.name == "xla":
     return op.forward(x)
-  return _impl(backend).forward(op, backend, x)[0]
+  return implementation.forward(op, x)[0]
 
 
-def _apply_fwd(op, backend, x):
-  y, packed = _impl(backend).forward(op, backend, x)
+def _apply_fwd(op, implementation, x):
+  y, packed = implementation.forward(op, x)
   return y, (y, packed)
 
 
-def _apply_bwd(op, backend, res, dy):
+def _apply_bwd(op, implementation, res, dy):
   y, packed = res
-  return (_impl(backend).backward(op, backend, y, packed, dy),)
+  return (implementation.backward(op, y, packed, dy),)
 
 
 apply.defvjp(_apply_fwd, _apply_bwd)
-
-
-def derivative_from_packed(op: Op, y, packed):
-  """f'(x) in the compute dtype from ``y`` and the packed bits (the XLA backward's math)."""
-  bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
-  return op.derivative(y, bits)

@@ -8,9 +8,10 @@ output (:mod:`.math`), whether it keeps a branch bit, its float64 oracles
 code, the Flax modules, the models, the benchmarks, the accuracy audit and the tests are
 all built from :data:`ACTIVATIONS`.
 
-Adding an activation: one :class:`Activation` entry here, its ``<name>_grad`` in
-:mod:`.math`, its oracles in :mod:`.oracles` (and, for a kernel, its Triton forward in
-``triton_math``; for a non-monotone one, a fit from ``scripts/fit_inverse.py``).
+Adding an activation: one :class:`Activation` entry here naming its backward in :mod:`.math`
+and its float64 oracles in :mod:`.oracles` (for a non-monotone one, a fit from
+``scripts/fit_inverse.py``), and its public function in :mod:`.api` (a test checks that the
+public functions and this registry name the same ops).
 """
 from __future__ import annotations
 
@@ -88,41 +89,57 @@ class Activation:
     return _math.branch_threshold(self.name, dtype)
 
 
-def _entry(name, public, summary, **kw) -> Activation:
-  return Activation(name=name, public=public, summary=summary,
-                    grad=kw.pop("grad", getattr(_math, f"{name}_grad", None)),
-                    forward64=getattr(_oracles, f"{name}_forward"),
-                    derivative64=getattr(_oracles, f"{name}_derivative"),
-                    grad64=getattr(_oracles, f"{name}_grad_from_output", None), **kw)
-
-
 ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
-    _entry("gelu_tanh", "gelu", "GELU, tanh form (Flax's default); bit: x < x_min ~ -0.7525",
-           original=_NN["gelu"], selector=(("approximate", True),), nonmonotone=True,
-           grad=functools.partial(_math.fitted_grad, "gelu_tanh")),
-    _entry("gelu_erf", "gelu", "GELU, erf form; bit: x < x_min ~ -0.7518",
-           original=_NN["gelu"], selector=(("approximate", False),), nonmonotone=True,
-           grad=functools.partial(_math.fitted_grad, "gelu_erf"),
-           kernel_forward=_math.gelu_erf_kernel_forward),
-    _entry("silu", "silu", "SiLU/swish, x * sigmoid(x); bit: x < x_min ~ -1.2785",
-           original=_NN["silu"], nonmonotone=True, aliases=("swish",),
-           grad=functools.partial(_math.fitted_grad, "silu")),
-    _entry("mish", "mish", "Mish, x * tanh(softplus(x)); bit: x < x_min ~ -1.1924",
-           original=_NN["mish"], nonmonotone=True,
-           grad=functools.partial(_math.fitted_grad, "mish")),
-    _entry("sigmoid", "sigmoid", "Sigmoid; f' = y (1 - y)", original=_NN["sigmoid"]),
-    _entry("tanh", "tanh", "tanh; f' = (1 - y)(1 + y)", original=_NN["tanh"]),
-    _entry("softplus", "softplus", "Softplus; f' = 1 - exp(-y)", original=_NN["softplus"]),
-    _entry("elu", "elu", "ELU; f' = 1 for x > 0, else y + alpha (a bit only if alpha < 0)",
-           original=_NN["elu"], params=(("alpha", 1.0),),
-           bit=lambda x, alpha: x > 0, bit_when=lambda alpha: alpha < 0),
-    _entry("leaky_relu", "leaky_relu",
-           "Leaky ReLU; f' = 1 or the slope (a bit only if negative_slope <= 0)",
-           original=_NN["leaky_relu"], params=(("negative_slope", 1e-2),),
-           bit=lambda x, negative_slope: x >= 0, bit_when=lambda negative_slope: negative_slope <= 0,
-           piecewise_linear=True),
-    _entry("relu", "relu", "ReLU; f' = [y > 0] (f'(0) = 0 as in jax.nn.relu)",
-           original=_NN["relu"], piecewise_linear=True, kernel_forward=_math.relu_kernel_forward),
+    Activation(
+        "gelu_tanh", "gelu", _NN["gelu"], functools.partial(_math.fitted_grad, "gelu_tanh"),
+        _oracles.gelu_tanh_forward, _oracles.gelu_tanh_derivative,
+        "GELU, tanh form (Flax's default); bit: x < x_min ~ -0.7525",
+        selector=(("approximate", True),), nonmonotone=True),
+    Activation(
+        "gelu_erf", "gelu", _NN["gelu"], functools.partial(_math.fitted_grad, "gelu_erf"),
+        _oracles.gelu_erf_forward, _oracles.gelu_erf_derivative,
+        "GELU, erf form; bit: x < x_min ~ -0.7518",
+        selector=(("approximate", False),), nonmonotone=True,
+        kernel_forward=_math.gelu_erf_kernel_forward),
+    Activation(
+        "silu", "silu", _NN["silu"], functools.partial(_math.fitted_grad, "silu"),
+        _oracles.silu_forward, _oracles.silu_derivative,
+        "SiLU/swish, x * sigmoid(x); bit: x < x_min ~ -1.2785",
+        nonmonotone=True, aliases=("swish",)),
+    Activation(
+        "mish", "mish", _NN["mish"], functools.partial(_math.fitted_grad, "mish"),
+        _oracles.mish_forward, _oracles.mish_derivative,
+        "Mish, x * tanh(softplus(x)); bit: x < x_min ~ -1.1924", nonmonotone=True),
+    Activation(
+        "sigmoid", "sigmoid", _NN["sigmoid"], _math.sigmoid_grad,
+        _oracles.sigmoid_forward, _oracles.sigmoid_derivative, "Sigmoid; f' = y (1 - y)",
+        grad64=_oracles.sigmoid_grad_from_output),
+    Activation(
+        "tanh", "tanh", _NN["tanh"], _math.tanh_grad,
+        _oracles.tanh_forward, _oracles.tanh_derivative, "tanh; f' = (1 - y)(1 + y)",
+        grad64=_oracles.tanh_grad_from_output),
+    Activation(
+        "softplus", "softplus", _NN["softplus"], _math.softplus_grad,
+        _oracles.softplus_forward, _oracles.softplus_derivative, "Softplus; f' = 1 - exp(-y)",
+        grad64=_oracles.softplus_grad_from_output),
+    Activation(
+        "elu", "elu", _NN["elu"], _math.elu_grad,
+        _oracles.elu_forward, _oracles.elu_derivative,
+        "ELU; f' = 1 for x > 0, else y + alpha (a bit only if alpha < 0)",
+        params=(("alpha", 1.0),), bit=lambda x, alpha: x > 0, bit_when=lambda alpha: alpha < 0,
+        grad64=_oracles.elu_grad_from_output),
+    Activation(
+        "leaky_relu", "leaky_relu", _NN["leaky_relu"], _math.leaky_relu_grad,
+        _oracles.leaky_relu_forward, _oracles.leaky_relu_derivative,
+        "Leaky ReLU; f' = 1 or the slope (a bit only if negative_slope <= 0)",
+        params=(("negative_slope", 1e-2),), bit=lambda x, negative_slope: x >= 0,
+        bit_when=lambda negative_slope: negative_slope <= 0, piecewise_linear=True,
+        grad64=_oracles.leaky_relu_grad_from_output),
+    Activation(
+        "relu", "relu", _NN["relu"], _math.relu_grad,
+        _oracles.relu_forward, _oracles.relu_derivative,
+        "ReLU; f' = [y > 0] (f'(0) = 0 as in jax.nn.relu)", piecewise_linear=True,
+        kernel_forward=_math.relu_kernel_forward, grad64=_oracles.relu_grad_from_output),
 )}
 
 

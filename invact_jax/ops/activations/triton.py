@@ -3,14 +3,27 @@
 bodies are generated from the same tile math as the XLA path and the Pallas kernels.
 
 The binding (per-shard partitioning, batching, the first-order guard, approximate PTX
-instructions for 16-bit outputs, symbolic shapes) is the Pallas one: :mod:`.pallas` picks the
-kernel module by ``backend.name``.
+instructions for 16-bit outputs, symbolic shapes) is the Pallas one, inherited: only the
+kernel module differs.
 """
 from __future__ import annotations
 
-from invact_jax.ops.activations.pallas import backward, forward
+import dataclasses
+from typing import ClassVar
 
-__all__ = ["forward", "backward", "kernel_sources"]
+from invact_jax.ops.activations import pallas
+
+__all__ = ["TritonActivation", "kernel_sources"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonActivation(pallas.PallasActivation):
+  """Raw Triton kernels through jax-triton (a CUDA GPU; Triton's interpreter for tests)."""
+  name: ClassVar[str] = "triton"
+
+  def kernels(self):
+    from pallas_kernels import triton_elementwise  # pylint: disable=import-outside-toplevel
+    return triton_elementwise
 
 
 def kernel_sources(op, dtype, *, rows: int = 4096, cols: int = 1024) -> dict:

@@ -9,7 +9,8 @@ from invact_jax.ops.dropout import base
 
 __all__ = ["dropout", "dropout_reference", "MODES"]
 
-SUPPORTED = ("xla",)
+#: How this op can run: XLA only (no kernels).
+IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
 MODES = ("regenerate", "bits")
 
 
@@ -29,7 +30,7 @@ def _key(fn, key):
 
 
 def dropout(x, rate: float, key, *, mode: str = "regenerate", implementation=None):
-  """Inverted-scaling dropout (keep with prob. ``1 - rate``, scale by ``1/(1 - rate)``).
+  """Dropout scaled at training time (keep with prob. ``1 - rate``, scale by ``1/(1 - rate)``).
 
   Same mask as :func:`dropout_reference` for the same key.  ``mode="regenerate"`` keeps
   nothing but the key; ``"bits"`` keeps the mask packed 8 per byte.  ``key=None`` or
@@ -47,7 +48,8 @@ def dropout(x, rate: float, key, *, mode: str = "regenerate", implementation=Non
   r = _rate("dropout", rate)
   x = _common.float_array("dropout", "x", x)
   key = _key("dropout", key)
-  _implementation.resolve(implementation, op="dropout", supported=SUPPORTED, options=())
+  _implementation.resolve(implementation, op="dropout", implementations=IMPLEMENTATIONS,
+                         options=())
   if key is None or r == 0.0:
     return x
   return base.dropout(r, mode, x, key)

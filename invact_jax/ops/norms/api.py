@@ -14,11 +14,15 @@ import jax.numpy as jnp
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 from invact_jax.ops.norms import base
+from invact_jax.ops.norms import pallas
+from invact_jax.ops.norms import triton
 
 __all__ = ["layer_norm", "rms_norm", "layer_norm_reference", "rms_norm_reference",
            "layer_norm_dense", "rms_norm_dense", "norm_dense_reference"]
 
-SUPPORTED = ("xla", "pallas", "triton")
+#: How the norms can run: name -> implementation (kernel options set by ``resolve``).
+IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
+    "xla": base.XLA, "pallas": pallas.PallasNorm(), "triton": triton.TritonNorm()}
 _OPTIONS = ("interpret",)
 
 
@@ -43,8 +47,9 @@ def _check(fn: str, x, scale, bias, dtype, epsilon):
   return x, out, eps
 
 
-def _backend(fn, implementation):
-  return _implementation.resolve(implementation, op=fn, supported=SUPPORTED, options=_OPTIONS)
+def _implementation_of(fn, implementation):
+  return _implementation.resolve(implementation, op=fn, implementations=IMPLEMENTATIONS,
+                                 options=_OPTIONS)
 
 
 def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
@@ -70,7 +75,7 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
     True
   """
   x, out, eps = _check("layer_norm", x, scale, bias, dtype, epsilon)
-  return base.norm(_backend("layer_norm", implementation), False, eps, out, x.dtype, x, scale, bias)
+  return base.norm(_implementation_of("layer_norm", implementation), False, eps, out, x.dtype, x, scale, bias)
 
 
 def rms_norm(x, scale=None, *, epsilon: float = 1e-6, dtype=None, implementation=None):
@@ -83,7 +88,7 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, dtype=None, implementation
     [0.8485, 1.1314]
   """
   x, out, eps = _check("rms_norm", x, scale, None, dtype, epsilon)
-  return base.norm(_backend("rms_norm", implementation), True, eps, out, x.dtype, x, scale, None)
+  return base.norm(_implementation_of("rms_norm", implementation), True, eps, out, x.dtype, x, scale, None)
 
 
 def layer_norm_reference(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None):
@@ -135,7 +140,7 @@ def layer_norm_dense(x, scale, bias, kernels: Sequence, biases: Sequence | None 
   """
   x, out, eps = _check("layer_norm_dense", x, scale, bias, dtype, epsilon)
   kernels, biases = _check_dense("layer_norm_dense", x, kernels, biases)
-  return base.norm_dense(_backend("layer_norm_dense", implementation), False, eps, out, x.dtype,
+  return base.norm_dense(_implementation_of("layer_norm_dense", implementation), False, eps, out, x.dtype,
                          x, scale, bias, kernels, biases)
 
 
@@ -144,7 +149,7 @@ def rms_norm_dense(x, scale, kernels: Sequence, biases: Sequence | None = None, 
   """``tuple(RMSNorm(x) @ W_i + b_i)`` keeping only ``xhat`` + ``rstd`` (see layer_norm_dense)."""
   x, out, eps = _check("rms_norm_dense", x, scale, None, dtype, epsilon)
   kernels, biases = _check_dense("rms_norm_dense", x, kernels, biases)
-  return base.norm_dense(_backend("rms_norm_dense", implementation), True, eps, out, x.dtype,
+  return base.norm_dense(_implementation_of("rms_norm_dense", implementation), True, eps, out, x.dtype,
                          x, scale, None, kernels, biases)
 
 

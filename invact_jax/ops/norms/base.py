@@ -15,21 +15,22 @@ The fused norm -> dense unit (:func:`norm_dense`) keeps only ``xhat`` + ``rstd``
 norm and the projections that read it, recomputing the affine output for the weight
 gradients: one tensor where norm + matmul keep two.
 
-An implementation provides ``forward(backend, rms, eps, dtype, x, scale, bias) -> (z, xhat,
-rstd[..., 1])`` and ``backward_dx(backend, rms, xhat, rstd, dz, scale, x_dtype) -> dx``;
-this module's are plain jnp (the reference for the kernels).
+Each implementation (:class:`XlaNorm` here, ``pallas.PallasNorm``, ``triton.TritonNorm``)
+has ``forward(rms, eps, dtype, x, scale, bias) -> (z, xhat, rstd[..., 1])`` and
+``backward_dx(rms, xhat, rstd, dz, scale, x_dtype) -> dx``; :func:`norm` and
+:func:`norm_dense` are the ``custom_vjp``s they share.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib
 import math
 
 import jax
 import jax.numpy as jnp
 
 from invact_jax.ops import _common
-from invact_jax.ops._implementation import Backend
+from invact_jax.ops import _implementation
 
 
 def normalize(x, rms: bool, eps: float):
@@ -68,31 +69,32 @@ def rows_sum(a):
   return jnp.sum(a.reshape(math.prod(a.shape[:-1]), a.shape[-1]), axis=0)
 
 
-# ----------------------------------------------------------------------- the XLA backend
-def forward(backend, rms, eps, dtype, x, scale, bias):
-  del backend
-  xhat, rstd = normalize(x, rms, eps)
-  return affine(xhat, scale, bias, dtype), xhat.astype(dtype), rstd
+# --------------------------------------------------------------- the XLA implementation
+@dataclasses.dataclass(frozen=True)
+class XlaNorm(_implementation.ImplementationBase):
+  """Plain jnp, fused by XLA: the reference the row kernels are tested against.
+
+  Every implementation of this family has these two methods."""
+
+  def forward(self, rms: bool, eps: float, dtype, x, scale, bias):
+    """``(z, xhat, rstd[..., 1])``: the affine output, xhat in ``dtype``, float32 rstd."""
+    xhat, rstd = normalize(x, rms, eps)
+    return affine(xhat, scale, bias, dtype), xhat.astype(dtype), rstd
+
+  def backward_dx(self, rms: bool, xhat, rstd, dz, scale, x_dtype):
+    """The input gradient from the kept xhat and rstd."""
+    st = rstd.dtype
+    g = dz.astype(st) if scale is None else dz.astype(st) * scale.astype(st)
+    return dx_from_xhat(xhat.astype(st), rstd, g, rms).astype(x_dtype)
 
 
-def backward_dx(backend, rms, xhat, rstd, dz, scale, x_dtype):
-  del backend
-  st = rstd.dtype
-  g = dz.astype(st) if scale is None else dz.astype(st) * scale.astype(st)
-  return dx_from_xhat(xhat.astype(st), rstd, g, rms).astype(x_dtype)
+#: The XLA implementation (``IMPLEMENTATIONS["xla"]``).
+XLA = XlaNorm()
 
 
-_MODULES = {"xla": __name__, "pallas": "invact_jax.ops.norms.pallas",
-            "triton": "invact_jax.ops.norms.triton"}
-
-
-def _impl(backend: Backend):
-  return importlib.import_module(_MODULES[backend.name])
-
-
-def _kernel_backend(backend: Backend, x) -> Backend:
+def _kernel_or_xla(implementation, x):
   """Zero-size arrays need no kernel (and kernels need at least one element)."""
-  return Backend("xla") if x.size == 0 else backend
+  return XLA if x.size == 0 else implementation
 
 
 def _param_grads(dz, xhat, scale, bias):
@@ -104,27 +106,30 @@ def _param_grads(dz, xhat, scale, bias):
 
 # --------------------------------------------------------------------------- the norm
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def norm(backend: Backend, rms: bool, eps: float, dtype, x_dtype, x, scale, bias):
+def norm(implementation, rms: bool, eps: float, dtype, x_dtype, x, scale, bias):
   """The norm's output; the backward keeps xhat (``dtype``) and rstd (float32)."""
   del x_dtype
-  b = _kernel_backend(backend, x)
-  return _impl(b).forward(b, rms, eps, dtype, x, scale, bias)[0]
+  return _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)[0]
 
 
-def _norm_fwd(backend, rms, eps, dtype, x_dtype, x, scale, bias):
+def _norm_fwd(implementation, rms, eps, dtype, x_dtype, x, scale, bias):
   del x_dtype
-  b = _kernel_backend(backend, x)
-  z, xhat, rstd = _impl(b).forward(b, rms, eps, dtype, x, scale, bias)
+  z, xhat, rstd = _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)
   return z, (xhat, rstd, scale, bias)
 
 
-def _norm_bwd(backend, rms, eps, dtype, x_dtype, res, dz):
-  del eps, dtype
+def backward(implementation, rms: bool, x_dtype, res, dz):
+  """``(dx, dscale, dbias)`` from the residuals ``(xhat, rstd, scale, bias)`` of :func:`norm`
+  (also the backward of the norms :func:`invact_jax.invert` finds in other code)."""
   xhat, rstd, scale, bias = res
-  b = _kernel_backend(backend, xhat)
-  dx = _impl(b).backward_dx(b, rms, xhat, rstd, dz, scale, x_dtype)
+  dx = _kernel_or_xla(implementation, xhat).backward_dx(rms, xhat, rstd, dz, scale, x_dtype)
   st = rstd.dtype
   return (dx, *_param_grads(dz.astype(st), xhat.astype(st), scale, bias))
+
+
+def _norm_bwd(implementation, rms, eps, dtype, x_dtype, res, dz):
+  del eps, dtype
+  return backward(implementation, rms, x_dtype, res, dz)
 
 
 norm.defvjp(_norm_fwd, _norm_bwd)
@@ -137,24 +142,22 @@ def dense(z, kernel, bias, dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def norm_dense(backend: Backend, rms: bool, eps: float, dtype, x_dtype, x, scale, bias,
+def norm_dense(implementation, rms: bool, eps: float, dtype, x_dtype, x, scale, bias,
                kernels, biases):
   """``tuple(norm(x) @ W_i + b_i)``; the backward keeps only xhat + rstd."""
   del x_dtype
-  b = _kernel_backend(backend, x)
-  z = _impl(b).forward(b, rms, eps, dtype, x, scale, bias)[0]
+  z = _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)[0]
   return tuple(dense(z, k, bb, dtype) for k, bb in zip(kernels, biases))
 
 
-def _norm_dense_fwd(backend, rms, eps, dtype, x_dtype, x, scale, bias, kernels, biases):
+def _norm_dense_fwd(implementation, rms, eps, dtype, x_dtype, x, scale, bias, kernels, biases):
   del x_dtype
-  b = _kernel_backend(backend, x)
-  z, xhat, rstd = _impl(b).forward(b, rms, eps, dtype, x, scale, bias)
+  z, xhat, rstd = _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)
   ys = tuple(dense(z, k, bb, dtype) for k, bb in zip(kernels, biases))
   return ys, (xhat, rstd, scale, bias, kernels, biases)
 
 
-def _norm_dense_bwd(backend, rms, eps, dtype, x_dtype, res, dys):
+def _norm_dense_bwd(implementation, rms, eps, dtype, x_dtype, res, dys):
   del eps
   xhat, rstd, scale, bias, kernels, biases = res
   st = rstd.dtype
@@ -172,8 +175,7 @@ def _norm_dense_bwd(backend, rms, eps, dtype, x_dtype, res, dys):
     part = jnp.dot(dy2, k.astype(dtype).T, preferred_element_type=st)
     dz = part if dz is None else dz + part
   dz = dz.reshape(z.shape)
-  b = _kernel_backend(backend, xhat)
-  dx = _impl(b).backward_dx(b, rms, xhat, rstd, dz, scale, x_dtype)
+  dx = _kernel_or_xla(implementation, xhat).backward_dx(rms, xhat, rstd, dz, scale, x_dtype)
   return (dx, *_param_grads(dz, xhat.astype(st), scale, bias), tuple(dkernels), tuple(dbiases))
 
 

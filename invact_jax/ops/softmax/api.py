@@ -12,7 +12,8 @@ from invact_jax.ops.softmax import base
 
 __all__ = ["softmax", "softmax_reference"]
 
-SUPPORTED = ("xla",)
+#: How this op can run: XLA only (no kernels).
+IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
 
 
 def softmax(x, axis: int = -1, *, dtype=None, implementation=None):
@@ -35,7 +36,8 @@ def softmax(x, axis: int = -1, *, dtype=None, implementation=None):
   x = _common.float_array("softmax", "x", x)
   out = _common.float_dtype("softmax", "dtype", x.dtype if dtype is None else dtype)
   ax = _common.static_axis("softmax", "axis", axis, max(x.ndim, 1))
-  _implementation.resolve(implementation, op="softmax", supported=SUPPORTED, options=())
+  _implementation.resolve(implementation, op="softmax", implementations=IMPLEMENTATIONS,
+                         options=())
   return base.softmax(ax if x.ndim else -1, out, x.dtype, x)
 
 

@@ -30,12 +30,18 @@ def _fwd(axis, dtype, x_dtype, x):
   return p, p
 
 
-def _bwd(axis, dtype, x_dtype, p, dp):
-  del dtype
+def backward(axis: int, x_dtype, p, dp):
+  """dx from the kept probabilities ``p`` (also the backward of the softmaxes
+  :func:`invact_jax.invert` finds in other code)."""
   c = _common.compute_dtype(p.dtype if p.dtype == jax.numpy.float64 else x_dtype)
   pf, dpf = p.astype(c), dp.astype(c)
   dx = pf * (dpf - jax.numpy.sum(pf * dpf, axis=axis, keepdims=True))
   return (dx.astype(x_dtype),)
+
+
+def _bwd(axis, dtype, x_dtype, p, dp):
+  del dtype
+  return backward(axis, x_dtype, p, dp)
 
 
 softmax.defvjp(_fwd, _bwd)

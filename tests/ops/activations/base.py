@@ -23,7 +23,7 @@ import invact_jax
 import tests
 from tests.ops.implementation_case import ImplementationTestCase
 from invact_jax import accuracy
-from invact_jax.ops.activations import base
+from invact_jax.ops.activations import api, base
 from tests.ops.activations.cases import CASES, DTYPES, NONMONOTONE
 
 SHAPES = ((), (0,), (7,), (3, 13), (2, 3, 16))
@@ -120,17 +120,16 @@ class ActivationTestBase(ImplementationTestCase):
     if self.IMPLEMENTATION == "xla":
       return  # the residual bits below would be compared with themselves
     # The residual bits: the same as the XLA path's, bit for bit.
-    op, backend = case.op, base._impl(self.backend())  # pylint: disable=protected-access
-    _, m = jax.jit(lambda x: backend.forward(op, self.backend(), x))(x)
-    _, m_ref = jax.jit(lambda x: base.forward(op, base.Backend("xla"), x))(x)
+    op, impl = case.op, self.implementation()
+    _, m = jax.jit(lambda x: impl.forward(op, x))(x)
+    _, m_ref = jax.jit(lambda x: base.XLA.forward(op, x))(x)
     if m_ref is None:
       self.assertIsNone(m)
     else:
       np.testing.assert_array_equal(np.asarray(m), np.asarray(m_ref))
 
-  def backend(self):
-    from invact_jax.ops import _implementation
-    return _implementation.resolve(self.impl, op="test")
+  def implementation(self):
+    return api.resolve(self.impl, op="test")
 
   @parameterized.product(name=tuple(CASES), dtype=DTYPES)
   def test_primal_equals_vjp_primal(self, name, dtype):
@@ -320,14 +319,14 @@ class ActivationTestBase(ImplementationTestCase):
     case = self.case(name)
     op = case.op
     x = inputs(shape, dtype)
-    xla = base.Backend("xla")
-    y, m = tests.jit(lambda x: base.forward(op, xla, x))(x)  # the XLA path's residuals
+    y, m = tests.jit(lambda x: base.XLA.forward(op, x))(x)  # the XLA path's residuals
     dy = jnp.asarray(np.random.default_rng(1).normal(size=shape).astype(np_dtype(dtype)))
-    dx_ref = tests.jit(lambda y, m, dy: base.backward(op, xla, y, m, dy))(y, m, dy)
+    dx_ref = tests.jit(lambda y, m, dy: base.XLA.backward(op, y, m, dy))(y, m, dy)
     if self.HOST_CALLBACK and block_rows:  # the interpreter runs each program in Python:
       block_rows = 16  # still a ragged last block (771 rows), in 49 programs instead of 386
-    kb = base.Backend(self.IMPLEMENTATION, interpret=self.INTERPRET, block_rows=block_rows)
-    dx = tests.jit(lambda y, m, dy: base._impl(kb).backward(op, kb, y, m, dy))(y, m, dy)  # pylint: disable=protected-access
+    kb = dataclasses.replace(api.IMPLEMENTATIONS[self.IMPLEMENTATION], interpret=self.INTERPRET,
+                             block_rows=block_rows)
+    dx = tests.jit(lambda y, m, dy: kb.backward(op, y, m, dy))(y, m, dy)
     if self.INTERPRET and not self.INTERPRET_MATH_IS_XLA:
       # Other log/sqrt roundings (NumPy's): within the gradient's error budget of XLA's dx.
       self.assert_within_gradient_budget(case, dtype, dx, dx_ref, np.abs(np.asarray(dy, np.float64)))

@@ -107,14 +107,14 @@ def export_cuda(fn, *avals):
 def test_kernels_lower_for_cuda_from_any_platform(name, dtype):
   """Unsupported primitives in kernel bodies fail here (CI, no GPU), not on a user's GPU."""
   op = CASES[name].op
-  kb = base.Backend("pallas")
+  kb = pallas.PallasActivation()
   x = jax.ShapeDtypeStruct((4096, 768), jnp.dtype(dtype))
   m = jax.ShapeDtypeStruct((4096, 96), jnp.uint8)
-  fwd = export_cuda(lambda x: pallas.forward(op, kb, x), x)
+  fwd = export_cuda(lambda x: kb.forward(op, x), x)
   if not op.has_bit:
-    bwd = export_cuda(lambda y, dy: pallas.backward(op, kb, y, None, dy), x, x)
+    bwd = export_cuda(lambda y, dy: kb.backward(op, y, None, dy), x, x)
   else:
-    bwd = export_cuda(lambda y, m, dy: pallas.backward(op, kb, y, m, dy), x, m, x)
+    bwd = export_cuda(lambda y, m, dy: kb.backward(op, y, m, dy), x, m, x)
   for exp in (fwd, bwd):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
   # Fits of 16-bit outputs run on approximate sqrt/log/divide instructions; float32 ones on
@@ -167,10 +167,9 @@ def test_kernel_math_propagates_nan_like_xla_under_triton_min_max(name, dtype):
   y_triton, = _eval_with_nan_dropping_min_max(jax.make_jaxpr(op.kernel_forward)(x), x)
   np.testing.assert_array_equal(np.isnan(np.asarray(y_triton, np.float32)),
                                 np.isnan(np.asarray(y, np.float32)))
-  xla = base.Backend("xla")
-  y_ref, m = base.forward(op, xla, x)
+  y_ref, m = base.XLA.forward(op, x)
   dy = jnp.ones_like(x)
-  dx_ref = base.backward(op, xla, y_ref, m, dy)
+  dx_ref = base.XLA.backward(op, y_ref, m, dy)
   bits = None if m is None else bitpack.unpack_bits(m, x.shape)
   tile = lambda y, dy, *b: (dy.astype(cdt) * op.derivative(y, b[0] if b else None)).astype(dy.dtype)  # noqa: E731
   args = (y_ref, dy) + (() if bits is None else (bits,))
@@ -184,15 +183,15 @@ def test_compiled_backend_exports_with_a_symbolic_batch_on_any_platform(name):
   inside ``custom_partitioning`` that math's constants failed an assertion (found on an
   H100); the same path is taken here on CPU (no kernel is built)."""
   op = CASES[name].op
-  kb, xla = base.Backend("pallas", interpret=False), base.Backend("xla")
+  kb, xla = pallas.PallasActivation(interpret=False), base.XLA
 
-  def f(x, backend, mod):
-    y, m = mod.forward(op, backend, x)
-    return mod.backward(op, backend, y, m, jnp.cos(x))
+  def f(x, impl):
+    y, m = impl.forward(op, x)
+    return impl.backward(op, y, m, jnp.cos(x))
   (b,) = export.symbolic_shape("b")
-  exp = export.export(jax.jit(lambda x: f(x, kb, pallas)))(
+  exp = export.export(jax.jit(lambda x: f(x, kb)))(
       jax.ShapeDtypeStruct((b, 64), jnp.float32))
   x = jax.random.normal(jax.random.key(3), (5, 64))
   def ref(x):  # the XLA path from the kernel's forward (gelu_erf's is its own erfc)
-    return base.backward(op, xla, op.kernel_forward(x), base.forward(op, xla, x)[1], jnp.cos(x))
+    return xla.backward(op, op.kernel_forward(x), xla.forward(op, x)[1], jnp.cos(x))
   np.testing.assert_allclose(exp.call(x), tests.jit(ref)(x), rtol=1e-6, atol=1e-7)

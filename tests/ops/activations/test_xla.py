@@ -37,7 +37,7 @@ class XlaActivationTest(test_base.ActivationTestBase):
     # low part and costs up to ~3e-5 of gradient accuracy (float32).
     op = CASES[name].op
     x = (accuracy.branch_point64(name)[0] + np.linspace(-2e-3, 2e-3, 4001)).astype(np.float32)
-    y, m = base.forward(op, base.Backend("xla"), jnp.asarray(x))
+    y, m = base.XLA.forward(op, jnp.asarray(x))
     f = lambda y, m: base.derivative_from_packed(op, y, m)  # noqa: E731
     np.testing.assert_allclose(np.asarray(jax.jit(f)(y, m)), np.asarray(f(y, m)), rtol=0, atol=2e-7)
 

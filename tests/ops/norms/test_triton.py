@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("triton")
 
 # pylint: disable=wrong-import-position
+from models.experiments import sass
 from pallas_kernels import norms
 from pallas_kernels import triton_elementwise
 from pallas_kernels import triton_norms
@@ -43,6 +44,7 @@ def test_norm_kernels_compile_for_sm90_without_spills(rms, dtype, n, monkeypatch
        "RMS": "constexpr", "HAS_SCALE": "constexpr"},
       {"N": n, "CHUNK": chunk, "RMS": rms, "HAS_SCALE": True},
       num_warps=norms.warps_for(chunk))
-  for st in (fwd, bwd):
+  for asm in (fwd, bwd):
+    st = sass.stats(asm["cubin"])
     assert st["local_bytes"] == 0, st["registers"]
-    assert "ld.global" in st["asm"]["ptx"] and "st.global" in st["asm"]["ptx"]
+    assert "ld.global" in asm["ptx"] and "st.global" in asm["ptx"]

@@ -1,0 +1,130 @@
+"""Command-line options generated from a config dataclass, so that a flag's name, type,
+default, help and allowed values are written once, on the field.
+
+A field becomes ``--field-name`` when its metadata has ``help`` (see :func:`option`);
+``bool`` fields are switches, ``X | None`` fields take an X.  :func:`check` enforces the
+same ``choices`` and ``check`` on the dataclass itself (so a config built in code is held
+to the same rules), and :func:`from_args` builds the config back from the parsed namespace.
+
+Why not tyro: a bad value must be one line naming the option with exit code 2; argparse
+does that, tyro prints a multi-line panel.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Sequence
+
+__all__ = ["option", "flag", "add_arguments", "from_args", "check", "positive_int",
+           "nonnegative_int"]
+
+
+def option(default: Any, help: str, *, choices: Sequence[Any] | None = None,  # pylint: disable=redefined-builtin
+           check: Callable[[Any], str | None] | None = None,
+           parse: Callable[[str], Any] | None = None, metavar: str | None = None
+           ) -> Any:
+  """A dataclass field that is also a command-line option.
+
+  Args:
+    default: the field's default.
+    help: the option's help text.
+    choices: the values allowed (checked by argparse and by :func:`check`).
+    check: ``value -> None`` when valid, else the reason (e.g. "must be positive").
+    parse: the argparse ``type`` (default: the field's annotated type).
+    metavar: argparse's metavar.
+
+  Returns:
+    A ``dataclasses.field`` carrying the option's metadata.
+  """
+  return dataclasses.field(default=default, metadata={
+      "help": help, "choices": None if choices is None else tuple(choices), "check": check,
+      "parse": parse, "metavar": metavar})
+
+
+def flag(name: str) -> str:
+  """``--field-name`` for field ``field_name``."""
+  return "--" + name.replace("_", "-")
+
+
+def _scalar_type(annotation) -> tuple[type, bool]:
+  """(the type X, whether None is allowed) of an annotation ``X`` or ``X | None``."""
+  args = typing.get_args(annotation)
+  if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+    (inner,) = [a for a in args if a is not type(None)]
+    return inner, True
+  return annotation, False
+
+
+def _cli_fields(cls) -> list[tuple[dataclasses.Field, type]]:
+  hints = typing.get_type_hints(cls)
+  return [(f, _scalar_type(hints[f.name])[0]) for f in dataclasses.fields(cls)
+          if "help" in f.metadata]
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any, cls, *,
+                  aliases: dict[str, Sequence[str]] | None = None) -> None:
+  """Add one option per :func:`option` field of ``cls`` to ``parser`` (or an argument group).
+
+  Args:
+    parser: an ``argparse.ArgumentParser`` or argument group.
+    cls: the config dataclass.
+    aliases: field name -> further option strings (deprecated spellings).
+  """
+  for f, kind in _cli_fields(cls):
+    names = [flag(f.name), *(aliases or {}).get(f.name, ())]
+    meta = f.metadata
+    help_text = meta["help"] + ("" if f.default is None or kind is bool
+                                else f" (default: {f.default})")
+    if kind is bool:
+      parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                          default=f.default, help=meta["help"])
+      continue
+    parser.add_argument(*names, dest=f.name, type=meta["parse"] or kind, default=f.default,
+                        choices=meta["choices"], metavar=meta["metavar"], help=help_text)
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+  """``cls`` built from the parsed options of its fields (and ``overrides``)."""
+  values = {f.name: getattr(args, f.name) for f, _ in _cli_fields(cls) if hasattr(args, f.name)}
+  return cls(**{**values, **overrides})
+
+
+def check(config, error: type[Exception] = ValueError) -> None:
+  """Raise ``error`` naming the option for a value outside its ``choices`` or failing its
+  ``check`` (call from ``__post_init__``)."""
+  for f, kind in _cli_fields(type(config)):
+    value, meta = getattr(config, f.name), f.metadata
+    _, optional = _scalar_type(typing.get_type_hints(type(config))[f.name])
+    if value is None and optional:
+      continue
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                 or (kind is int and not isinstance(value, int))):
+      raise error(f"{flag(f.name)} must be {'an integer' if kind is int else 'a number'}, "
+                  f"got {value!r}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+      raise error(f"{flag(f.name)} must be one of {meta['choices']}, got {value!r}")
+    why = meta["check"](value) if meta["check"] is not None else None
+    if why:
+      raise error(f"{flag(f.name)} {why}, got {value!r}")
+
+
+def _int_at_least(text: str, least: int) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+  if value < least:
+    raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+  return value
+
+
+def positive_int(text: str) -> int:
+  """An argparse ``type``: an integer >= 1 (argparse's one-line error and exit 2 otherwise)."""
+  return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+  """An argparse ``type``: an integer >= 0."""
+  return _int_at_least(text, 0)

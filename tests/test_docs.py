@@ -1,0 +1,34 @@
+"""README is the front door: short, its links resolve, its headline table is generated from
+the committed benchmarks; docs/ holds the topic pages (their examples run as doctests)."""
+import pathlib
+import re
+
+from models.experiments import headline
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_is_short():
+  assert len(README.splitlines()) <= 300
+
+
+def test_links_resolve_and_every_page_is_linked():
+  for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+      if "://" in target:
+        continue
+      assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+  linked = set(re.findall(r"\]\(docs/([^)]+\.md)\)", README))
+  assert linked == {p.name for p in (ROOT / "docs").glob("*.md")}
+
+
+def test_headline_block_is_generated_from_the_committed_benchmarks():
+  block = README.split(headline.BEGIN + "\n", 1)[1].split(headline.END, 1)[0]
+  assert block.strip() == headline.markdown(ROOT).strip()
+
+
+def test_one_example_per_entry_point():
+  for entry in ("invact_jax.gelu", "invact_jax.flax", "invact_jax.invert", "planner.solve",
+                "scripts/train_vit.py"):
+    assert entry in README, entry
