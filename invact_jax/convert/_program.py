@@ -1,13 +1,16 @@
 """``invert(fn)``: the program-level conversion.
 
 ``fn`` is traced to a jaxpr; every activation, LayerNorm/RMSNorm and softmax in it is found
-by its computation (the equations of one of :data:`._forms.FORMS`, traced at the same shapes
-and dtypes), whatever Python object the model called; each match is then run as a
-``jax.custom_vjp`` whose forward is the *program's own equations* (so the forward output is
-bit for bit the unconverted one) and whose residuals and backward are invact_jax's:
+by its computation, whatever Python object the model called: activations (and
+``jax.nn.softmax``'s ``custom_jvp`` call) as the equations of one of :data:`._forms.FORMS`
+traced at the same shapes and dtypes; norms and softmaxes over any axes by their algebra
+(:mod:`._algebra`).  Each match is then run as a ``jax.custom_vjp`` whose forward is the
+*program's own equations* (so the forward output is bit for bit the unconverted one) and
+whose residuals and backward are invact_jax's:
 
 * activation: ``y`` (+ the packed branch bit), backward of the registry entry;
-* norm: ``xhat`` (output dtype) and the float32 ``rstd`` of each row, plus scale and bias;
+* norm: ``xhat`` (in the narrowest dtype the program normalized in) and the float32 ``rstd``
+  of each row, plus the parameters;
 * softmax: the probabilities.
 
 The conversion enters nested ``jit`` (inlined when it carries no shardings), ``scan``,
@@ -22,12 +25,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from invact_jax.convert import _algebra
 from invact_jax.convert import _forms
 from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
@@ -45,7 +50,7 @@ __all__ = ["invert", "ProgramReport"]
 _COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
 # Primitives that suggest an op the conversion may have missed (reported when unclaimed).
 _CANDIDATES = {"erf": "activation", "erfc": "activation", "logistic": "activation",
-               "tanh": "activation", "rsqrt": "norm", "exp": "softmax"}
+               "tanh": "activation", "rsqrt": "norm", "sqrt": "norm", "exp": "softmax"}
 _KINDS = ("layer_norm", "rms_norm", "softmax")
 
 
@@ -103,7 +108,7 @@ def _pattern(form: _forms.Form, shape: tuple, xd: str, pd: str, od: str) -> _Pat
       jax.ShapeDtypeStruct((d,), np.dtype(pd)) for _ in form.roles[1:]]
   try:
     closed = jax.make_jaxpr(fn)(*structs)
-  except Exception:  # pylint: disable=broad-except  (a form not defined for these dtypes)
+  except (TypeError, ValueError):  # a form not defined for these dtypes
     return None
   out = closed.out_avals
   if len(out) != 1 or out[0].shape != shape or out[0].dtype != np.dtype(od):
@@ -139,19 +144,6 @@ def _signature(graph: _graph.Graph, i: int) -> tuple:
     return graph.nodes[graph.producer[r][0]].prim.name
   n = graph.nodes[i]
   return n.prim.name, frozenset(p for p in map(prim, n.ins) if p is not None)
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_combos(kind: str, od: str) -> tuple:
-  if kind in ("activation", "softmax"):
-    return ((od, od),)
-  xds = [od] + [t for t in ("float32", "bfloat16", "float16") if t != od]
-  out = []
-  for xd in xds:
-    for pd in ("float32", xd, od):
-      if (xd, pd) not in out:
-        out.append((xd, pd))
-  return tuple(out)
 
 
 # --------------------------------------------------------------------------- matching
@@ -310,9 +302,13 @@ def _aval(target: _graph.Graph, ref):
 
 def _region(target: _graph.Graph, match: _Match) -> Callable[..., Any]:
   """The program's own equations of the match, as a function of its inputs."""
-  nodes = [target.nodes[i] for i in match.nodes]
-  ins = match.inputs
-  out = target.nodes[match.root].outs[match.pattern.root_out]
+  return _region_of(target, match.nodes, match.inputs,
+                    target.nodes[match.root].outs[match.pattern.root_out])
+
+
+def _region_of(target: _graph.Graph, node_ids, ins, out) -> Callable[..., Any]:
+  """The program's equations ``node_ids`` as a function of ``ins``, returning ``out``."""
+  nodes = [target.nodes[i] for i in node_ids]
 
   def run(*vals):
     env = dict(zip(ins, vals))
@@ -367,28 +363,91 @@ def _scaled_silu_fn(match: _Match, region, implementation):
   return f
 
 
-def _norm_fn(match: _Match, region, implementation, target):
-  """The norm's residuals and backward are invact_jax's norm's (``base.backward``); the
-  form's parameters are always ``[d]`` vectors (the patterns are traced with them)."""
-  roles = match.pattern.form.roles
-  rms = match.pattern.form.kind == "rms_norm"
-  eps = float(match.caught["eps"])
-  x_dtype = _aval(target, match.inputs[0]).dtype
+def _algebra_norm_fn(m: _algebra.NormMatch, region, implementation, target):
+  """A norm found by its algebra: the program's equations forward; residuals xhat (in
+  ``m.store``), rstd (compute dtype, per row) and the parameters' sources; the backward is
+  invact_jax's norm backward (the implementation's row kernels when the statistics are over
+  the last axis and the scale is a vector along it, XLA's over other axes), the parameters'
+  gradients the VJP of ``xhat * scale + bias`` in them (so a folded or ``1 + weight`` scale
+  is differentiated as the program wrote it)."""
+  x_aval = _aval(target, m.inputs[0])
+  ndim = len(x_aval.shape)
+  identity = m.layout == tuple(range(ndim))
+  rows_kernel = identity and m.axes == (ndim - 1,)
+  sources = sorted({p[0] for p in m.params if p is not None and p[0] != "const"})
+
+  def symbols(src_vals: dict) -> list:
+    """The parameters, each in the layout of ``x``."""
+    out = []
+    for p in m.params:
+      if p is None:
+        out.append(None)
+        continue
+      if p[0] == "const":
+        v = jnp.asarray(p[1])
+      else:
+        v = src_vals[p[0]]
+        for j in p[1]:
+          v = _graph.bind(target.nodes[j], [v])[0]
+      out.append(_algebra.to_x(v, p[2], ndim))
+    return out
 
   @jax.custom_vjp
-  def f(x, *params):
-    return region(x, *params)
+  def f(*vals):
+    return region(*vals)
 
-  def fwd(x, *params):
-    z = region(x, *params)
-    xhat, rstd = _norm_base.normalize(x, rms, eps)
-    named = dict(zip(roles[1:], params))
-    return z, (xhat.astype(z.dtype), rstd, named.get("scale"), named.get("bias"))
+  def fwd(*vals):
+    z = region(*vals)
+    xhat, rstd = _norm_base.normalize(vals[0], m.rms, m.eps, m.axes)
+    return z, (xhat.astype(m.store), rstd, tuple(vals[i] for i in sources))
 
   def bwd(res, dz):
-    dx, dscale, dbias = _norm_base.backward(implementation, rms, x_dtype, res, dz)
-    grads = {"scale": dscale, "bias": dbias}
-    return (dx, *(grads[r] for r in roles[1:]))
+    xhat, rstd, src = res
+    cd = rstd.dtype
+    xh, dzc = xhat.astype(cd), _algebra.to_x(dz.astype(cd), m.layout, ndim)
+
+    def affine(*src_vals):
+      syms = symbols(dict(zip(sources, src_vals)))
+      scale = _algebra.evaluate_poly(m.scale, syms, xh) if m.scale else jnp.zeros((), cd)
+      bias = _algebra.evaluate_poly(m.bias, syms, xh) if m.bias else jnp.zeros((), cd)
+      return scale, bias
+    scale, _ = affine(*src)
+    n = x_aval.shape[-1]
+    if rows_kernel and math.prod(jnp.shape(scale)) in (1, n) and xhat.size:
+      vec = None if m.scale == {(): 1.0} else \
+          jnp.broadcast_to(jnp.reshape(scale, (-1,)), (n,)).astype(cd)
+      dx = _norm_base.kernel_or_xla(implementation, xhat).backward_dx(
+          m.rms, xhat, rstd, dz, vec, x_aval.dtype)
+    else:
+      dx = _norm_base.dx_from_xhat(xh, rstd, dzc * scale, m.rms, m.axes).astype(x_aval.dtype)
+    out = [None] * len(m.inputs)  # None: a zero cotangent (constants, a where's fill value)
+    out[0] = dx
+    if sources:
+      _, vjp = jax.vjp(lambda *s: (lambda sb: xh * sb[0] + sb[1])(affine(*s)), *src)
+      for i, g in zip(sources, vjp(dzc)):
+        k = sources.index(i)
+        out[i] = _common.cotangent_like(g.astype(src[k].dtype), src[k])
+    return tuple(out)
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def _algebra_softmax_fn(m: _algebra.SoftmaxMatch, region, target):
+  """A softmax found by its algebra: keeps the probabilities; the shift ``k`` (a max) gets a
+  zero cotangent, as softmax does not depend on it."""
+  x_dtype = _aval(target, m.inputs[0]).dtype
+
+  @jax.custom_vjp
+  def f(*vals):
+    return region(*vals)
+
+  def fwd(*vals):
+    p = region(*vals)
+    return p, p
+
+  def bwd(p, dp):
+    return (_softmax_base.backward(m.axes, x_dtype, p, dp), *(None for _ in m.inputs[1:]))
 
   f.defvjp(fwd, bwd)
   return f
@@ -406,7 +465,7 @@ def _softmax_fn(match: _Match, region, target):
     return p, p
 
   def bwd(p, dp):
-    return _softmax_base.backward(-1, x_dtype, p, dp)
+    return (_softmax_base.backward(-1, x_dtype, p, dp),)
 
   f.defvjp(fwd, bwd)
   return f
@@ -432,6 +491,30 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
   at = {}
   forms = [f for f in _forms.FORMS if _allowed(f, opts.names)]
   matches = []
+  explained: set = set()  # candidate nodes already reported with a reason
+  if opts.names & {"layer_norm", "rms_norm"}:
+    norms, left = _algebra.find_norms(target, claimed, outvars)
+    for m in norms:
+      if m.public not in opts.names:
+        continue
+      claimed.update(m.nodes)
+      region = _region_of(target, m.nodes, m.inputs, target.nodes[m.root].outs[m.root_out])
+      at[m.root] = _replacement(_algebra_norm_fn(m, region, opts.norm, target), m.root_out,
+                                m.inputs)
+      opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
+    for nodes, why in left:
+      explained.update(nodes)
+      opts.report.left_alone.append(("norm", target.nodes[nodes[0]].where, why))
+  if "softmax" in opts.names:
+    softmaxes, left = _algebra.find_softmaxes(target, claimed, outvars)
+    for m in softmaxes:
+      claimed.update(m.nodes)
+      region = _region_of(target, m.nodes, m.inputs, target.nodes[m.root].outs[m.root_out])
+      at[m.root] = _replacement(_algebra_softmax_fn(m, region, target), m.root_out, m.inputs)
+      opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
+    for nodes, why in left:
+      explained.update(nodes)
+      opts.report.left_alone.append(("softmax", target.nodes[nodes[0]].where, why))
   candidates = []
   for ti, tn in enumerate(target.nodes):
     if tn.outs:
@@ -445,7 +528,7 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
     for ti, shape, od, sig in reversed(candidates):
       if ti in claimed:
         continue
-      for xd, pd in _dtype_combos(form.kind, od):
+      for xd, pd in ((od, od),):  # activations and softmax: input dtype = output dtype
         want = _root_signature(form, xd, pd, od)
         if want is None or want[0] != sig[0] or not want[1] <= sig[1]:
           continue
@@ -472,25 +555,23 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
       fn = _activation_fn(m, region, opts.activation)
     elif kind == "scaled_silu":
       fn = _scaled_silu_fn(m, region, opts.activation)
-    elif kind == "softmax":
-      fn = _softmax_fn(m, region, target)
     else:
-      fn = _norm_fn(m, region, opts.norm, target)
-    at[m.root] = _replacement(fn, m)
+      fn = _softmax_fn(m, region, target)
+    at[m.root] = _replacement(fn, m.pattern.root_out, m.inputs)
     opts.report.converted.append((m.pattern.form.public, m.pattern.form.name,
                                   target.nodes[m.root].where))
   for i, n in enumerate(target.nodes):
-    if i not in claimed and n.prim.name in _CANDIDATES:
+    if (i not in claimed and i not in explained and n.prim.name in _CANDIDATES
+        and not all(isinstance(r, Lit) for r in n.ins)):  # sqrt(head_dim) is no candidate
       opts.report.left_alone.append(
           (n.prim.name, n.where, f"not part of a recognized {_CANDIDATES[n.prim.name]} form"))
   return at, claimed
 
 
-def _replacement(fn, m: _Match):
-  k = m.pattern.root_out
+def _replacement(fn, k: int, inputs: list):
 
   def run(value):
-    out = fn(*(value(r) for r in m.inputs))
+    out = fn(*(value(r) for r in inputs))
     outs = [None] * (k + 1)
     outs[k] = out
     return outs

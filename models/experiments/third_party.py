@@ -40,9 +40,9 @@ def expected(name: str, layers: int) -> dict[str, int]:
       "vit": {"layer_norm": 2 * layers + 1, "gelu": layers, "softmax": layers, "tanh": 1},
       "llama": {"rms_norm": 2 * layers + 1, "silu": layers, "softmax": layers},
       "equinox": {"layer_norm": 2 * layers, "gelu": layers, "softmax": layers},
-      # NNX's attention calls jax.nn.dot_product_attention, whose softmax is traced on a
-      # transposed layout (no recognized form): reported as left alone, not converted.
-      "nnx": {"layer_norm": 2 * layers, "gelu": layers},
+      # NNX's attention calls jax.nn.dot_product_attention, whose softmax (behind
+      # transposes) is found by its algebra.
+      "nnx": {"layer_norm": 2 * layers, "gelu": layers, "softmax": layers},
   }[name]
 
 

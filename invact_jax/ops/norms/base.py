@@ -33,16 +33,17 @@ from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 
 
-def normalize(x, rms: bool, eps: float):
-  """(xhat, rstd) in the compute dtype (float32; float64 for float64 x); rstd is [..., 1]."""
+def normalize(x, rms: bool, eps: float, axes=-1):
+  """(xhat, rstd) in the compute dtype (float32; float64 for float64 x); rstd keeps the
+  reduced ``axes`` as size 1 (``[..., 1]`` for the last axis)."""
   xf = x.astype(_common.compute_dtype(x.dtype))
   if rms:
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    var = jnp.mean(xf * xf, axis=axes, keepdims=True)
     centered = xf
   else:
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
     centered = xf - mean
-    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    var = jnp.mean(centered * centered, axis=axes, keepdims=True)
   rstd = jax.lax.rsqrt(var + eps)
   return centered * rstd, rstd
 
@@ -56,12 +57,13 @@ def affine(xhat, scale, bias, dtype):
   return z.astype(dtype)
 
 
-def dx_from_xhat(xhat, rstd, g, rms: bool):
-  """Input gradient from xhat, rstd and g = dL/dxhat, all in the compute dtype."""
-  proj = jnp.mean(g * xhat, axis=-1, keepdims=True)
+def dx_from_xhat(xhat, rstd, g, rms: bool, axes=-1):
+  """Input gradient from xhat, rstd and g = dL/dxhat, all in the compute dtype (statistics
+  over ``axes``)."""
+  proj = jnp.mean(g * xhat, axis=axes, keepdims=True)
   if rms:
     return rstd * (g - xhat * proj)
-  return rstd * (g - jnp.mean(g, axis=-1, keepdims=True) - xhat * proj)
+  return rstd * (g - jnp.mean(g, axis=axes, keepdims=True) - xhat * proj)
 
 
 def rows_sum(a):
@@ -92,7 +94,7 @@ class XlaNorm(_implementation.ImplementationBase):
 XLA = XlaNorm()
 
 
-def _kernel_or_xla(implementation, x):
+def kernel_or_xla(implementation, x):
   """Zero-size arrays need no kernel (and kernels need at least one element)."""
   return XLA if x.size == 0 else implementation
 
@@ -109,12 +111,12 @@ def _param_grads(dz, xhat, scale, bias):
 def norm(implementation, rms: bool, eps: float, dtype, x_dtype, x, scale, bias):
   """The norm's output; the backward keeps xhat (``dtype``) and rstd (float32)."""
   del x_dtype
-  return _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)[0]
+  return kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)[0]
 
 
 def _norm_fwd(implementation, rms, eps, dtype, x_dtype, x, scale, bias):
   del x_dtype
-  z, xhat, rstd = _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)
+  z, xhat, rstd = kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)
   return z, (xhat, rstd, scale, bias)
 
 
@@ -122,7 +124,7 @@ def backward(implementation, rms: bool, x_dtype, res, dz):
   """``(dx, dscale, dbias)`` from the residuals ``(xhat, rstd, scale, bias)`` of :func:`norm`
   (also the backward of the norms :func:`invact_jax.invert` finds in other code)."""
   xhat, rstd, scale, bias = res
-  dx = _kernel_or_xla(implementation, xhat).backward_dx(rms, xhat, rstd, dz, scale, x_dtype)
+  dx = kernel_or_xla(implementation, xhat).backward_dx(rms, xhat, rstd, dz, scale, x_dtype)
   st = rstd.dtype
   return (dx, *_param_grads(dz.astype(st), xhat.astype(st), scale, bias))
 
@@ -146,13 +148,13 @@ def norm_dense(implementation, rms: bool, eps: float, dtype, x_dtype, x, scale, 
                kernels, biases):
   """``tuple(norm(x) @ W_i + b_i)``; the backward keeps only xhat + rstd."""
   del x_dtype
-  z = _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)[0]
+  z = kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)[0]
   return tuple(dense(z, k, bb, dtype) for k, bb in zip(kernels, biases))
 
 
 def _norm_dense_fwd(implementation, rms, eps, dtype, x_dtype, x, scale, bias, kernels, biases):
   del x_dtype
-  z, xhat, rstd = _kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)
+  z, xhat, rstd = kernel_or_xla(implementation, x).forward(rms, eps, dtype, x, scale, bias)
   ys = tuple(dense(z, k, bb, dtype) for k, bb in zip(kernels, biases))
   return ys, (xhat, rstd, scale, bias, kernels, biases)
 
@@ -175,7 +177,7 @@ def _norm_dense_bwd(implementation, rms, eps, dtype, x_dtype, res, dys):
     part = jnp.dot(dy2, k.astype(dtype).T, preferred_element_type=st)
     dz = part if dz is None else dz + part
   dz = dz.reshape(z.shape)
-  dx = _kernel_or_xla(implementation, xhat).backward_dx(rms, xhat, rstd, dz, scale, x_dtype)
+  dx = kernel_or_xla(implementation, xhat).backward_dx(rms, xhat, rstd, dz, scale, x_dtype)
   return (dx, *_param_grads(dz, xhat.astype(st), scale, bias), tuple(dkernels), tuple(dbiases))
 
 

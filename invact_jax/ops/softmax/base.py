@@ -36,12 +36,12 @@ def backward(axis: int, x_dtype, p, dp):
   c = _common.compute_dtype(p.dtype if p.dtype == jax.numpy.float64 else x_dtype)
   pf, dpf = p.astype(c), dp.astype(c)
   dx = pf * (dpf - jax.numpy.sum(pf * dpf, axis=axis, keepdims=True))
-  return (dx.astype(x_dtype),)
+  return dx.astype(x_dtype)
 
 
 def _bwd(axis, dtype, x_dtype, p, dp):
   del dtype
-  return backward(axis, x_dtype, p, dp)
+  return (backward(axis, x_dtype, p, dp),)
 
 
 softmax.defvjp(_fwd, _bwd)

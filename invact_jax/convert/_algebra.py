@@ -1,0 +1,789 @@
+"""Normalizations recognized by their algebra, whatever library wrote them.
+
+A LayerNorm or RMSNorm is found from its statistics, not from a traced library form: for an
+input ``x`` reduced over axes ``A`` (any axes: vmapped and penzai-named layers reduce over
+whichever axis is theirs), every value computed from ``x`` is followed as a polynomial in
+
+* ``x`` itself (elementwise), the row statistics ``m1 = mean_A(x)`` and ``m2 = mean_A(x^2)``,
+* radicals ``r = (p)^(-1/2)`` of row polynomials ``p`` (``rsqrt(p)``, ``1/sqrt(p)``,
+  ``reciprocal(sqrt(p))``, ``x / sqrt(p)``, ``p ** -0.5``),
+* the parameters: values that do not depend on ``x`` and are constant across rows (a
+  scale, a bias, Gemma's ``1 + weight``), and numeric constants,
+
+through ``add``, ``sub``, ``mul``, ``div``, ``neg``, squares and powers, casts, broadcasts and
+sums over ``A`` (``jnp.mean``, ``jnp.var``, ``E[x^2] - E[x]^2``, a clip of the variance at 0,
+a ``where`` on a constant).  An output is a norm when its polynomial is
+
+    LayerNorm:  (x - m1) * r * S + B      with r = (m2 - m1^2 + eps)^(-1/2)
+    RMSNorm:     x       * r * S + B      with r = (m2 + eps)^(-1/2)
+
+with ``S`` and ``B`` polynomials in the parameters alone (Keras folds the affine into
+``x * (r * gamma) + (beta - m1 * r * gamma)``: the same polynomial).  So scale and bias are
+found in any order or folded, with no affine (``jax.nn.standardize``), with statistics in
+float32 or in the input dtype; anything else computed from ``x`` (a ``stop_gradient``, a
+``dot_general``) makes the values after it opaque, and nothing is converted through it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from invact_jax.convert import _graph
+from invact_jax.convert._graph import Lit
+
+__all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
+           "syms_of", "to_x", "from_x", "RADICALS"]
+
+# Primitives that make a radical (reported when a candidate is left alone).
+RADICALS = frozenset({"rsqrt", "sqrt"})
+_IDENTITY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
+_SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+_MAX_TERMS = 48
+_REL_TOL = 1e-6
+
+X, M1, M2 = ("x",), ("m1",), ("m2",)
+
+
+# ------------------------------------------------------------------------ polynomials
+def _mono(*pairs) -> tuple:
+  out: dict = {}
+  for s, e in pairs:
+    out[s] = out.get(s, 0) + e
+  return tuple(sorted((s, e) for s, e in out.items() if e))
+
+
+def _const(c: float) -> dict:
+  return {(): float(c)} if c else {}
+
+
+def _add(a: dict, b: dict, sign: float = 1.0) -> dict:
+  out = dict(a)
+  for m, c in b.items():
+    total = out.get(m, 0.0) + sign * c
+    if abs(total) <= _REL_TOL * max(abs(out.get(m, 0.0)), abs(c)):
+      out.pop(m, None)
+    else:
+      out[m] = total
+  return out
+
+
+def _mul(a: dict, b: dict) -> dict | None:
+  out: dict = {}
+  for ma, ca in a.items():
+    for mb, cb in b.items():
+      m = _mono(*ma, *mb)
+      out = _add(out, {m: ca * cb})
+  return out if len(out) <= _MAX_TERMS else None
+
+
+def _scale(a: dict, c: float) -> dict:
+  return {m: v * c for m, v in a.items()} if c else {}
+
+
+def syms_of(p: dict) -> set:
+  """The symbols a polynomial uses."""
+  return _syms(p)
+
+
+def _syms(p: dict) -> set:
+  return {s for m in p for s, _ in m}
+
+
+def _is_row(s) -> bool:
+  return s in (M1, M2) or s[0] == "r"
+
+
+def _power(p: dict, n: int) -> dict | None:
+  if n == 0:
+    return _const(1.0)
+  if n < 0:
+    if len(p) != 1:  # only a monomial of row symbols and constants can be inverted
+      return None
+    (m, c), = p.items()
+    if c == 0 or any(not _is_row(s) for s, _ in m):
+      return None
+    return {_mono(*((s, -e * -n) for s, e in m)): c ** n}
+  out = _const(1.0)
+  for _ in range(n):
+    out = _mul(out, p)
+    if out is None:
+      return None
+  return out
+
+
+def _by_x_power(p: dict) -> dict:
+  """{power of x: the polynomial multiplying it}."""
+  out: dict = {}
+  for m, c in p.items():
+    k = dict(m).get(X, 0)
+    rest = tuple((s, e) for s, e in m if s != X)
+    out.setdefault(k, {})[rest] = c
+  return out
+
+
+# ------------------------------------------------------------------------------ match
+@dataclasses.dataclass
+class NormMatch:
+  """A norm found by its algebra: what the conversion replaces and how.
+
+  Attributes:
+    rms: RMSNorm (no centring) or LayerNorm.
+    eps: the constant added to the variance.
+    axes: the reduced axes of ``x``.
+    nodes: the region's node indices (sorted); ``root``/``root_out``: the output's producer.
+    inputs: the region's inputs; ``inputs[0]`` is ``x``.
+    params: ``(input index, chain, layout)`` per parameter symbol: the region input it is
+      computed from, the nodes (reshapes, broadcasts, casts) between them and the layout it
+      is read in; ``("const", value, layout)`` for a constant array.
+    scale, bias: polynomials in the parameter symbols (``("c", i)``); None: 1 and 0.
+    store: the dtype ``xhat`` is kept in: the narrowest dtype the program itself gives a
+      value computed from ``x`` on the way to the output (so the kept ``xhat`` is no less
+      precise than what the program computed: a float32 copy is not kept where the
+      program's normalized values were bfloat16, and float32 is kept where they were).
+    layout: the output's layout: per dimension, the axis of ``x`` it runs along (None: a
+      new axis of size 1); ``to_x`` / ``from_x`` move arrays between the two.
+  """
+  rms: bool
+  eps: float
+  axes: tuple
+  nodes: list
+  root: int
+  root_out: int
+  inputs: list
+  params: list
+  scale: dict
+  bias: dict
+  store: Any = None
+  layout: tuple = ()
+
+  @property
+  def public(self) -> str:
+    return "rms_norm" if self.rms else "layer_norm"
+
+  @property
+  def name(self) -> str:
+    kind = "RMSNorm" if self.rms else "LayerNorm"
+    affine = [w for w, p in (("scale", self.scale), ("bias", self.bias))
+              if _syms(p)]
+    return f"{kind} by its algebra (axes {self.axes}{', ' if affine else ''}{', '.join(affine)})"
+
+
+class _Analysis:
+  """The symbolic values of everything computed from ``x`` (one candidate ``x``, ``axes``)."""
+
+  def __init__(self, graph: _graph.Graph, x, axes: tuple):
+    self.g, self.x, self.axes = graph, x, tuple(sorted(int(a) for a in axes))
+    self.shape = tuple(_shape(graph, x))
+    self.n = math.prod(self.shape[a] for a in self.axes)
+    self.rows = tuple(d for i, d in enumerate(self.shape) if i not in self.axes)
+    self.vals: dict = {x: {((X, 1),): 1.0}}
+    # Layout of each value: per dimension, the axis of x it runs along (None: a new axis of
+    # size 1).  Transposes, broadcasts and reshapes move axes; statistics are over ``axes``.
+    self.layout: dict = {x: tuple(range(len(self.shape)))}
+    self._cur = self.layout[x]  # the layout of the node being read (for its parameters)
+    self.radicals: dict = {}   # canonical row polynomial -> radical index
+    self.radical_defs: list = []
+    self.params: list = []     # (source ref, chain) per parameter symbol
+    self.param_ids: dict = {}  # ref -> symbol index
+    self.opaque: set = set()   # vars computed from x that are not polynomials
+    self.consts: dict = {}     # small values computed from literals alone (folded)
+    self.final: set = set()    # outputs of a narrowing cast: a norm may end there, not pass it
+
+  # -- layouts
+  def _valid(self, layout, shape, full: bool) -> bool:
+    """A value computed from x in ``layout``: ``full`` ones run along every axis of x (in any
+    order); every dimension of size above 1 along a distinct axis of x."""
+    if layout is None or len(layout) != len(shape):
+      return False
+    big = [a for a, d in zip(layout, shape) if d != 1]
+    if None in big or len(set(big)) != len(big):
+      return False
+    if full:
+      return set(big) == {a for a, d in enumerate(self.shape) if d != 1}
+    return True  # a row statistic, or one times a parameter (r * gamma): it may run along axes
+
+  def _layout_of(self, node) -> tuple | None:  # pylint: disable=too-many-return-statements
+    """The layout of ``node``'s output from its symbolic operands' layouts, or None."""
+    name = node.prim.name
+    out_shape = tuple(self.g.avals[node.outs[0]].shape)
+    ins = [r for r in node.ins if r is self.x or (not isinstance(r, Lit) and r in self.vals)]
+    layouts = [self.layout[r] for r in ins]
+    if not layouts:
+      return None
+    m = layouts[0]
+    if name == "reduce_sum":
+      red = [int(a) for a in node.params["axes"]]
+      if {m[i] for i in red} != set(self.axes) or len(red) != len(self.axes):
+        return None
+      return tuple(a for i, a in enumerate(m) if i not in red)
+    if name == "transpose":
+      return tuple(m[p] for p in node.params["permutation"])
+    if name == "broadcast_in_dim":
+      out = [None] * len(out_shape)
+      for j, d in enumerate(node.params["broadcast_dimensions"]):
+        out[d] = m[j]
+      for i, d in enumerate(out_shape):
+        if out[i] is None and d != 1:  # a row value spread along a reduced axis
+          options = [a for a in self.axes if self.shape[a] == d and a not in out]
+          if len(options) != 1:
+            return None
+          out[i] = options[0]
+      return tuple(out)
+    if name in ("reshape", "squeeze", "expand_dims"):
+      src = tuple(_shape(self.g, ins[0]))
+      big_s = [j for j, d in enumerate(src) if d != 1]
+      big_t = [j for j, d in enumerate(out_shape) if d != 1]
+      if [src[j] for j in big_s] != [out_shape[j] for j in big_t]:
+        return None
+      out = [None] * len(out_shape)
+      for js, jt in zip(big_s, big_t):
+        out[jt] = m[js]
+      return tuple(out)
+    # elementwise: operands of the output's rank, agreeing where they are not size 1
+    out = [None] * len(out_shape)
+    for r, lay in zip(ins, layouts):
+      shape = tuple(_shape(self.g, r))
+      if len(lay) != len(out_shape):
+        if shape == () or len(lay) == 0:
+          continue
+        return None
+      for i, (a, d) in enumerate(zip(lay, shape)):
+        if d != 1 and out[i] is not None and out[i] != a:
+          return None
+        if out[i] is None and (d != 1 or a is not None):
+          out[i] = a if d != 1 or out[i] is None else out[i]
+    for i, d in enumerate(out_shape):  # an extent only a parameter gives: a reduced axis
+      if d != 1 and (out[i] is None or self.shape[out[i]] != d):
+        options = [a for a in self.axes if self.shape[a] == d and a not in out]
+        if out[i] is not None or len(options) != 1:
+          return None
+        out[i] = options[0]
+    return tuple(out)
+
+  def _column_chain(self, ref):
+    """``(source, nodes)``: the parameter ``ref``, read in the current node's layout, is (a
+    reshape, broadcast or cast of) the value ``source``, constant across rows; None when it
+    varies across rows.  The reduced axes are followed through each step."""
+    if isinstance(ref, Lit):
+      return None
+    layout = self._cur
+    shape = tuple(self.g.avals[ref].shape)
+    if len(shape) > len(layout):
+      return None
+    offset = len(layout) - len(shape)
+    axes = {i - offset for i in range(offset, len(layout)) if layout[i] in self.axes}
+    ok = all(d == 1 or i in axes for i, d in enumerate(shape))
+    nodes = []
+    for _ in range(8):
+      if ref not in self.g.producer:
+        break
+      i, _ = self.g.producer[ref]
+      node = self.g.nodes[i]
+      ins = [r for r in node.ins if not isinstance(r, Lit)]
+      name = node.prim.name
+      if name not in ("broadcast_in_dim", "convert_element_type", "reshape") or len(ins) != 1:
+        break
+      src = tuple(self.g.avals[ins[0]].shape)
+      out = tuple(self.g.avals[ref].shape)
+      if name == "broadcast_in_dim":
+        dims = node.params["broadcast_dimensions"]
+        src_axes = {j for j in range(len(src)) if dims[j] in axes}
+      elif name == "reshape":
+        big_src = [j for j, d in enumerate(src) if d != 1]
+        big_out = [j for j, d in enumerate(out) if d != 1]
+        if [src[j] for j in big_src] != [out[j] for j in big_out]:
+          break
+        src_axes = {js for js, jo in zip(big_src, big_out) if jo in axes}
+      else:
+        src_axes = axes
+      if any(d != 1 and j not in src_axes for j, d in enumerate(src)):
+        break
+      nodes.insert(0, i)
+      ref, ok, axes = ins[0], True, src_axes
+    return (ref, nodes) if ok else None
+
+  def _param(self, ref) -> dict | None:
+    """The parameter symbol of an outside value (a column constant), or a constant."""
+    if not isinstance(ref, Lit) and ref in self.consts:
+      ref = Lit(self.consts[ref])
+    if isinstance(ref, Lit):
+      v = np.asarray(ref.val)
+      if v.ndim == 0 or v.size == 1:
+        return _const(float(v.reshape(())))
+      layout = self._cur
+      offset = len(layout) - v.ndim
+      if offset < 0 or any(d != 1 and layout[i + offset] not in self.axes
+                           for i, d in enumerate(v.shape)):
+        return None
+      key = ("lit", id(ref))
+      if key not in self.param_ids:  # a constant array (a closed-over weight): its value
+        self.param_ids[key] = len(self.params)
+        self.params.append((ref, (ref, []), layout))
+      return {((("c", self.param_ids[key]), 1),): 1.0}
+    chain = self._column_chain(ref)
+    if chain is None:
+      return None
+    key = chain[0]  # one symbol per parameter, however many broadcasts of it the code makes
+    if key not in self.param_ids:
+      self.param_ids[key] = len(self.params)
+      self.params.append((ref, chain, self._cur))
+    return {((("c", self.param_ids[key]), 1),): 1.0}
+
+  def _radical(self, p: dict) -> tuple | None:
+    """The symbol ``r`` with ``r = p^(-1/2)`` for a row polynomial ``p``."""
+    if any(not _is_row(s) for s in _syms(p)):
+      return None
+    key = tuple(sorted((m, round(c, 12)) for m, c in p.items()))
+    if key not in self.radicals:
+      self.radicals[key] = len(self.radical_defs)
+      self.radical_defs.append(p)
+    return ("r", self.radicals[key])
+
+  # -- one node
+  def _value(self, ref):
+    if ref is self.x or (not isinstance(ref, Lit) and ref in self.vals):
+      return self.vals[ref]
+    return self._param(ref)
+
+  def _symbolic(self, ref) -> bool:
+    return ref is self.x or (not isinstance(ref, Lit) and (ref in self.vals or ref in self.opaque))
+
+  def _fold(self, node) -> None:
+    """A small value computed from literals alone (Keras's ``n - ddof``, a clip's 0)."""
+    if not node.ins or node.prim.multiple_results or len(node.outs) != 1:
+      return
+    if any(r is self.x or (not isinstance(r, Lit) and r not in self.consts) for r in node.ins):
+      return
+    if node.params.get("jaxpr") is not None:
+      return
+    vals = [r.val if isinstance(r, Lit) else self.consts[r] for r in node.ins]
+    if any(isinstance(v, jax.core.Tracer) for v in vals):
+      return
+    if node.prim.name in _SHAPE | _IDENTITY and np.size(vals[0]) == 1:
+      # a broadcast of one number (Flax's zero mean of an RMSNorm): that number, any shape
+      self.consts[node.outs[0]] = np.asarray(vals[0]).reshape(()).astype(
+          self.g.avals[node.outs[0]].dtype)
+      return
+    if math.prod(self.g.avals[node.outs[0]].shape) != 1:
+      return  # scalars only: an array computed from constants stays a parameter
+    try:
+      with jax.ensure_compile_time_eval():
+        out = _graph.bind(node, vals)[0]
+    except (TypeError, ValueError, NotImplementedError):
+      return
+    if not isinstance(out, jax.core.Tracer):
+      self.consts[node.outs[0]] = np.asarray(out)
+
+  def step(self, i: int) -> None:
+    node = self.g.nodes[i]
+    if not any(self._symbolic(r) for r in node.ins):
+      self._fold(node)
+      return
+    out = None
+    blocked = any(not isinstance(r, Lit) and (r in self.opaque or r in self.final)
+                  for r in node.ins)
+    layout = None
+    if not blocked and len(node.outs) == 1:
+      layout = self._layout_of(node)
+      if layout is not None:
+        self._cur = layout
+        out = self._rule(node)
+    o = node.outs[0] if node.outs else None
+    if out is None:
+      self.opaque.update(node.outs)
+      return
+    shape = tuple(self.g.avals[o].shape)
+    if not self._valid(layout, shape, X in _syms(out)):
+      self.opaque.add(o)
+      return
+    self.vals[o] = out
+    self.layout[o] = layout
+    if node.prim.name == "convert_element_type" and not isinstance(node.ins[0], Lit):
+      src, dst = self.g.avals[node.ins[0]].dtype, self.g.avals[o].dtype
+      if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
+        self.opaque.add(o)
+        self.vals.pop(o)
+        return
+      # Past a narrowing cast JAX's own backward rounds the cotangent to the narrow dtype;
+      # a norm that swallowed the cast would not, so the norm's output is the cast.
+      if jnp.finfo(dst).nmant < jnp.finfo(src).nmant and X in _syms(out):
+        self.final.add(o)
+
+  def _rule(self, node) -> dict | None:  # pylint: disable=too-many-return-statements,too-many-branches
+    name, ins = node.prim.name, node.ins
+    vals = [self._value(r) for r in ins]
+    if name in _IDENTITY or name in _SHAPE or name == "transpose":
+      return vals[0]
+    if name == "select_n":
+      pred = ins[0]
+      if not isinstance(pred, Lit) and pred in self.consts:
+        pred = Lit(self.consts[pred])
+      if isinstance(pred, Lit) and np.ndim(pred.val) == 0 and not isinstance(pred.val, jax.core.Tracer):
+        return vals[1 + int(np.asarray(pred.val))]
+      return None
+    if any(v is None for v in vals):
+      return None
+    if name == "neg":
+      return _scale(vals[0], -1.0)
+    if name in ("add", "sub"):
+      return _add(vals[0], vals[1], 1.0 if name == "add" else -1.0)
+    if name == "mul":
+      return _mul(vals[0], vals[1])
+    if name == "square":
+      return _mul(vals[0], vals[0])
+    if name == "integer_pow":
+      return self._pow(vals[0], node.params["y"])
+    if name == "pow":
+      e = ins[1]
+      if not isinstance(e, Lit) or np.ndim(e.val) != 0:
+        return None
+      return self._pow(vals[0], float(np.asarray(e.val)))
+    if name == "div":
+      inv = self._pow(vals[1], -1)
+      return None if inv is None else _mul(vals[0], inv)
+    if name == "rsqrt":
+      r = self._radical(vals[0])
+      return None if r is None else {((r, 1),): 1.0}
+    if name == "sqrt":
+      r = self._radical(vals[0])
+      return None if r is None else {((r, -1),): 1.0}
+    if name == "max":  # a clip of a row statistic at a constant below it (the variance at 0)
+      a, b = vals
+      for v, c in ((a, b), (b, a)):
+        if not (X in _syms(v)) and set(c) <= {()} and c.get((), 0.0) <= 0.0 and _syms(v):
+          return v
+      return None
+    if name == "reduce_sum":  # over the reduced axes: checked by its layout
+      return self._sum(vals[0])
+    return None
+
+  def _pow(self, p: dict, y: float) -> dict | None:
+    if float(y).is_integer():
+      return _power(p, int(y))
+    if y == -0.5:
+      r = self._radical(p)
+      return None if r is None else {((r, 1),): 1.0}
+    if y == 0.5:
+      r = self._radical(p)
+      return None if r is None else {((r, -1),): 1.0}
+    return None
+
+  def _sum(self, p: dict) -> dict | None:
+    out: dict = {}
+    for m, c in p.items():
+      d = dict(m)
+      k = d.pop(X, 0)
+      if any(not _is_row(s) for s in d):
+        return None  # a sum over a parameter: not a statistic of x
+      rest = tuple(sorted(d.items()))
+      if k == 0:
+        out = _add(out, {rest: c * self.n})
+      elif k in (1, 2):
+        out = _add(out, {_mono(*rest, (M1 if k == 1 else M2, 1)): c * self.n})
+      else:
+        return None
+    return out
+
+  # -- the norm test
+  def norm(self, p: dict) -> tuple | None:
+    """``(rms, eps, scale, bias)`` when ``p`` is a norm's output polynomial, else None."""
+    parts = _by_x_power(p)
+    if set(parts) - {0, 1} or 1 not in parts:
+      return None
+    lin, free = parts[1], parts.get(0, {})
+    rads = {s for s in _syms(lin) if s[0] == "r"}
+    if len(rads) != 1:
+      return None
+    (r,) = rads
+    scale: dict = {}
+    for m, c in lin.items():
+      d = dict(m)
+      if d.pop(r, 0) != 1 or any(_is_row(s) for s in d):
+        return None
+      scale[tuple(sorted(d.items()))] = c
+    definition = self.radical_defs[r[1]]
+    eps = definition.get((), 0.0)
+    var = {m: c for m, c in definition.items() if m != ()}
+    m1sq = _mono((M1, 2))
+    if _close(var, {((M2, 1),): 1.0}):
+      rms = True
+    elif _close(var, {((M2, 1),): 1.0, m1sq: -1.0}):
+      rms = False
+    else:
+      return None
+    if not eps >= 0.0:
+      return None
+    centre = {} if rms else _mul({_mono((M1, 1), (r, 1)): -1.0}, scale)
+    if centre is None:
+      return None
+    bias = _add(free, centre, -1.0)
+    if any(_is_row(s) for s in _syms(bias)):
+      return None
+    return rms, float(eps), scale, bias
+
+
+def _close(a: dict, b: dict) -> bool:
+  if set(a) != set(b):
+    return False
+  return all(abs(a[m] - b[m]) <= _REL_TOL * max(1.0, abs(b[m])) for m in a)
+
+
+# ------------------------------------------------------------------------------ search
+_BACK = frozenset({"convert_element_type", "square", "integer_pow", "pow", "mul", "sub"})
+
+
+def _candidates(g: _graph.Graph) -> list:
+  """``(x, axes)`` per statistic: the value a ``reduce_sum`` reads, traced back through
+  casts, squares and centring to the tensor it is computed from."""
+  out = []
+  for n in g.nodes:
+    if n.prim.name != "reduce_sum":
+      continue
+    if not jnp.issubdtype(_dtype(g, n.ins[0]), jnp.floating):
+      continue
+    ref, shape = n.ins[0], tuple(_shape(g, n.ins[0]))
+    for _ in range(6):
+      if isinstance(ref, Lit) or ref not in g.producer:
+        break
+      p = g.nodes[g.producer[ref][0]]
+      nxt = p.ins[0]
+      if p.prim.name not in _BACK or tuple(_shape(g, nxt)) != shape:
+        break
+      if p.prim.name == "mul" and p.ins[0] != p.ins[1]:
+        break
+      if p.prim.name == "convert_element_type" and not (
+          jnp.issubdtype(_dtype(g, nxt), jnp.floating)
+          and jnp.finfo(_dtype(g, nxt)).nmant < jnp.finfo(_dtype(g, ref)).nmant):
+        break  # only through an upcast for the statistics: a downcast is where x begins
+      ref = nxt
+    key = (ref, tuple(sorted(int(a) for a in n.params["axes"])))
+    if not any(k[0] is key[0] and k[1] == key[1] for k in out):
+      out.append(key)
+  return out
+
+
+def _shape(g: _graph.Graph, ref) -> tuple:
+  return tuple(np.shape(ref.val)) if isinstance(ref, Lit) else tuple(g.avals[ref].shape)
+
+
+def _dtype(g: _graph.Graph, ref):
+  return np.asarray(ref.val).dtype if isinstance(ref, Lit) else g.avals[ref].dtype
+
+
+def _ancestors(g: _graph.Graph, root: int, member) -> list:
+  seen, stack = set(), [root]
+  while stack:
+    i = stack.pop()
+    if i in seen:
+      continue
+    seen.add(i)
+    for r in g.nodes[i].ins:
+      if not isinstance(r, Lit) and r in g.producer and member(r):
+        stack.append(g.producer[r][0])
+  return sorted(seen)
+
+
+def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
+  """The norms of ``g`` not overlapping ``claimed``: ``(matches, left_alone)``, the latter
+  ``(radical node indices, why)`` for statistics whose normalized output is not converted."""
+  matches, left, taken = [], [], set(claimed)
+  for x, axes in _candidates(g):
+    a = _Analysis(g, x, axes)
+    start = g.producer[x][0] + 1 if not isinstance(x, Lit) and x in g.producer else 0
+    for i in range(start, len(g.nodes)):
+      a.step(i)
+    found = [(o, a.norm(v)) for o, v in a.vals.items() if X in _syms(v)]
+    found = [(o, f) for o, f in found if f is not None
+             and jnp.issubdtype(g.avals[o].dtype, jnp.floating)]
+    # the radicals of this x's own statistics (not those of later norms computed from it)
+    radicals = [i for i in range(start, len(g.nodes)) if g.nodes[i].prim.name in RADICALS
+                and g.nodes[i].outs and g.nodes[i].outs[0] in a.vals
+                and any(s[0] == "r" for s in _syms(a.vals[g.nodes[i].outs[0]]))]
+    if not found:
+      if radicals:
+        left.append((radicals, "its statistics are not a LayerNorm's or an RMSNorm's "
+                               "(x - mean or x, scaled by the matching rsqrt)"))
+      continue
+    found.sort(key=lambda t: -g.producer[t[0]][0])
+    reason = None
+    for o, (rms, eps, scale, bias) in found:
+      root, root_out = g.producer[o]
+      member = lambda r: r is not x and (r in a.vals or r in a.opaque)  # noqa: E731
+      nodes = _ancestors(g, root, member)
+      chains = sorted({j for _, (_, chain), _ in a.params for j in chain}, reverse=True)
+      inside = set(nodes)
+      # a parameter's broadcast goes inside when only the region reads it (last node first)
+      for j in chains:
+        if all(c in inside or c == j for c in g.consumers.get(g.nodes[j].outs[0], ())):
+          inside.add(j)
+      if inside & taken:
+        reason = reason or "it overlaps another conversion"
+        continue
+      if _escapes(g, inside, o, outvars):
+        reason = reason or "its statistics escape (an intermediate value is also used elsewhere)"
+        continue
+      nodes = sorted(inside)
+      produced = {k for j in nodes for k in g.nodes[j].outs}
+      inputs = [x]
+      for j in nodes:
+        for r in g.nodes[j].ins:
+          if not isinstance(r, Lit) and r not in produced and r not in inputs[1:] and r is not x:
+            inputs.append(r)
+      params = []
+      for _, (source, chain), use in a.params:
+        if isinstance(source, Lit):
+          params.append(("const", source.val, use))
+        else:  # from the deepest value of the chain that the region takes as an input
+          refs = [source] + [g.nodes[j].outs[0] for j in chain]
+          start_at = next((k for k in range(len(refs)) if refs[k] in inputs
+                           and all(j in inside for j in chain[k:])), None)
+          params.append(None if start_at is None else
+                        (inputs.index(refs[start_at]), list(chain[start_at:]), use))
+      used = _syms(scale) | _syms(bias)
+      if any(params[s[1]] is None for s in used):
+        reason = reason or "a parameter is computed inside the normalization"
+        continue
+      full = [g.avals[o2] for j in nodes for o2 in g.nodes[j].outs
+               if o2 in a.vals and X in _syms(a.vals[o2])]
+      store = min((av.dtype for av in full), key=lambda d: jnp.finfo(d).nmant)
+      matches.append(NormMatch(rms, eps, a.axes, nodes, root, root_out, inputs, params,
+                               scale, bias, store, a.layout[o]))
+      taken.update(nodes)
+      reason = None
+      break
+    if reason:
+      left.append((radicals or [g.producer[found[0][0]][0]], reason))
+  return matches, left
+
+
+def _escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
+  for i in inside:
+    for o in g.nodes[i].outs:
+      if o == out:
+        continue
+      if o in outvars or any(c not in inside for c in g.consumers.get(o, ())):
+        return True
+  return False
+
+
+# ------------------------------------------------------------------------ evaluation
+def evaluate_poly(p: dict, symbols: list, like) -> Any:
+  """``p`` evaluated with parameter symbol ``i`` = ``symbols[i]`` (in ``like``'s dtype)."""
+  total = None
+  for m, c in p.items():
+    term = jnp.asarray(c, like.dtype)
+    for (kind, i), e in m:
+      assert kind == "c", kind
+      term = term * symbols[i].astype(like.dtype) ** e
+    total = term if total is None else total + term
+  return jnp.zeros((), like.dtype) if total is None else total
+
+
+# ---------------------------------------------------------------------------- softmax
+@dataclasses.dataclass
+class SoftmaxMatch:
+  """A softmax found by its algebra: ``p = e / sum_A(e)`` with ``e = exp(u - k)`` and ``k``
+  constant along ``A`` (any shift cancels, so ``k`` may be a max computed elsewhere, behind
+  transposes, or absent).  ``inputs``: ``[u]`` or ``[u, k]``."""
+  axes: tuple
+  nodes: list
+  root: int
+  root_out: int
+  inputs: list
+
+  public = "softmax"
+
+  @property
+  def name(self) -> str:
+    return f"softmax by its algebra (axes {self.axes})"
+
+
+def _through(g: _graph.Graph, ref, prims) -> tuple:
+  """``(source, nodes)``: ``ref`` followed back through unary ``prims``."""
+  nodes = []
+  while not isinstance(ref, Lit) and ref in g.producer:
+    i = g.producer[ref][0]
+    n = g.nodes[i]
+    ins = [r for r in n.ins if not isinstance(r, Lit)]
+    if n.prim.name not in prims or len(ins) != 1:
+      break
+    nodes.append(i)
+    ref = ins[0]
+  return ref, nodes
+
+
+def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
+  """The softmaxes of ``g`` written as ``exp(u - k) / sum(exp(u - k))`` over any axes:
+  ``(matches, left_alone)``, the latter ``([exp node index], why)``."""
+  matches, left, taken = [], [], set(claimed)
+  for di, node in enumerate(g.nodes):
+    if node.prim.name != "div" or any(isinstance(r, Lit) for r in node.ins):
+      continue
+    e, d = node.ins
+    if e not in g.producer or g.nodes[g.producer[e][0]].prim.name != "exp":
+      continue
+    s, chain = _through(g, d, ("broadcast_in_dim", "reshape", "expand_dims"))
+    if s not in g.producer or g.nodes[g.producer[s][0]].prim.name != "reduce_sum":
+      continue
+    si = g.producer[s][0]
+    if g.nodes[si].ins[0] != e:
+      continue
+    axes = tuple(sorted(int(a) for a in g.nodes[si].params["axes"]))
+    shape = tuple(g.avals[e].shape)
+    if tuple(g.avals[d].shape) != tuple(1 if i in axes else n for i, n in enumerate(shape)) \
+        and tuple(g.avals[d].shape) != shape:
+      continue
+    ei = g.producer[e][0]
+    v = g.nodes[ei].ins[0]
+    nodes = [ei, si, *chain, di]
+    inputs = [v]
+    if not isinstance(v, Lit) and v in g.producer and g.nodes[g.producer[v][0]].prim.name == "sub":
+      ui = g.producer[v][0]
+      u, k = g.nodes[ui].ins
+      kshape = tuple(g.avals[k].shape) if not isinstance(k, Lit) else ()
+      if (not isinstance(u, Lit) and len(kshape) in (0, len(shape))
+          and all(kshape[a] == 1 for a in axes if kshape)):
+        nodes.append(ui)
+        inputs = [u] + ([k] if not isinstance(k, Lit) else [])
+    if isinstance(inputs[0], Lit) or not jnp.issubdtype(g.avals[e].dtype, jnp.floating):
+      continue
+    nodes = sorted(set(nodes))
+    if set(nodes) & taken:
+      continue
+    if _escapes(g, set(nodes), node.outs[0], outvars):
+      left.append(([ei], "its exponentials or their sum are also used elsewhere"))
+      continue
+    matches.append(SoftmaxMatch(axes, nodes, di, 0, inputs))
+    taken.update(nodes)
+  return matches, left
+
+
+# --------------------------------------------------------------------------- layouts
+def to_x(v, layout: tuple, ndim: int):
+  """``v``, an array (or a broadcastable one) in ``layout``, in the layout of ``x`` (rank
+  ``ndim``; axes ``v`` does not run along have size 1)."""
+  v = jnp.reshape(v, (1,) * (len(layout) - jnp.ndim(v)) + tuple(jnp.shape(v)))
+  keep = [i for i, a in enumerate(layout) if a is not None]
+  v = jnp.reshape(v, tuple(jnp.shape(v)[i] for i in keep))
+  axes = [layout[i] for i in keep]
+  v = jnp.transpose(v, sorted(range(len(axes)), key=lambda k: axes[k]))
+  shape = [1] * ndim
+  for a, d in zip(sorted(axes), jnp.shape(v)):
+    shape[a] = d
+  return jnp.reshape(v, tuple(shape))
+
+
+def from_x(v, layout: tuple):
+  """``v`` in the layout of ``x`` as an array in ``layout`` (inverse of :func:`to_x`)."""
+  axes = [a for a in layout if a is not None]
+  v = jnp.reshape(v, tuple(jnp.shape(v)[a] for a in sorted(axes)))
+  v = jnp.transpose(v, [sorted(axes).index(a) for a in axes])
+  shape, it = [], iter(jnp.shape(v))
+  for a in layout:
+    shape.append(1 if a is None else next(it))
+  return jnp.reshape(v, tuple(shape))

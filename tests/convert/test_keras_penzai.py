@@ -1,0 +1,125 @@
+"""invact_jax.invert on Keras 3 layers (JAX backend, through ``stateless_call``) and penzai
+layers and models, unmodified, at random init (issue 38): every norm and softmax converted,
+the forward bit-identical, gradients as close to float64 as the original's, fewer residuals."""
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import invact_jax
+from invact_jax import memory
+from tests import jit
+from tests.convert.test_program import assert_at_float32_floor
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+
+def _x(shape=(2, 5, 16), seed=0):
+  return 1.0 + 2.0 * jax.random.normal(jax.random.key(seed), shape)
+
+
+def _kept(fn, *args) -> int:
+  return sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize
+             for r in memory.residuals(fn, *args) if len(r.shape) > 1)
+
+
+def _keras_layers():
+  keras = pytest.importorskip("keras")
+  if keras.backend.backend() != "jax":
+    pytest.skip("Keras was imported with another backend")
+  return {
+      "LayerNormalization": (keras.layers.LayerNormalization(epsilon=1e-5), "layer_norm"),
+      "LayerNormalization(center=False)": (keras.layers.LayerNormalization(center=False),
+                                           "layer_norm"),
+      "LayerNormalization(no affine)": (keras.layers.LayerNormalization(center=False,
+                                                                          scale=False),
+                                        "layer_norm"),
+      "LayerNormalization(axis=1)": (keras.layers.LayerNormalization(axis=1), "layer_norm"),
+      "RMSNormalization": (keras.layers.RMSNormalization(), "rms_norm"),
+      "Softmax": (keras.layers.Softmax(), "softmax"),
+      "Softmax(axis=1)": (keras.layers.Softmax(axis=1), "softmax"),
+  }
+
+
+@pytest.mark.parametrize("name", ["LayerNormalization", "LayerNormalization(center=False)",
+                                  "LayerNormalization(no affine)", "LayerNormalization(axis=1)",
+                                  "RMSNormalization", "Softmax", "Softmax(axis=1)"])
+def test_keras_layers(name):
+  layer, public = _keras_layers()[name]
+  x = _x()
+  layer.build(x.shape)
+  weights = [w.value for w in layer.trainable_weights]
+
+  def f(weights, x):
+    return layer.stateless_call(weights, [], x)[0]
+
+  def loss(weights, x):
+    return jnp.sum(jnp.sin(3 * f(weights, x)))
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(weights, x)
+  assert inv.last_report.replaced == {public: 1}, inv.last_report
+  assert inv.last_report.left_alone == [], inv.last_report
+  np.testing.assert_array_equal(np.asarray(jit(invact_jax.invert(f))(weights, x)),
+                                np.asarray(jit(f)(weights, x)))
+  assert_at_float32_floor(loss, (weights, x), g, argnums=(0, 1))
+  limit = 1.0 if public == "softmax" else 0.6
+  assert _kept(invact_jax.invert(f), weights, x) <= limit * _kept(f, weights, x)
+
+
+def _penzai():
+  pytest.importorskip("penzai")
+  from penzai import pz  # pylint: disable=import-outside-toplevel
+  return pz
+
+
+def test_penzai_standardize_and_softmax_layers():
+  pz = _penzai()
+  x = _x((2, 5, 16))
+
+  def f(x):
+    v = pz.nx.wrap(x).tag("batch", "seq", "embedding")
+    v = pz.nn.RMSStandardize(across=("embedding",), epsilon=1e-6)(v)
+    v = pz.nn.Standardize(across=("embedding",), epsilon=1e-6)(v)
+    v = pz.nn.Softmax(("seq",))(v)
+    return jnp.sum(jnp.sin(3 * v.unwrap("batch", "seq", "embedding")))
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv))(x)
+  assert inv.last_report.replaced == {"rms_norm": 1, "layer_norm": 1, "softmax": 1}, \
+      inv.last_report
+  assert inv.last_report.left_alone == [], inv.last_report
+  assert_at_float32_floor(f, (x,), g)
+
+
+def _penzai_llama():
+  pz = _penzai()
+  from penzai.models.transformer.variants import llamalike_common  # pylint: disable=import-outside-toplevel
+  cfg = llamalike_common.LlamalikeTransformerConfig(
+      num_kv_heads=2, query_head_multiplier=1, embedding_dim=32, projection_dim=8,
+      mlp_hidden_dim=64, num_decoder_blocks=2, vocab_size=50, mlp_variant="swiglu",
+      tie_embedder_and_logits=False)
+  model = llamalike_common.build_llamalike_transformer(cfg, init_base_rng=jax.random.key(0))
+  unbound, params = pz.unbind_params(model, freeze=True)
+  tokens = pz.nx.wrap(jnp.arange(16).reshape(2, 8) % 50).tag("batch", "seq")
+  positions = pz.nx.wrap(jnp.tile(jnp.arange(8)[None], (2, 1))).tag("batch", "seq")
+
+  def loss(values):
+    bound = pz.bind_variables(unbound, [pz.ParameterValue(value=v, label=p.label)
+                                        for p, v in zip(params, values)])
+    logits = bound(tokens, token_positions=positions).unwrap("batch", "seq", "vocabulary")
+    return jnp.mean(jnp.sin(logits))
+  return loss, [p.value for p in params]
+
+
+def test_penzai_llama():
+  """Every RMSNorm of penzai's Llama (its embedding axis moved to the front by named-axis
+  transposes) and every softmax: converted, none left alone."""
+  loss, values = _penzai_llama()
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(values)
+  assert inv.last_report.replaced == {"rms_norm": 5, "silu": 2, "softmax": 2}, inv.last_report
+  assert inv.last_report.left_alone == [], inv.last_report
+  assert_at_float32_floor(loss, (values,), g)
+  assert _kept(inv, values) <= _kept(loss, values)
