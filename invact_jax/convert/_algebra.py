@@ -37,7 +37,7 @@ from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
 
 __all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
-           "syms_of", "to_x", "from_x", "RADICALS"]
+           "syms_of", "to_x", "from_x", "escapes", "RADICALS"]
 
 # Primitives that make a radical (reported when a candidate is left alone).
 RADICALS = frozenset({"rsqrt", "sqrt"})
@@ -624,7 +624,7 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
       if inside & taken:
         reason = reason or "it overlaps another conversion"
         continue
-      if _escapes(g, inside, o, outvars):
+      if escapes(g, inside, o, outvars):
         reason = reason or "its statistics escape (an intermediate value is also used elsewhere)"
         continue
       nodes = sorted(inside)
@@ -661,7 +661,8 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
   return matches, left
 
 
-def _escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
+def escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
+  """Whether a value the nodes ``inside`` compute, other than ``out``, is used outside them."""
   for i in inside:
     for o in g.nodes[i].outs:
       if o == out:
@@ -755,7 +756,7 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
     nodes = sorted(set(nodes))
     if set(nodes) & taken:
       continue
-    if _escapes(g, set(nodes), node.outs[0], outvars):
+    if escapes(g, set(nodes), node.outs[0], outvars):
       left.append(([ei], "its exponentials or their sum are also used elsewhere"))
       continue
     matches.append(SoftmaxMatch(axes, nodes, di, 0, inputs))

@@ -284,15 +284,8 @@ def _try(pat: _Pattern, target: _graph.Graph, ti: int, claimed: set) -> _Match |
 def _escapes(match: _Match, target: _graph.Graph, outvars: set) -> bool:
   """An intermediate of the match is used outside it (then converting saves nothing and the
   values would have to be computed anyway): left alone."""
-  inside = set(match.nodes)
-  root_out = target.nodes[match.root].outs[match.pattern.root_out]
-  for i in match.nodes:
-    for o in target.nodes[i].outs:
-      if o == root_out:
-        continue
-      if o in outvars or any(c not in inside for c in target.consumers.get(o, ())):
-        return True
-  return False
+  return _algebra.escapes(target, set(match.nodes),
+                          target.nodes[match.root].outs[match.pattern.root_out], outvars)
 
 
 # ------------------------------------------------------------------------ replacements

@@ -32,7 +32,7 @@ def compare(cfg: training.TrainConfig, dataset: data_lib.Dataset, workdir: pathl
   for impl in impls:  # check both run directories before training either
     training.validate(dataclasses.replace(cfg, configuration=impl), dataset, len(jax.devices()))
     training.prepare_workdir(dataclasses.replace(cfg, configuration=impl), workdir / impl,
-                             resume=resume)
+                             resume=resume, data=data_lib.fingerprint(dataset))
   runs = {}
   for impl in impls:
     c = dataclasses.replace(cfg, configuration=impl)

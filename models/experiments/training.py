@@ -8,6 +8,7 @@ so a run resumed from a checkpoint continues exactly as the uninterrupted one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -400,6 +401,10 @@ class Trainer:
       try:
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
       except Exception as e:  # pylint: disable=broad-except  # orbax raises many kinds
+        other = _other_model(manager, step, abstract)
+        if other:  # a readable checkpoint of another model: never set aside
+          raise ConfigError(f"--resume: checkpoint step {step} in {manager.directory} holds "
+                            f"another model ({other}); nothing was renamed") from None
         bad = manager.directory / str(step)
         if jax.process_index() == 0:  # every process saw the same files; one sets them aside
           bad.rename(bad.with_name(f"{step}.unreadable"))
@@ -412,6 +417,23 @@ class Trainer:
       self.step = step
       return step
     raise ConfigError(f"--resume: no readable checkpoint in {manager.directory}")
+
+
+def _other_model(manager, step: int, abstract) -> str | None:
+  """How checkpoint ``step`` differs from the model, when its metadata reads and its arrays'
+  shapes differ (another model, not a torn write); None otherwise."""
+  try:
+    meta = manager.item_metadata(step)
+    saved = {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ()))
+             for k, v in jax.tree_util.tree_flatten_with_path(meta)[0]}
+  except Exception:  # pylint: disable=broad-except  # unreadable metadata: a torn checkpoint
+    return None
+  want = {jax.tree_util.keystr(k): tuple(v.shape)
+          for k, v in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  if not saved or set(saved) != set(want):
+    return None if not saved else f"{len(saved)} arrays where the model has {len(want)}"
+  differ = [k for k in want if saved[k] != want[k]]
+  return f"{differ[0]} has shape {saved[differ[0]]}, the model {want[differ[0]]}" if differ else None
 
 
 def _checkpoint_manager(workdir: pathlib.Path, every: int):
@@ -446,26 +468,47 @@ def saved_options(saved: dict) -> dict:
   return saved
 
 
-def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool) -> None:
-  """Check the run directory before anything is written to it."""
+def run_identity(cfg: TrainConfig, data: str | None) -> dict[str, Any]:
+  """What config.json records: every option that shapes the result, and the data's
+  fingerprint (``data.fingerprint``)."""
+  return {**dataclasses.asdict(cfg), "data": data}
+
+
+def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool,
+                    data: str | None = None) -> None:
+  """Check the run directory before anything is written to it.
+
+  ``--resume`` continues only the same run: config.json must be there and record the same
+  options and the same data (``data``: its fingerprint); anything else is one line naming
+  what differs, and nothing is renamed or written."""
   _check_writable(workdir)
   existing = latest_checkpoint_step(workdir)
   cfg_file = workdir / "config.json"
   if resume:
     if existing is None:
       raise ConfigError(f"--resume: no checkpoint in {workdir / 'checkpoints'}")
-    if cfg_file.is_file():
-      try:
-        saved = json.loads(cfg_file.read_text())
-      except ValueError as e:
-        raise ConfigError(f"--resume: {cfg_file} is not the JSON this script writes ({e}); "
-                          "restore it or start a new --workdir") from None
-      if not isinstance(saved, dict):
-        raise ConfigError(f"--resume: {cfg_file} holds no options (a JSON object was expected)")
-      saved = saved_options(saved)
-      if saved != dataclasses.asdict(cfg):
-        diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items() if saved.get(k) != v}
-        raise ConfigError(f"--resume: options differ from the checkpointed run: {diff}")
+    if not cfg_file.is_file():
+      raise ConfigError(f"--resume: {cfg_file} is missing, so the checkpoints' options (dtype, "
+                        "configuration, data) cannot be checked; restore it or start a new "
+                        "--workdir")
+    try:
+      saved = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+      raise ConfigError(f"--resume: {cfg_file} is not the JSON this script writes ({e}); "
+                        "restore it or start a new --workdir") from None
+    if not isinstance(saved, dict):
+      raise ConfigError(f"--resume: {cfg_file} holds no options (a JSON object was expected)")
+    saved = saved_options(saved)
+    now = run_identity(cfg, data)
+    if "data" not in saved or data is None:  # written before 0.3, or no data to compare
+      saved["data"] = now["data"]
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k, "(absent)") != now.get(k, "(absent)")]
+    if differ:
+      what = "; ".join("the data (another file, or other contents)" if k == "data" else
+                       f"{cli.flag(k) if k in now else k}: {saved.get(k, '(absent)')!r} in the "
+                       f"run, {now.get(k, '(absent)')!r} now" for k in differ)
+      raise ConfigError(f"--resume: options differ from the checkpointed run ({cfg_file}): "
+                        f"{what}")
   elif existing is not None:
     raise ConfigError(f"{workdir} already holds checkpoints (step {existing}); pass --resume to "
                       "continue that run or --workdir to start a new one")
@@ -522,13 +565,58 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   """
   workdir = pathlib.Path(workdir)
   trainer = Trainer(cfg, dataset, devices, shard_params)  # validates before anything is written
-  prepare_workdir(cfg, workdir, resume=resume)
+  data = data_lib.fingerprint(dataset)
+  prepare_workdir(cfg, workdir, resume=resume, data=data)
   # Multi-process: every process trains and checkpoints (orbax writes collectively); only
-  # process 0 writes the logs and shows progress.
+  # process 0 writes the logs, shows progress and holds the run directory's lock.
   main = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)
+  with (RunLock(workdir) if main else contextlib.nullcontext()):
+    if main:  # checked again now that no other run can write here
+      prepare_workdir(cfg, workdir, resume=resume, data=data)
+    return _train(cfg, dataset, workdir, trainer, data, resume=resume, progress=progress,
+                  stop_after=stop_after, time_steps=time_steps, main=main)
+
+
+class RunLock:
+  """One writer per run directory: an advisory lock (``fcntl.flock``) on ``<workdir>/.lock``,
+  held while a run writes there.  The kernel drops it when its process ends, however it
+  ends, so a lock left by a killed run is no lock; the file names the holder for the error."""
+
+  def __init__(self, workdir: pathlib.Path):
+    self.path, self.file = workdir / ".lock", None
+
+  def __enter__(self):
+    import fcntl  # pylint: disable=import-outside-toplevel
+    import socket  # pylint: disable=import-outside-toplevel
+    f = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      raise ConfigError(f"--workdir {self.path.parent}: another run ({holder}) is writing to "
+                        "it; wait for it to end or use another --workdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    self.file = f
+    return self
+
+  def __exit__(self, *exc):
+    import fcntl  # pylint: disable=import-outside-toplevel
+    fcntl.flock(self.file, fcntl.LOCK_UN)
+    self.file.close()
+    return False
+
+
+def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, trainer,
+           data: str, *, resume: bool, progress: bool, stop_after: int | None,
+           time_steps: bool, main: bool) -> dict[str, Any]:
   if main:  # the other processes read it in prepare_workdir: replaced at once
-    write_atomic(workdir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    write_atomic(workdir / "config.json", json.dumps(run_identity(cfg, data), indent=1))
   manager = _checkpoint_manager(workdir, cfg.checkpoint_every)
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   start = trainer.restore(manager) if resume else 0

@@ -190,16 +190,6 @@ def test_cli_is_generated_from_train_config(capsys):
     assert pattern in err[-1] and "Traceback" not in "\n".join(err), err
 
 
-def test_old_config_files_resume(digits, tmp_path):
-  """A run directory written before ``activations`` was called ``configuration`` resumes."""
-  wd = tmp_path / "run"
-  training.train(SMALL, digits, wd, progress=False, devices=1, stop_after=5)
-  saved = json.loads((wd / "config.json").read_text())
-  saved["activations"] = saved.pop("configuration")
-  (wd / "config.json").write_text(json.dumps(saved))
-  assert training.train(SMALL, digits, wd, resume=True, progress=False, devices=1)["steps"] == 12
-
-
 def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
   npy = tmp_path / "array.npz"
   with npy.open("wb") as f:
@@ -351,3 +341,46 @@ def test_divergence_stops_and_keeps_the_last_finite_checkpoint(digits, tmp_path,
       assert mgr.latest_step() == last
       state = mgr.restore(last, args=ocp.args.StandardRestore())
       assert all(np.all(np.isfinite(np.asarray(l))) for l in jax.tree.leaves(state["params"]))
+
+
+def test_resume_refuses_another_run_and_never_renames_it(digits, tmp_path):
+  """A run's identity is its options and its data: --resume with other data of the same shape,
+  without config.json, or with a config.json that records more, is one line naming what
+  differs, and every checkpoint stays as it was (issue 41)."""
+  wd = tmp_path / "r"
+  training.train(SMALL, digits, wd, progress=False, stop_after=6, devices=1)
+  before = sorted(p.name for p in (wd / "checkpoints").iterdir())
+  other = dataclasses.replace(digits, x_train=digits.x_train[::-1].copy())
+  with pytest.raises(training.ConfigError, match=r"options differ .*the data \(another file"):
+    training.train(SMALL, other, wd, resume=True, progress=False, devices=1)
+  cfg_file = wd / "config.json"
+  saved = json.loads(cfg_file.read_text())
+  assert saved["data"] == data_lib.fingerprint(digits) != data_lib.fingerprint(other)
+  cfg_file.write_text(json.dumps({**saved, "extra_option": 1}))
+  with pytest.raises(training.ConfigError, match=r"extra_option: 1 in the run, '\(absent\)' now"):
+    training.train(SMALL, digits, wd, resume=True, progress=False, devices=1)
+  with pytest.raises(training.ConfigError, match=r"--dtype: 'float32' in the run, 'bfloat16'"):
+    training.prepare_workdir(dataclasses.replace(SMALL, dtype="bfloat16"), wd, resume=True,
+                             data=saved["data"])
+  cfg_file.unlink()
+  with pytest.raises(training.ConfigError, match=r"config.json is missing"):
+    training.train(dataclasses.replace(SMALL, dtype="bfloat16"), digits, wd, resume=True,
+                   progress=False, devices=1)
+  assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == before
+  # A config.json written before 0.3 (``activations``, no fingerprint) still resumes.
+  old = {("activations" if k == "configuration" else k): v for k, v in saved.items() if k != "data"}
+  cfg_file.write_text(json.dumps(old))
+  assert training.train(SMALL, digits, wd, resume=True, progress=False, devices=1)["finished"]
+
+
+def test_one_writer_per_run_directory(digits, tmp_path):
+  """A second run on a directory another run is writing to stops at once with one line; a
+  lock file left by a run that ended (killed, say) holds nothing."""
+  wd = tmp_path / "r"
+  wd.mkdir()
+  with training.RunLock(wd):
+    with pytest.raises(training.ConfigError, match=r"another run \(pid \d+ on .*\) is writing"):
+      training.train(SMALL, digits, wd, progress=False, devices=1)
+  assert not (wd / "checkpoints").exists() and not (wd / "config.json").exists()
+  (wd / ".lock").write_text("pid 1 on a-host-that-is-gone\n")  # stale: nobody holds it
+  assert training.train(SMALL, digits, wd, progress=False, devices=1, stop_after=2)["steps"] == 2
