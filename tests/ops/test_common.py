@@ -33,10 +33,11 @@ def test_resolve():
   b = _implementation.resolve(_implementation.Implementation(name="pallas", interpret=True),
                               op="f", implementations=impls)
   assert type(b) is type(impls["pallas"]) and b.name == "pallas" and b.interpret
-  b = _implementation.resolve(_implementation.Implementation(name="triton", interpret=True,
+  b = _implementation.resolve(_implementation.Implementation(name="pallas", interpret=True,
                                                              block_rows=64),
                               op="f", implementations=impls)
-  assert type(b) is type(impls["triton"]) and b.block_rows == 64
+  assert type(b) is type(impls["pallas"]) and b.block_rows == 64 and b != impls["pallas"]
+  assert type(impls["triton"]).kernels is not type(impls["pallas"]).kernels
   assert hash(b) == hash(dataclasses.replace(b))  # a static argument of the custom_vjps
 
 
