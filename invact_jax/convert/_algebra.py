@@ -37,7 +37,7 @@ from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
 
 __all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
-           "syms_of", "to_x", "from_x", "escapes", "RADICALS"]
+           "to_x", "escapes", "RADICALS"]
 
 # Primitives that make a radical (reported when a candidate is left alone).
 RADICALS = frozenset({"rsqrt", "sqrt"})
@@ -83,11 +83,6 @@ def _mul(a: dict, b: dict) -> dict | None:
 
 def _scale(a: dict, c: float) -> dict:
   return {m: v * c for m, v in a.items()} if c else {}
-
-
-def syms_of(p: dict) -> set:
-  """The symbols a polynomial uses."""
-  return _syms(p)
 
 
 def _syms(p: dict) -> set:
@@ -146,7 +141,7 @@ class NormMatch:
       precise than what the program computed: a float32 copy is not kept where the
       program's normalized values were bfloat16, and float32 is kept where they were).
     layout: the output's layout: per dimension, the axis of ``x`` it runs along (None: a
-      new axis of size 1); ``to_x`` / ``from_x`` move arrays between the two.
+      new axis of size 1); ``to_x`` moves an array from it to the layout of ``x``.
   """
   rms: bool
   eps: float
@@ -180,7 +175,6 @@ class _Analysis:
     self.g, self.x, self.axes = graph, x, tuple(sorted(int(a) for a in axes))
     self.shape = tuple(_shape(graph, x))
     self.n = math.prod(self.shape[a] for a in self.axes)
-    self.rows = tuple(d for i, d in enumerate(self.shape) if i not in self.axes)
     self.vals: dict = {x: {((X, 1),): 1.0}}
     # Layout of each value: per dimension, the axis of x it runs along (None: a new axis of
     # size 1).  Transposes, broadcasts and reshapes move axes; statistics are over ``axes``.
@@ -776,15 +770,4 @@ def to_x(v, layout: tuple, ndim: int):
   shape = [1] * ndim
   for a, d in zip(sorted(axes), jnp.shape(v)):
     shape[a] = d
-  return jnp.reshape(v, tuple(shape))
-
-
-def from_x(v, layout: tuple):
-  """``v`` in the layout of ``x`` as an array in ``layout`` (inverse of :func:`to_x`)."""
-  axes = [a for a in layout if a is not None]
-  v = jnp.reshape(v, tuple(jnp.shape(v)[a] for a in sorted(axes)))
-  v = jnp.transpose(v, [sorted(axes).index(a) for a in axes])
-  shape, it = [], iter(jnp.shape(v))
-  for a in layout:
-    shape.append(1 if a is None else next(it))
   return jnp.reshape(v, tuple(shape))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Callable, Sequence
@@ -57,10 +58,12 @@ def _scalar_type(annotation) -> tuple[type, bool]:
   return annotation, False
 
 
-def _cli_fields(cls) -> list[tuple[dataclasses.Field, type]]:
+@functools.lru_cache(maxsize=None)
+def _cli_fields(cls) -> tuple[tuple[dataclasses.Field, type, bool], ...]:
+  """``(field, X, None allowed)`` per option field (resolved once per class)."""
   hints = typing.get_type_hints(cls)
-  return [(f, _scalar_type(hints[f.name])[0]) for f in dataclasses.fields(cls)
-          if "help" in f.metadata]
+  return tuple((f, *_scalar_type(hints[f.name])) for f in dataclasses.fields(cls)
+               if "help" in f.metadata)
 
 
 def add_arguments(parser: argparse.ArgumentParser | Any, cls, *,
@@ -72,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls, *,
     cls: the config dataclass.
     aliases: field name -> further option strings (deprecated spellings).
   """
-  for f, kind in _cli_fields(cls):
+  for f, kind, _ in _cli_fields(cls):
     names = [flag(f.name), *(aliases or {}).get(f.name, ())]
     meta = f.metadata
     help_text = meta["help"] + ("" if f.default is None or kind is bool
@@ -87,16 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls, *,
 
 def from_args(cls, args: argparse.Namespace, **overrides):
   """``cls`` built from the parsed options of its fields (and ``overrides``)."""
-  values = {f.name: getattr(args, f.name) for f, _ in _cli_fields(cls) if hasattr(args, f.name)}
+  values = {f.name: getattr(args, f.name) for f, _, _ in _cli_fields(cls) if hasattr(args, f.name)}
   return cls(**{**values, **overrides})
 
 
 def check(config, error: type[Exception] = ValueError) -> None:
   """Raise ``error`` naming the option for a value outside its ``choices`` or failing its
   ``check`` (call from ``__post_init__``)."""
-  for f, kind in _cli_fields(type(config)):
+  for f, kind, optional in _cli_fields(type(config)):
     value, meta = getattr(config, f.name), f.metadata
-    _, optional = _scalar_type(typing.get_type_hints(type(config))[f.name])
     if value is None and optional:
       continue
     if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
