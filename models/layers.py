@@ -316,6 +316,9 @@ class GluMlp(nnx.Module):
     self.act = activation_fn(cfg.activation, cfg.activation_mode, cfg.implementation)
     self.tagged = cfg.save_names is not None
     self.implementation = cfg.implementation
+    # An inverted activation keeps its output: the product with ``up`` is then recomputed
+    # rather than kept (a memory plan decides for itself what the block keeps).
+    self.recompute_product = cfg.activation_mode == "inverted" and not self.tagged
 
   def __call__(self, x, norm=None):
     if norm is None:
@@ -323,6 +326,10 @@ class GluMlp(nnx.Module):
     else:
       g, u = norm_dense(norm, x, (self.gate, self.up), self.implementation)
     g, u = tag(g, "mlp_pre", self.tagged), tag(u, "mlp_pre", self.tagged)
+    if self.recompute_product:
+      # The activation keeps its output anyway: keep it and ``up`` for the down projection
+      # too and recompute their product in the backward (one [tokens, mlp_dim] tensor less).
+      return jax.checkpoint(lambda y, u: self.down(y * u), prevent_cse=False)(self.act(g), u)
     a = tag(self.act(g) * u, "mlp_act", self.tagged)
     return tag(self.down(a), "mlp_out", self.tagged)
 

@@ -10,7 +10,11 @@ Memory *modes* say what an op keeps for the backward:
   whose norm feeds the next block, run it as ``"inverted"``);
 * ``softmax_mode``: ``"standard"`` or ``"inverted"`` (keeps only the probabilities);
 * ``dropout_mode``: ``"standard"`` (a bool mask), ``"regenerate"`` (only the key) or
-  ``"bits"`` (the mask packed 8 per byte).
+  ``"bits"`` (the mask packed 8 per byte);
+* ``head_mode`` (text models' LM head and loss): ``"standard"`` (the logits [tokens,
+  vocabulary] and their gradient materialized) or ``"chunked"``
+  (``invact_jax.linear_cross_entropy``: one tile of logits at a time, forward and
+  backward).  ViT's classification head is a few logits per image: it is always standard.
 
 *Implementations* say how an op runs: ``implementation`` (None/"xla", "pallas", "triton")
 for the invact_jax ops and ``attention`` ("xla" einsum + softmax, or "dot_product" =
@@ -36,14 +40,16 @@ ACTIVATION_MODES = ("standard", "checkpointed", "inverted")
 NORM_MODES = ("standard", "inverted", "fused")
 SOFTMAX_MODES = ("standard", "inverted")
 DROPOUT_MODES = ("standard", "regenerate", "bits")
+HEAD_MODES = ("standard", "chunked")
 ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product")
 #: ``implementation``: how the invact_jax ops run (None: the library's default, XLA).
 IMPLEMENTATIONS = (None, *_IMPLEMENTATION_NAMES)
 
 #: Named memory configurations (model-config overrides).  "standard" is the baseline.
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
-    "standard": {"activation_mode": "standard"},
-    "checkpointed": {"activation_mode": "checkpointed"},
+    # JAX's default: every op as jax.nn/Flax writes it, the LM head's logits materialized.
+    "standard": {"activation_mode": "standard", "head_mode": "standard"},
+    "checkpointed": {"activation_mode": "checkpointed", "head_mode": "standard"},
     "inverted": {"activation_mode": "inverted"},
     # Norms and softmax too, unfused (their outputs stay taggable by a memory plan).
     "inverted-norms": {"activation_mode": "inverted", "norm_mode": "inverted",
@@ -136,6 +142,7 @@ class BlockOptions:
   norm_mode: str = "standard"
   softmax_mode: str = "standard"
   dropout_mode: str = "standard"
+  head_mode: str = "chunked"             # text models' LM head (see the module doc)
   implementation: str | None = None
   dtype: str = "float32"  # compute dtype; parameters stay float32
 
@@ -162,6 +169,7 @@ def validate(cfg) -> None:
   """Raise ValueError for option values no layer understands (message names the field)."""
   for field, allowed in (("activation_mode", ACTIVATION_MODES), ("norm_mode", NORM_MODES),
                          ("softmax_mode", SOFTMAX_MODES), ("dropout_mode", DROPOUT_MODES),
+                         ("head_mode", HEAD_MODES),
                          ("attention", ATTENTION_IMPLEMENTATIONS),
                          ("implementation", IMPLEMENTATIONS), ("remat", tuple(REMAT_POLICIES))):
     _one_of(cfg, field, allowed)

@@ -1,14 +1,19 @@
 """Text transformers (Flax NNX): BERT-style encoder, GPT-2-style and Llama-style decoders.
 
 Each takes token ids [batch, seq] and returns logits [batch, seq, vocab] (float32); the
-LM head is tied to the token embedding (``nnx.Embed.attend``).
+LM head is tied to the token embedding (``nnx.Embed.attend``).  ``loss(tokens, labels)``
+gives the per-token cross-entropy and whether each prediction is right; with
+``head_mode="chunked"`` (the default) it never materializes the logits
+(``invact_jax.linear_cross_entropy`` on the final hidden states and the embedding table).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
+import invact_jax
 from models import layers
 from models import options
 
@@ -64,6 +69,23 @@ class TextTransformer(nnx.Module):
       self.final_norm = nnx.RMSNorm(cfg.hidden, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
 
   def __call__(self, tokens, key=None):
+    """Logits [batch, seq, vocab] in float32."""
+    return self.token_embedding.attend(self.hidden(tokens, key)).astype(jnp.float32)
+
+  def loss(self, tokens, labels, key=None):
+    """``(loss, correct)`` per position [batch, seq]: the cross-entropy of the next-token
+    labels (float32) and whether the largest logit is the label's."""
+    x = self.hidden(tokens, key)
+    if self.cfg.head_mode == "chunked":
+      return invact_jax.linear_cross_entropy(
+          x, self.token_embedding.embedding[...], labels, vocab_axis=0, reduction="none",
+          return_correct=True, implementation=None)
+    logits = self.token_embedding.attend(x).astype(jnp.float32)
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+            jnp.argmax(logits, -1) == labels)
+
+  def hidden(self, tokens, key=None):
+    """The final hidden states [batch, seq, hidden] (what the LM head reads)."""
     n = tokens.shape[1]
     if n > self.cfg.max_len:
       raise ValueError(f"sequence length {n} exceeds max_len {self.cfg.max_len}")
@@ -76,4 +98,4 @@ class TextTransformer(nnx.Module):
     x = self.blocks(x, key)
     if self.cfg.family != "bert":
       x = layers.apply_norm(self.final_norm, x, self.cfg.norm_mode, self.cfg.implementation)
-    return self.token_embedding.attend(x).astype(jnp.float32)
+    return x

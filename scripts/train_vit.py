@@ -17,8 +17,8 @@ Several processes (one per host; each sees its local devices, the mesh spans all
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -101,6 +101,11 @@ def main(argv=None) -> int:
       if workdir is None:
         raise training.ConfigError(f"--resume: no earlier run of preset {args.preset!r} under runs/")
     cfg = cli.from_args(training.TrainConfig, args)
+    if several:  # every process must run the same job on the same data
+      distributed.agree({**training.run_identity(cfg, data_lib.fingerprint(dataset)),
+                         "workdir": str(workdir), "resume": args.resume,
+                         "stop_after": args.stop_after, "shard_params": args.shard_params},
+                        timeout_s=args.distributed_timeout)
     progress = not args.no_progress
     if args.compare:
       result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress,
@@ -139,4 +144,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  if code:  # after the one line: no library shutdown noise (checkpoint writers' threads)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  sys.exit(code)

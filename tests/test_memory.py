@@ -86,3 +86,64 @@ def test_device_peak_explains_missing_stats_on_cpu():
   assert not memory.reports_peak()
   with pytest.raises(RuntimeError, match="reports no memory_stats"):
     memory.device_peak(lambda x: x * 2, jnp.ones(3))
+
+
+# ------------------------------------------------------------------------ floor audit
+def test_floor_audit_of_an_mlp():
+  """GELU's floor: its output and one bit per element.  JAX's own GELU keeps its internals
+  too (excess); the inverted one is at the floor, every array with its role."""
+  args = _args()
+  loss = _mlp_loss(functools.partial(jax.nn.gelu, approximate=True))
+  floor = [(i.what, i.shape, i.dtype) for i in memory.floor_audit(loss, *args).floor]
+  assert floor == [("gelu output", (B, H), "float32"), ("gelu bits", (B, 25), "uint8")]
+  audit = memory.floor_audit(invact_jax.invert(loss), *args)
+  assert [role for _, role in audit.kept] == ["gelu output", "gelu bits"]
+  assert audit.ratio == 1.0 and audit.excess_bytes == 0
+  base = memory.floor_audit(loss, *args)
+  assert base.floor_bytes == audit.floor_bytes and base.excess_bytes == 5 * B * H * 4
+  assert "kept / floor = 1.00" in audit.table()
+
+
+def test_floor_counts_each_matmul_input_once_in_its_narrowest_dtype():
+  """A norm feeding three matmuls: its xhat once and a float32 statistic per row; a bfloat16
+  value cast to float32 for a matmul counts in bfloat16; a softmax's shift and what only a
+  stop_gradient reads count for nothing; x * constant keeps nothing."""
+  def loss(g, w, x):
+    z = invact_jax.layer_norm_reference(x, g, None)
+    h = sum(z @ w[i] for i in range(3)).astype(jnp.bfloat16)
+    e = jnp.exp(h - jax.lax.stop_gradient(jnp.max(h, axis=-1, keepdims=True)))
+    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    return jnp.sum(jnp.tanh((p * 3.0).astype(jnp.float32) @ w[0].T))
+  g, w, x = jnp.ones(D), jax.random.normal(jax.random.key(1), (3, D, D)), _args()[0]
+  items = sorted((i.what, i.shape, i.dtype) for i in memory.floor_audit(loss, g, w, x).floor)
+  assert items == sorted([("layer_norm xhat", (B, D), "float32"),
+                          ("layer_norm row statistic", (B,), "float32"),
+                          ("softmax output", (B, D), "bfloat16"),
+                          ("tanh output", (B, D), "float32")]), items
+
+
+def test_floor_of_a_scanned_stack_counts_each_layer():
+  """A scan body's floor counts once per iteration (the stacked shape); a custom_vjp function
+  (here invact_jax's own GELU: its output and bits) counts its own residuals; the carry a
+  layer's matmul reads is each iteration's own input (a scan keeps it per iteration, apart
+  from the previous iteration's output)."""
+  def loss(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (invact_jax.gelu(h @ w), None), x, ws)
+    return jnp.sum(h)
+  ws = jax.random.normal(jax.random.key(1), (3, D, D)) / 8
+  items = {(i.what, i.shape) for i in memory.floor_audit(loss, ws, _args()[0]).floor}
+  assert items == {("kernel output", (3, B, D)), ("kernel residual", (3, B, D // 8)),
+                   ("scan carry", (3, B, D))}, items
+
+
+def test_floor_of_an_lm_head_is_its_input_and_a_statistic_per_token():
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def loss(x, w, y):
+    return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+  x, w = _args()[0], jax.random.normal(jax.random.key(2), (D, 512))
+  y = jnp.arange(B) % 512
+  floor = sorted((i.what, i.shape) for i in memory.floor_audit(loss, x, w, y).floor)
+  assert floor == [("linear_cross_entropy row statistic", (B,))], floor  # x is an argument
+  audit = memory.floor_audit(invact_jax.invert(loss), x, w, y)
+  assert audit.kept_bytes == audit.floor_bytes == 4 * B, audit.table()

@@ -37,7 +37,7 @@ from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
 
 __all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
-           "to_x", "escapes", "RADICALS"]
+           "to_x", "from_x", "escapes", "RADICALS"]
 
 # Primitives that make a radical (reported when a candidate is left alone).
 RADICALS = frozenset({"rsqrt", "sqrt"})
@@ -314,11 +314,15 @@ class _Analysis:
       if offset < 0 or any(d != 1 and layout[i + offset] not in self.axes
                            for i, d in enumerate(v.shape)):
         return None
-      key = ("lit", id(ref))
+      # one symbol per constant array, however many literals of it the program holds
+      key = ("lit", v.shape, v.dtype.str, v.tobytes()) if v.size <= 1 << 16 else ("lit", id(ref.val))
       if key not in self.param_ids:  # a constant array (a closed-over weight): its value
         self.param_ids[key] = len(self.params)
         self.params.append((ref, (ref, []), layout))
       return {((("c", self.param_ids[key]), 1),): 1.0}
+    folded = self._literal_spread(ref)
+    if folded is not None:
+      return self._param(folded)
     chain = self._column_chain(ref)
     if chain is None:
       return None
@@ -327,6 +331,36 @@ class _Analysis:
       self.param_ids[key] = len(self.params)
       self.params.append((ref, chain, self._cur))
     return {((("c", self.param_ids[key]), 1),): 1.0}
+
+  def _literal_spread(self, ref) -> Lit | None:
+    """A constant array spread by broadcasts, casts and reshapes (a closed-over scale): the
+    constant in the broadcasts' output rank with size-1 axes where they spread it, so one
+    constant is one parameter symbol however many times the program broadcasts it."""
+    nodes = []
+    while not isinstance(ref, Lit) and ref in self.g.producer:
+      node = self.g.nodes[self.g.producer[ref][0]]
+      if node.prim.name not in ("broadcast_in_dim", "convert_element_type", "reshape") \
+          or len(node.ins) != 1:
+        return None
+      nodes.insert(0, node)
+      ref = node.ins[0]
+    if not nodes or not isinstance(ref, Lit) or isinstance(ref.val, jax.core.Tracer):
+      return None
+    v, spread = np.asarray(ref.val), False
+    for node in nodes:
+      out = self.g.avals[node.outs[0]]
+      if node.prim.name == "convert_element_type":
+        v = v.astype(out.dtype)
+      elif node.prim.name == "broadcast_in_dim":
+        shape = [1] * len(out.shape)
+        for j, d in zip(node.params["broadcast_dimensions"], v.shape):
+          shape[j] = d
+        v, spread = v.reshape(shape), True
+      elif spread:
+        return None  # a reshape after a broadcast: not followed
+      else:
+        v = v.reshape(out.shape)
+    return Lit(v)
 
   def _radical(self, p: dict) -> tuple | None:
     """The symbol ``r`` with ``r = p^(-1/2)`` for a row polynomial ``p``."""
@@ -569,23 +603,11 @@ def _dtype(g: _graph.Graph, ref):
   return np.asarray(ref.val).dtype if isinstance(ref, Lit) else g.avals[ref].dtype
 
 
-def _ancestors(g: _graph.Graph, root: int, member) -> list:
-  seen, stack = set(), [root]
-  while stack:
-    i = stack.pop()
-    if i in seen:
-      continue
-    seen.add(i)
-    for r in g.nodes[i].ins:
-      if not isinstance(r, Lit) and r in g.producer and member(r):
-        stack.append(g.producer[r][0])
-  return sorted(seen)
-
-
 def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
   """The norms of ``g`` not overlapping ``claimed``: ``(matches, left_alone)``, the latter
   ``(radical node indices, why)`` for statistics whose normalized output is not converted."""
   matches, left, taken = [], [], set(claimed)
+  pending = []  # (radical node indices, why) per candidate, reported once all are matched
   for x, axes in _candidates(g):
     a = _Analysis(g, x, axes)
     start = g.producer[x][0] + 1 if not isinstance(x, Lit) and x in g.producer else 0
@@ -599,16 +621,16 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
                 and g.nodes[i].outs and g.nodes[i].outs[0] in a.vals
                 and any(s[0] == "r" for s in _syms(a.vals[g.nodes[i].outs[0]]))]
     if not found:
-      if radicals:
-        left.append((radicals, "its statistics are not a LayerNorm's or an RMSNorm's "
-                               "(x - mean or x, scaled by the matching rsqrt)"))
+      pending.append((radicals, None))
       continue
     found.sort(key=lambda t: -g.producer[t[0]][0])
     reason = None
-    for o, (rms, eps, scale, bias) in found:
+    for o, (rms, eps, scale, bias) in found:  # several norms may read one x (GPT-NeoX)
       root, root_out = g.producer[o]
+      if root in taken:
+        continue  # an intermediate value of a norm already found
       member = lambda r: r is not x and (r in a.vals or r in a.opaque)  # noqa: E731
-      nodes = _ancestors(g, root, member)
+      nodes = _graph.ancestors(g, root, member)
       chains = sorted({j for _, (_, chain), _ in a.params for j in chain}, reverse=True)
       inside = set(nodes)
       # a parameter's broadcast goes inside when only the region reads it (last node first)
@@ -648,10 +670,17 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
       matches.append(NormMatch(rms, eps, a.axes, nodes, root, root_out, inputs, params,
                                scale, bias, store, a.layout[o]))
       taken.update(nodes)
-      reason = None
-      break
-    if reason:
-      left.append((radicals or [g.producer[found[0][0]][0]], reason))
+    if not radicals and reason and not any(m.inputs[0] is x for m in matches):
+      left.append(([g.producer[found[0][0]][0]], reason))
+    pending.append((radicals, reason))
+  # radicals no norm took (a later candidate's match may take a radical an earlier one saw)
+  reported: set = set()
+  for radicals, reason in pending:
+    uncovered = [i for i in radicals if i not in taken and i not in reported]
+    reported.update(uncovered)
+    if uncovered:
+      left.append((uncovered, reason or "its statistics are not a LayerNorm's or an "
+                   "RMSNorm's (x - mean or x, scaled by the matching rsqrt)"))
   return matches, left
 
 
@@ -712,6 +741,13 @@ def _through(g: _graph.Graph, ref, prims) -> tuple:
   return ref, nodes
 
 
+def _widens(g: _graph.Graph, node) -> bool:
+  """A cast to a floating dtype at least as precise as its input's."""
+  src, dst = _dtype(g, node.ins[0]), g.avals[node.outs[0]].dtype
+  return (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+          and jnp.finfo(dst).nmant >= jnp.finfo(src).nmant)
+
+
 def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
   """The softmaxes of ``g`` written as ``exp(u - k) / sum(exp(u - k))`` over any axes:
   ``(matches, left_alone)``, the latter ``([exp node index], why)``."""
@@ -722,12 +758,17 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
     e, d = node.ins
     if e not in g.producer or g.nodes[g.producer[e][0]].prim.name != "exp":
       continue
-    s, chain = _through(g, d, ("broadcast_in_dim", "reshape", "expand_dims"))
+    # the sum may be taken in a wider dtype (jax.nn.softmax sums bfloat16 in float32) and
+    # cast back for the division
+    s, chain = _through(g, d, ("broadcast_in_dim", "reshape", "expand_dims",
+                               "convert_element_type"))
     if s not in g.producer or g.nodes[g.producer[s][0]].prim.name != "reduce_sum":
       continue
     si = g.producer[s][0]
-    if g.nodes[si].ins[0] != e:
+    summed, up = _through(g, g.nodes[si].ins[0], ("convert_element_type",))
+    if summed != e or any(not _widens(g, g.nodes[j]) for j in up):
       continue
+    chain = chain + up
     axes = tuple(sorted(int(a) for a in g.nodes[si].params["axes"]))
     shape = tuple(g.avals[e].shape)
     if tuple(g.avals[d].shape) != tuple(1 if i in axes else n for i, n in enumerate(shape)) \
@@ -771,3 +812,11 @@ def to_x(v, layout: tuple, ndim: int):
   for a, d in zip(sorted(axes), jnp.shape(v)):
     shape[a] = d
   return jnp.reshape(v, tuple(shape))
+
+
+def from_x(v, layout: tuple, shape: tuple):
+  """``v``, an array in the layout of ``x``, in ``layout`` with ``shape`` (the inverse of
+  :func:`to_x` for a full-size value)."""
+  keep = [a for a in layout if a is not None]
+  rest = [a for a in range(jnp.ndim(v)) if a not in keep]
+  return jnp.reshape(jnp.transpose(v, keep + rest), shape)

@@ -14,14 +14,15 @@ interpreters"); the names that moved between JAX 0.10 and 0.12 are looked up by 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-__all__ = ["Lit", "Node", "Graph", "flatten", "params_equal", "where", "bind", "evaluate",
-           "shape_structs"]
+__all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "substitute", "params_equal", "where", "bind", "schedule",
+           "evaluate", "region", "ancestors", "shape_structs"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -146,6 +147,15 @@ def flatten(closed) -> Graph:
   return Graph(nodes, invars, outvars, avals).index()
 
 
+def substitute(graph: Graph, values: dict) -> Graph:
+  """A copy of ``graph`` whose nodes read ``values[ref]`` (a :class:`Lit`) instead of ``ref``
+  (the inputs stay, unread)."""
+  sub = lambda r: values.get(r, r) if not isinstance(r, Lit) else r  # noqa: E731
+  nodes = [dataclasses.replace(n, ins=[sub(r) for r in n.ins]) for n in graph.nodes]
+  return Graph(nodes, list(graph.invars), [sub(r) for r in graph.outvars],
+               dict(graph.avals)).index()
+
+
 def _jaxpr_key(j) -> str:
   return str(getattr(j, "jaxpr", j)) + "|" + ",".join(
       f"{np.shape(c)}:{getattr(c, 'dtype', type(c))}" for c in getattr(j, "consts", ()))
@@ -185,27 +195,121 @@ def bind(node: Node, invals: list) -> list:
   return list(out) if node.prim.multiple_results else [out]
 
 
-def evaluate(graph: Graph, args, *, skip=frozenset(), at: dict | None = None,
-             nested: Callable | None = None) -> list:
-  """Run ``graph`` on ``args``.  ``skip``: node indices not to run; ``at``: node index ->
-  function(env) returning that node's outputs instead; ``nested(node, invals)``: outputs of
-  a higher-order node (or None to bind it as it is)."""
+@dataclasses.dataclass(eq=False)
+class Unit:
+  """Nodes of a graph replaced together by one function.
+
+  Attributes:
+    nodes: the replaced node indices (none of them runs; values they compute that are not in
+      ``outputs`` must not be read outside the unit).
+    inputs: the refs ``fn`` takes.
+    outputs: the refs ``fn`` returns (values the rest of the program reads).
+    fn: ``fn(*input values) -> sequence of output values``.
+  """
+  nodes: frozenset
+  inputs: list
+  outputs: list
+  fn: Callable
+
+
+def schedule(graph: Graph, units=()) -> list:
+  """An order of evaluation: node indices and :class:`Unit` s, each after everything it
+  reads (a unit runs as soon as its inputs exist, and no later than its first reader).
+
+  Raises:
+    ValueError: the units make the graph cyclic (a unit reads a value computed from one of
+      its own outputs).
+  """
+  owner = {}
+  for u in units:
+    for i in u.nodes:
+      owner[i] = u
+  items = [u for u in units] + [i for i in range(len(graph.nodes)) if i not in owner]
+  key = {id(u): min(u.nodes) for u in units}
+
+  def ins(item):
+    return item.inputs if isinstance(item, Unit) else graph.nodes[item].ins
+
+  def outs(item):
+    return item.outputs if isinstance(item, Unit) else graph.nodes[item].outs
+
+  produced_by = {}
+  for item in items:
+    for o in outs(item):
+      produced_by[o] = item
+  waiting, readers = {}, {}
+  for item in items:
+    deps = {id(produced_by[r]) for r in ins(item)
+            if not isinstance(r, Lit) and r in produced_by and produced_by[r] is not item}
+    waiting[id(item)] = len(deps)
+    for d in deps:
+      readers.setdefault(d, []).append(item)
+  order_key = lambda item: key[id(item)] if isinstance(item, Unit) else item  # noqa: E731
+  ready = [(order_key(it), n, it) for n, it in enumerate(items) if waiting[id(it)] == 0]
+  heapq.heapify(ready)
+  counter = len(items)
+  out = []
+  while ready:
+    _, _, item = heapq.heappop(ready)
+    out.append(item)
+    for r in readers.get(id(item), ()):
+      waiting[id(r)] -= 1
+      if waiting[id(r)] == 0:
+        counter += 1
+        heapq.heappush(ready, (order_key(r), counter, r))
+  if len(out) != len(items):
+    raise ValueError("the replaced regions make the program cyclic")
+  return out
+
+
+def evaluate(graph: Graph, args, *, units=(), nested: Callable | None = None) -> list:
+  """Run ``graph`` on ``args``, with each :class:`Unit` of ``units`` computing its outputs
+  instead of its nodes; ``nested(node, invals)``: outputs of a higher-order node (or None to
+  bind it as it is)."""
   env = dict(zip(graph.invars, args))
   value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
-  at = at or {}
-  for i, n in enumerate(graph.nodes):
-    if i in at:
-      outs = at[i](value)
-    elif i in skip:
+  for item in schedule(graph, units):
+    if isinstance(item, Unit):
+      for k, v in zip(item.outputs, item.fn(*(value(r) for r in item.inputs))):
+        env[k] = v
       continue
-    else:
-      invals = [value(r) for r in n.ins]
-      outs = nested(n, invals) if nested is not None else None
-      if outs is None:
-        outs = bind(n, invals)
+    n = graph.nodes[item]
+    invals = [value(r) for r in n.ins]
+    outs = nested(n, invals) if nested is not None else None
+    if outs is None:
+      outs = bind(n, invals)
     for k, v in zip(n.outs, outs):
       env[k] = v
   return [value(r) for r in graph.outvars]
+
+
+def region(graph: Graph, node_ids, ins: list, outs: list) -> Callable[..., tuple]:
+  """The program's equations ``node_ids`` (in program order) as a function of ``ins``,
+  returning the values ``outs``."""
+  order = [graph.nodes[i] for i in sorted(node_ids)]
+
+  def run(*vals):
+    env = dict(zip(ins, vals))
+    value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
+    for n in order:
+      for k, v in zip(n.outs, bind(n, [value(r) for r in n.ins])):
+        env[k] = v
+    return tuple(env[o] for o in outs)
+  return run
+
+
+def ancestors(graph: Graph, root: int, member: Callable[[Any], bool]) -> list:
+  """The nodes ``root`` is computed from, back through values ``member`` accepts (sorted)."""
+  seen, stack = set(), [root]
+  while stack:
+    i = stack.pop()
+    if i in seen:
+      continue
+    seen.add(i)
+    for r in graph.nodes[i].ins:
+      if not isinstance(r, Lit) and r in graph.producer and member(r):
+        stack.append(graph.producer[r][0])
+  return sorted(seen)
 
 
 def shape_structs(avals) -> list:

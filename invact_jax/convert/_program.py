@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _algebra
+from invact_jax.convert import _cross_entropy
 from invact_jax.convert import _forms
+from invact_jax.convert import _fusion
 from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
 from invact_jax.ops import _common
@@ -41,6 +43,7 @@ from invact_jax.ops import _implementation
 from invact_jax.ops.activations import api as _act_api
 from invact_jax.ops.activations import base as _act_base
 from invact_jax.ops.activations import registry
+from invact_jax.ops.cross_entropy import base as _ce_base
 from invact_jax.ops.norms import api as _norm_api
 from invact_jax.ops.norms import base as _norm_base
 from invact_jax.ops.softmax import base as _softmax_base
@@ -51,7 +54,7 @@ _COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
 # Primitives that suggest an op the conversion may have missed (reported when unclaimed).
 _CANDIDATES = {"erf": "activation", "erfc": "activation", "logistic": "activation",
                "tanh": "activation", "rsqrt": "norm", "sqrt": "norm", "exp": "softmax"}
-_KINDS = ("layer_norm", "rms_norm", "softmax")
+_KINDS = ("layer_norm", "rms_norm", "softmax", "linear_cross_entropy")
 
 
 @dataclasses.dataclass
@@ -301,16 +304,8 @@ def _region(target: _graph.Graph, match: _Match) -> Callable[..., Any]:
 
 def _region_of(target: _graph.Graph, node_ids, ins, out) -> Callable[..., Any]:
   """The program's equations ``node_ids`` as a function of ``ins``, returning ``out``."""
-  nodes = [target.nodes[i] for i in node_ids]
-
-  def run(*vals):
-    env = dict(zip(ins, vals))
-    value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
-    for n in nodes:
-      for k, v in zip(n.outs, _graph.bind(n, [value(r) for r in n.ins])):
-        env[k] = v
-    return env[out]
-  return run
+  run = _graph.region(target, node_ids, ins, [out])
+  return lambda *vals: run(*vals)[0]
 
 
 def _activation_fn(match: _Match, region, implementation):
@@ -356,23 +351,34 @@ def _scaled_silu_fn(match: _Match, region, implementation):
   return f
 
 
-def _algebra_norm_fn(m: _algebra.NormMatch, region, implementation, target):
+class _NormRule:
   """A norm found by its algebra: the program's equations forward; residuals xhat (in
   ``m.store``), rstd (compute dtype, per row) and the parameters' sources; the backward is
   invact_jax's norm backward (the implementation's row kernels when the statistics are over
   the last axis and the scale is a vector along it, XLA's over other axes), the parameters'
   gradients the VJP of ``xhat * scale + bias`` in them (so a folded or ``1 + weight`` scale
-  is differentiated as the program wrote it)."""
-  x_aval = _aval(target, m.inputs[0])
-  ndim = len(x_aval.shape)
-  identity = m.layout == tuple(range(ndim))
-  rows_kernel = identity and m.axes == (ndim - 1,)
-  sources = sorted({p[0] for p in m.params if p is not None and p[0] != "const"})
+  is differentiated as the program wrote it).  The fused norm -> matmul units
+  (:mod:`._fusion`) reuse :meth:`residuals`, :meth:`recompute` and :meth:`backward`."""
 
-  def symbols(src_vals: dict) -> list:
+  def __init__(self, m: _algebra.NormMatch, region, implementation, target):
+    self.m, self.region, self.implementation = m, region, implementation
+    self.x_aval = _aval(target, m.inputs[0])
+    self.out_aval = target.avals[target.nodes[m.root].outs[m.root_out]]
+    self.ndim = len(self.x_aval.shape)
+    self.rows_kernel = (m.layout == tuple(range(self.ndim)) and m.axes == (self.ndim - 1,))
+    self.sources = sorted({p[0] for p in m.params if p is not None and p[0] != "const"})
+    self.target = target
+    # No affine, the output in x's layout and in the dtype xhat is kept in: the output *is*
+    # xhat (to rounding), so it is kept as xhat (one tensor, shared with its readers).
+    self.output_is_xhat = (m.scale == {(): 1.0} and not m.bias
+                           and m.layout == tuple(range(self.ndim))
+                           and np.dtype(self.out_aval.dtype) == np.dtype(m.store)
+                           and tuple(self.out_aval.shape) == tuple(self.x_aval.shape))
+
+  def _symbols(self, src_vals: dict) -> list:
     """The parameters, each in the layout of ``x``."""
     out = []
-    for p in m.params:
+    for p in self.m.params:
       if p is None:
         out.append(None)
         continue
@@ -381,49 +387,91 @@ def _algebra_norm_fn(m: _algebra.NormMatch, region, implementation, target):
       else:
         v = src_vals[p[0]]
         for j in p[1]:
-          v = _graph.bind(target.nodes[j], [v])[0]
-      out.append(_algebra.to_x(v, p[2], ndim))
+          v = _graph.bind(self.target.nodes[j], [v])[0]
+      out.append(_algebra.to_x(v, p[2], self.ndim))
     return out
 
-  @jax.custom_vjp
-  def f(*vals):
-    return region(*vals)
+  def _affine(self, xh, src):
+    """``(scale, bias)`` in the layout of ``x`` and the dtype of ``xh``."""
+    m, cd = self.m, xh.dtype
+    syms = self._symbols(dict(zip(self.sources, src)))
+    scale = _algebra.evaluate_poly(m.scale, syms, xh) if m.scale else jnp.zeros((), cd)
+    bias = _algebra.evaluate_poly(m.bias, syms, xh) if m.bias else jnp.zeros((), cd)
+    return scale, bias
 
-  def fwd(*vals):
-    z = region(*vals)
-    xhat, rstd = _norm_base.normalize(vals[0], m.rms, m.eps, m.axes)
-    return z, (xhat.astype(m.store), rstd, tuple(vals[i] for i in sources))
+  def residuals(self, vals, z) -> tuple:
+    """``(xhat, rstd, parameter sources)`` from the region's input values and output."""
+    xhat, rstd = _norm_base.normalize(vals[0], self.m.rms, self.m.eps, self.m.axes)
+    xhat = z if self.output_is_xhat else xhat.astype(self.m.store)
+    return xhat, rstd, tuple(vals[i] for i in self.sources)
 
-  def bwd(res, dz):
+  def recompute(self, res):
+    """The norm's output recomputed from the residuals (``xhat * scale + bias`` in the compute
+    dtype, then in the output's layout and dtype)."""
+    xhat, rstd, src = res
+    xh = xhat.astype(rstd.dtype)
+    scale, bias = self._affine(xh, src)
+    z = _algebra.from_x(xh * scale + bias, self.m.layout, tuple(self.out_aval.shape))
+    return z.astype(self.out_aval.dtype)
+
+  def backward(self, res, dz) -> tuple:
+    """Cotangents of the region's inputs (None for constants) from the output's ``dz``."""
+    m, ndim = self.m, self.ndim
     xhat, rstd, src = res
     cd = rstd.dtype
     xh, dzc = xhat.astype(cd), _algebra.to_x(dz.astype(cd), m.layout, ndim)
-
-    def affine(*src_vals):
-      syms = symbols(dict(zip(sources, src_vals)))
-      scale = _algebra.evaluate_poly(m.scale, syms, xh) if m.scale else jnp.zeros((), cd)
-      bias = _algebra.evaluate_poly(m.bias, syms, xh) if m.bias else jnp.zeros((), cd)
-      return scale, bias
-    scale, _ = affine(*src)
-    n = x_aval.shape[-1]
-    if rows_kernel and math.prod(jnp.shape(scale)) in (1, n) and xhat.size:
+    scale, _ = self._affine(xh, src)
+    n = self.x_aval.shape[-1]
+    if self.rows_kernel and math.prod(jnp.shape(scale)) in (1, n) and xhat.size:
       vec = None if m.scale == {(): 1.0} else \
           jnp.broadcast_to(jnp.reshape(scale, (-1,)), (n,)).astype(cd)
-      dx = _norm_base.kernel_or_xla(implementation, xhat).backward_dx(
-          m.rms, xhat, rstd, dz, vec, x_aval.dtype)
+      dx = _norm_base.kernel_or_xla(self.implementation, xhat).backward_dx(
+          m.rms, xhat, rstd, dz, vec, self.x_aval.dtype)
     else:
-      dx = _norm_base.dx_from_xhat(xh, rstd, dzc * scale, m.rms, m.axes).astype(x_aval.dtype)
+      dx = _norm_base.dx_from_xhat(xh, rstd, dzc * scale, m.rms, m.axes).astype(
+          self.x_aval.dtype)
     out = [None] * len(m.inputs)  # None: a zero cotangent (constants, a where's fill value)
     out[0] = dx
-    if sources:
-      _, vjp = jax.vjp(lambda *s: (lambda sb: xh * sb[0] + sb[1])(affine(*s)), *src)
-      for i, g in zip(sources, vjp(dzc)):
-        k = sources.index(i)
+    if self.sources:
+      _, vjp = jax.vjp(lambda *s: (lambda sb: xh * sb[0] + sb[1])(self._affine(xh, s)), *src)
+      for i, g in zip(self.sources, vjp(dzc)):
+        k = self.sources.index(i)
         out[i] = _common.cotangent_like(g.astype(src[k].dtype), src[k])
     return tuple(out)
 
-  f.defvjp(fwd, bwd)
+
+def _algebra_norm_fn(rule: _NormRule):
+  """The norm as a ``custom_vjp`` keeping xhat, rstd and the parameters' sources."""
+
+  @jax.custom_vjp
+  def f(*vals):
+    return rule.region(*vals)
+
+  def fwd(*vals):
+    z = rule.region(*vals)
+    return z, rule.residuals(vals, z)
+
+  f.defvjp(fwd, rule.backward)
   return f
+
+
+def _head_fn(m: _cross_entropy.HeadMatch, target):
+  """A matmul + cross-entropy as :func:`invact_jax.linear_cross_entropy` per token: the
+  program's reduction follows."""
+  out = target.nodes[m.root].outs[0]
+  out_aval, x_aval = target.avals[out], _aval(target, m.x)
+  d, n = x_aval.shape[-1], math.prod(x_aval.shape[:-1])
+  vocab = _aval(target, m.w).shape[m.vocab_axis]
+  chunk, vocab_chunk = _ce_base.default_chunk_sizes(n, vocab)
+  opts = _ce_base.Options(m.vocab_axis, "none", None, float(m.smoothing), 0.0, None, chunk,
+                          vocab_chunk)
+
+  def fn(x, w, *rest):
+    b = rest[0] if m.bias is not None else None
+    labels = rest[-1]
+    loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, labels.reshape(n), opts)
+    return (m.sign * loss).reshape(out_aval.shape).astype(out_aval.dtype)
+  return fn
 
 
 def _algebra_softmax_fn(m: _algebra.SoftmaxMatch, region, target):
@@ -471,43 +519,64 @@ class _Options:
   activation: Any  # the activations' implementation (activations.api.IMPLEMENTATIONS)
   norm: Any        # the norms' implementation (norms.api.IMPLEMENTATIONS)
   report: ProgramReport
+  floor: bool = True  # fuse the matmuls that read recomputable values (the floor pass)
+
+
+def options_for_analysis() -> _Options:
+  """Options that find every op (for analyses of a program, not its conversion)."""
+  return _Options(_names(None, True), _act_api.IMPLEMENTATIONS["xla"],
+                  _norm_api.IMPLEMENTATIONS["xla"], ProgramReport(), False)
 
 
 def _allowed(form: _forms.Form, names: frozenset) -> bool:
   return form.public in names
 
 
-def _plan(target: _graph.Graph, opts: _Options) -> dict:
-  """node index -> replacement(value) for every converted match in ``target``."""
+@dataclasses.dataclass
+class Found:
+  """The ops found in a program (before anything is replaced).
+
+  Attributes:
+    norms: :class:`._algebra.NormMatch` per norm.
+    softmaxes: :class:`._algebra.SoftmaxMatch` per softmax found by its algebra.
+    forms: matches of :data:`._forms.FORMS` (activations and ``jax.nn.softmax`` calls).
+    heads: :class:`._cross_entropy.HeadMatch` per matmul + cross-entropy.
+  """
+  norms: list
+  softmaxes: list
+  forms: list
+  heads: list = dataclasses.field(default_factory=list)
+
+  def output(self, target: _graph.Graph, m):
+    """The program value a match computes."""
+    if isinstance(m, _cross_entropy.HeadMatch):
+      return target.nodes[m.root].outs[0]
+    k = m.pattern.root_out if isinstance(m, _Match) else m.root_out
+    return target.nodes[m.root].outs[k]
+
+
+def find(target: _graph.Graph, opts: _Options) -> Found:
+  """Every op of ``opts.names`` in ``target`` that can be converted; what cannot is added to
+  ``opts.report.left_alone`` with its reason."""
   claimed: set = set()
   outvars = {r for r in target.outvars if not isinstance(r, Lit)}
-  at = {}
-  forms = [f for f in _forms.FORMS if _allowed(f, opts.names)]
-  matches = []
+  found = Found([], [], [])
   explained: set = set()  # candidate nodes already reported with a reason
+  def take(kind: str, matches: list, left: list, into: list) -> None:
+    for m in matches:
+      if kind != "norm" or m.public in opts.names:
+        claimed.update(m.nodes)
+        into.append(m)
+    for nodes, why in left:
+      explained.update(nodes)
+      opts.report.left_alone.append((kind, target.nodes[nodes[0]].where, why))
+  if "linear_cross_entropy" in opts.names:  # first: its log-softmax is no softmax to keep
+    take("linear_cross_entropy", *_cross_entropy.find_heads(target, claimed, outvars),
+         found.heads)
   if opts.names & {"layer_norm", "rms_norm"}:
-    norms, left = _algebra.find_norms(target, claimed, outvars)
-    for m in norms:
-      if m.public not in opts.names:
-        continue
-      claimed.update(m.nodes)
-      region = _region_of(target, m.nodes, m.inputs, target.nodes[m.root].outs[m.root_out])
-      at[m.root] = _replacement(_algebra_norm_fn(m, region, opts.norm, target), m.root_out,
-                                m.inputs)
-      opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
-    for nodes, why in left:
-      explained.update(nodes)
-      opts.report.left_alone.append(("norm", target.nodes[nodes[0]].where, why))
+    take("norm", *_algebra.find_norms(target, claimed, outvars), found.norms)
   if "softmax" in opts.names:
-    softmaxes, left = _algebra.find_softmaxes(target, claimed, outvars)
-    for m in softmaxes:
-      claimed.update(m.nodes)
-      region = _region_of(target, m.nodes, m.inputs, target.nodes[m.root].outs[m.root_out])
-      at[m.root] = _replacement(_algebra_softmax_fn(m, region, target), m.root_out, m.inputs)
-      opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
-    for nodes, why in left:
-      explained.update(nodes)
-      opts.report.left_alone.append(("softmax", target.nodes[nodes[0]].where, why))
+    take("softmax", *_algebra.find_softmaxes(target, claimed, outvars), found.softmaxes)
   candidates = []
   for ti, tn in enumerate(target.nodes):
     if tn.outs:
@@ -515,7 +584,7 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
       if aval.shape and jnp.issubdtype(aval.dtype, jnp.floating):
         candidates.append((ti, tuple(aval.shape), np.dtype(aval.dtype).name,
                            _signature(target, ti)))
-  for form in forms:
+  for form in (f for f in _forms.FORMS if _allowed(f, opts.names)):
     # Latest output first: a form that ends in a cast (Flax's dtype=) matches at the cast,
     # not at the equation before it (the norm then keeps xhat in the cast's dtype).
     for ti, shape, od, sig in reversed(candidates):
@@ -539,9 +608,43 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
                "an intermediate value is also used elsewhere"))
           break
         claimed.update(m.nodes)
-        matches.append(m)
+        found.forms.append(m)
         break
-  for m in matches:
+  for i, n in enumerate(target.nodes):
+    if (i not in claimed and i not in explained and n.prim.name in _CANDIDATES
+        and not all(isinstance(r, Lit) for r in n.ins)):  # sqrt(head_dim) is no candidate
+      opts.report.left_alone.append(
+          (n.prim.name, n.where, f"not part of a recognized {_CANDIDATES[n.prim.name]} form"))
+  return found
+
+
+def _plan(target: _graph.Graph, opts: _Options) -> list:
+  """The :class:`_graph.Unit` s that replace the converted matches of ``target``."""
+  found = find(target, opts)
+  units: list = []
+  norm_units: list = []  # (rule, unit) for the fusion with the matmuls that read the norm
+  kept: set = set()      # outputs of converted ops that their own backward keeps
+  for m in found.norms:
+    out = found.output(target, m)
+    region = _region_of(target, m.nodes, m.inputs, out)
+    rule = _NormRule(m, region, opts.norm, target)
+    unit = _graph.Unit(frozenset(m.nodes), list(m.inputs), [out], _single(_algebra_norm_fn(rule)))
+    units.append(unit)
+    norm_units.append((rule, unit))
+    opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
+  for m in found.heads:
+    out = found.output(target, m)
+    units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [out],
+                             _single(_head_fn(m, target))))
+    opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
+  for m in found.softmaxes:
+    out = found.output(target, m)
+    region = _region_of(target, m.nodes, m.inputs, out)
+    units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [out],
+                             _single(_algebra_softmax_fn(m, region, target))))
+    kept.add(out)
+    opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
+  for m in found.forms:
     region = _region(target, m)
     kind = m.pattern.form.kind
     if kind == "activation":
@@ -550,25 +653,20 @@ def _plan(target: _graph.Graph, opts: _Options) -> dict:
       fn = _scaled_silu_fn(m, region, opts.activation)
     else:
       fn = _softmax_fn(m, region, target)
-    at[m.root] = _replacement(fn, m.pattern.root_out, m.inputs)
+    out = found.output(target, m)
+    units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [out], _single(fn)))
+    kept.add(out)
     opts.report.converted.append((m.pattern.form.public, m.pattern.form.name,
                                   target.nodes[m.root].where))
-  for i, n in enumerate(target.nodes):
-    if (i not in claimed and i not in explained and n.prim.name in _CANDIDATES
-        and not all(isinstance(r, Lit) for r in n.ins)):  # sqrt(head_dim) is no candidate
-      opts.report.left_alone.append(
-          (n.prim.name, n.where, f"not part of a recognized {_CANDIDATES[n.prim.name]} form"))
-  return at, claimed
+  if opts.floor:
+    units = _fusion.fuse(target, units, norm_units, kept,
+                         {r for r in target.outvars if not isinstance(r, Lit)})
+  return units
 
 
-def _replacement(fn, k: int, inputs: list):
-
-  def run(value):
-    out = fn(*(value(r) for r in inputs))
-    outs = [None] * (k + 1)
-    outs[k] = out
-    return outs
-  return run
+def _single(fn):
+  """``fn`` returning its one output as a 1-tuple (a :class:`_graph.Unit`'s convention)."""
+  return lambda *vals: (fn(*vals),)
 
 
 def _contains_candidates(params) -> bool:
@@ -584,10 +682,25 @@ def _contains_candidates(params) -> bool:
   return False
 
 
-def _convert_closed(closed, opts: _Options):
-  """A converted copy of a nested body (same input and output types), or None."""
+# Constants of the enclosing program up to this size are seen as constants inside a body (a
+# norm's epsilon is a scan constant when the layers are stacked).
+_KNOWN_SIZE = 64
+
+
+def _known(refs, positions) -> dict:
+  """``{body input index: Lit}`` for the small constants among ``refs`` at ``positions``."""
+  return {k: refs[k] for k in positions
+          if isinstance(refs[k], Lit) and np.size(refs[k].val) <= _KNOWN_SIZE
+          and not isinstance(refs[k].val, jax.core.Tracer)}
+
+
+def _convert_closed(closed, opts: _Options, known: dict | None = None):
+  """A converted copy of a nested body (same input and output types), or None.  ``known``:
+  body input index -> the constant it always receives."""
   structs = _graph.shape_structs(closed.in_avals)
   graph = _graph.flatten(closed)
+  if known:
+    graph = _graph.substitute(graph, {graph.invars[k]: lit for k, lit in known.items()})
   new = jax.make_jaxpr(lambda *a: _run(graph, a, opts))(*structs)
   same = all(a.shape == b.shape and a.dtype == b.dtype and
              getattr(a, "weak_type", False) == getattr(b, "weak_type", False)
@@ -611,11 +724,13 @@ def _nested(opts: _Options):
                            check_vma=p.get("check_vma", True))
       return list(body(*invals))
     if name == "scan" or name in ("pjit", "jit"):
-      new = _convert_closed(p["jaxpr"], opts)
+      consts = range(p["num_consts"]) if name == "scan" else range(len(node.ins))
+      new = _convert_closed(p["jaxpr"], opts, _known(node.ins, consts))
       return None if new is None else _graph.bind(
           _graph.Node(node.prim, dict(p, jaxpr=new), node.ins, node.outs, eqn=node.eqn), invals)
     if name == "cond":
-      branches = [_convert_closed(b, opts) for b in p["branches"]]
+      known = {k - 1: lit for k, lit in _known(node.ins, range(1, len(node.ins))).items()}
+      branches = [_convert_closed(b, opts, known) for b in p["branches"]]
       if any(b is None for b in branches):
         return None
       return _graph.bind(_graph.Node(node.prim, dict(p, branches=tuple(branches)), node.ins,
@@ -629,9 +744,7 @@ def _nested(opts: _Options):
 
 
 def _run(graph: _graph.Graph, args, opts: _Options) -> list:
-  at, claimed = _plan(graph, opts)
-  skip = claimed - set(at)
-  return _graph.evaluate(graph, list(args), skip=skip, at=at, nested=_nested(opts))
+  return _graph.evaluate(graph, list(args), units=_plan(graph, opts), nested=_nested(opts))
 
 
 def _names(only, norms: bool) -> frozenset:
@@ -653,7 +766,7 @@ def _is_array(leaf) -> bool:
 
 
 def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
-           implementation=None) -> Callable[..., Any]:
+           implementation=None, floor: bool = True) -> Callable[..., Any]:
   """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.
 
   The recommended way to apply invact_jax to code you did not write (see also
@@ -674,6 +787,10 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
     norms: with ``only=None``, also convert norms and softmax (default True).
     implementation: the backward's implementation for activations and norms (None/"xla",
       "pallas", "triton"; see :class:`invact_jax.Implementation`).
+    floor: also keep each tensor once (default True): a norm feeding matmuls keeps only
+      ``xhat`` and ``rstd`` for both; a matmul whose operand is an elementwise function of
+      values kept anyway (a GLU's product, a reshaped attention output, a bfloat16 value
+      cast to float32) keeps those values instead.  False converts the ops alone.
 
   Returns:
     The converted function; after each call (or trace) its ``last_report``
@@ -717,7 +834,8 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
     vals = [leaves[i] for i in dyn]
     closed = jax.make_jaxpr(flat)(*vals)
     report = ProgramReport()
-    outs = _run(_graph.flatten(closed), vals, _Options(names, act_impl, norm_impl, report))
+    outs = _run(_graph.flatten(closed), vals,
+                _Options(names, act_impl, norm_impl, report, bool(floor)))
     wrapped.last_report = report
     out_leaves = list(out_structure["leaves"])
     for i, v in zip(out_structure["arrays"], outs):
@@ -725,4 +843,5 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
     return jax.tree.unflatten(out_structure["tree"], out_leaves)
 
   wrapped.last_report = None
+  wrapped.invact_jax_original = fn  # what the floor audit measures against
   return wrapped

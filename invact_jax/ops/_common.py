@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FLOAT_DTYPES", "float_array", "float_dtype", "static_scalar", "static_axis",
-           "compute_dtype", "first_order_only", "first_order_message", "cotangent_like"]
+           "compute_dtype", "first_order_only", "first_order_message", "cotangent_like",
+           "varying_like", "explicit_sharding"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _FLOATS_TEXT = "float16, bfloat16, float32 or float64"
@@ -133,6 +134,29 @@ def _vma(x) -> frozenset:
   if v is None:
     v = getattr(getattr(aval, "mat", None), "varying", None)
   return frozenset(v or ())
+
+
+def varying_like(a, *refs):
+  """``a`` made varying over the manual mesh axes ``refs`` vary over (inside ``shard_map``,
+  a loop's initial carry must have its body's type); ``a`` itself elsewhere."""
+  axes = tuple(sorted(frozenset().union(*(_vma(r) for r in refs)) - _vma(a)))
+  if not axes:
+    return a
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(a, axes, to="varying")
+  return jax.lax.pvary(a, axes)  # JAX before pcast
+
+
+def explicit_sharding(like, operand):
+  """An ``out_sharding=`` with ``like``'s partition spec on ``operand``'s mesh when that mesh
+  has explicit axes (where JAX needs it: a contraction over a sharded axis), else None."""
+  mesh = getattr(getattr(jax.typeof(operand), "sharding", None), "mesh", None)
+  types = getattr(mesh, "axis_types", ())
+  if not getattr(mesh, "axis_names", ()) or not any("Explicit" in str(t) for t in types):
+    return None
+  spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
+  return jax.sharding.NamedSharding(mesh, spec if spec is not None else
+                                    jax.sharding.PartitionSpec())
 
 
 def cotangent_like(ct, primal):

@@ -99,6 +99,10 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
   missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]
   if missing:
     raise DataError(f"{path} lacks arrays {missing} (has {sorted(arrays)})")
+  for k in ("x_train", "y_train", "x_test", "y_test"):
+    if not isinstance(arrays[k], np.ndarray):  # NumPy returns a member's raw bytes then
+      raise DataError(f"cannot read {path} as .npz: its member {k}.npy is not .npy data "
+                      "(no NumPy header); write the data with numpy.savez")
   xs = {}
   for split in ("train", "test"):
     x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]

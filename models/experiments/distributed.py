@@ -8,6 +8,7 @@ anything else touches JAX's devices.  On CPU the processes talk through gloo.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import socket
@@ -71,6 +72,48 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                       f"{jax.process_count()} processes; give every process the same value")
   _Watchdog.start(stale_s=heartbeat_s / 2)
   return True
+
+
+def agree(options: dict, timeout_s: float = 60.0) -> None:
+  """Every process of the run holds the same ``options`` (the run's options and its data's
+  fingerprint): compared through the coordination service before the first step.
+
+  Each process publishes its options; process 0 compares them all and publishes the verdict.
+  On a difference process 0 raises ConfigError naming the first option that differs and the
+  processes, the others print the same line and exit 2, and nothing trains."""
+  client = _client()
+  if client is None or jax.process_count() == 1:
+    return
+  me = jax.process_index()
+  text = json.dumps(options, sort_keys=True, default=str)
+  client.key_value_set(f"invact_jax/options/{me}", text, allow_overwrite=True)
+  wait_ms = int(timeout_s * 1000)
+  if me != 0:
+    verdict = client.blocking_key_value_get("invact_jax/options/verdict", wait_ms)
+    if verdict == "ok":
+      return
+    # Process 0 says it (fail()); this one acknowledges and leaves first: process 0 hosts the
+    # coordination service, and a process still running when it leaves is aborted by XLA.
+    client.key_value_set(f"{_Watchdog.PREFIX}/ack/{me}", "1", allow_overwrite=True)
+    _say_and_exit(f"error: process 0: {verdict}", 2)
+  mine, verdict = json.loads(text), "ok"
+  for p in range(1, jax.process_count()):
+    try:
+      theirs = json.loads(client.blocking_key_value_get(f"invact_jax/options/{p}", wait_ms))
+    except Exception as e:  # pylint: disable=broad-except  # the service's timeout or loss
+      verdict = f"process {p} did not publish its options within {timeout_s:.0f} s ({first_line(e)})"
+      break
+    differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if differ:
+      k = differ[0]
+      more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+      verdict = (f"the processes were started differently: {k} is "
+                 f"{mine.get(k, '(absent)')!r} in process 0 and {theirs.get(k, '(absent)')!r} "
+                 f"in process {p}{more}; start every process with the same options and data")
+      break
+  client.key_value_set("invact_jax/options/verdict", verdict, allow_overwrite=True)
+  if verdict != "ok":
+    raise ConfigError(verdict)
 
 
 def fail(message: str, code: int) -> int:

@@ -52,8 +52,10 @@ def loss_and_inputs(cfg, batch: int, seq_len: int, key):
   drop_key = k3 if cfg.dropout > 0 else None
 
   def loss(params, x, y):
-    logits = nnx.merge(graphdef, params)(x, drop_key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    model = nnx.merge(graphdef, params)
+    if isinstance(model, text.TextTransformer):  # its head_mode decides the logits' fate
+      return model.loss(x, y, drop_key)[0].mean()
+    return optax.softmax_cross_entropy_with_integer_labels(model(x, drop_key), y).mean()
   return loss, params, x, y
 
 

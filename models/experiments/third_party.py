@@ -3,14 +3,19 @@
 ``build(name, size, dtype)`` gives ``(loss, params)`` for a model written by somebody else:
 transformers' Flax BERT, GPT-2, ViT and Llama (random init from a config, no download), an
 Equinox transformer block (``eqx.nn.MultiheadAttention`` + ``eqx.nn.MLP`` with
-``jax.nn.gelu`` stored in a field + ``eqx.nn.LayerNorm``) and a Flax NNX block.  ``loss`` is
-``params -> scalar`` on a fixed batch, so ``jax.grad(invact_jax.invert(loss))`` is what a user
-writes.  ``hand_converted(name)`` is a context manager under which ``build`` makes the model
-with its activations and norms replaced in its source by invact_jax's (transformers'
-``ACT2FN`` entries and its RMSNorm class; Equinox's fields; Flax's norms via
-``invact_jax.inverted``): the reference the automatic conversion must match.
+``jax.nn.gelu`` stored in a field + ``eqx.nn.LayerNorm``), a Flax NNX block, keras-hub's
+Gemma, Llama, BERT, GPT-2 and ViT backbones (Keras 3, JAX backend, through
+``stateless_call``) and penzai's Llama (plain and layer-stacked), Gemma, Gemma 2 and
+GPT-NeoX.  ``loss`` is ``params -> scalar`` on a fixed batch, so
+``jax.grad(invact_jax.invert(loss))`` is what a user writes.  ``hand_converted(name)`` (for
+:data:`MODELS`) is a context manager under which ``build`` makes the model with its
+activations and norms replaced in its source by invact_jax's (transformers' ``ACT2FN``
+entries and its RMSNorm class; Equinox's fields; Flax's norms via ``invact_jax.inverted``):
+the reference the automatic conversion must match.
 
-transformers (< 5, the last line with Flax models) and Equinox are test-only dependencies.
+transformers (< 5, the last line with Flax models), Equinox, Keras 3 and penzai are test-only
+dependencies; keras-hub is a benchmark-only one (``pip install --no-deps keras-hub
+kagglehub``: its TensorFlow requirement serves tokenizers, not the backbones).
 """
 from __future__ import annotations
 
@@ -23,17 +28,70 @@ import jax.numpy as jnp
 import numpy as np
 
 import invact_jax
+from invact_jax import memory
 
-__all__ = ["MODELS", "SIZES", "build", "hand_converted", "expected", "compare"]
+__all__ = ["MODELS", "KERAS_HUB", "PENZAI", "ALL_MODELS", "SIZES", "build", "hand_converted",
+           "expected", "compare", "requirement", "installed"]
 
+#: Models with a hand conversion (the reference ``invert`` is compared with).
 MODELS = ("bert", "gpt2", "vit", "llama", "equinox", "nnx")
+KERAS_HUB = ("keras_gemma", "keras_llama", "keras_bert", "keras_gpt2", "keras_vit")
+PENZAI = ("penzai_llama", "penzai_llama_stacked", "penzai_gemma", "penzai_gemma2",
+          "penzai_gpt_neox")
+ALL_MODELS = MODELS + KERAS_HUB + PENZAI
 # (hidden, layers, heads, sequence, batch): "test" runs in seconds on a CPU; "table" is the
 # README's (BERT-base width, short sequence).
-SIZES = {"test": (64, 2, 4, 16, 2), "table": (768, 2, 12, 128, 8)}
+# "zoo" is issue 38's (width 128, 2 layers) at 512 tokens.
+SIZES = {"test": (64, 2, 4, 16, 2), "zoo": (128, 2, 4, 128, 4),
+         "table": (768, 2, 12, 128, 8)}
+
+def installed(names) -> list[str]:
+  """The models of ``names`` whose package is installed; a line on stderr for each other."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = []
+  for m in names:
+    if importlib.util.find_spec(requirement(m)) is None:
+      print(f"skipped {m}: package {requirement(m)!r} is not installed", file=sys.stderr)
+    else:
+      out.append(m)
+  return out
+
+
+def _normal(key, shape, dtype):
+  """Normal inputs with the same values in every dtype (bfloat16-representable), so a model
+  built in another precision (the reference gradient) sees the same batch."""
+  return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16).astype(dtype)
+
+
+def requirement(name: str) -> str:
+  """The package model ``name`` needs."""
+  if name in KERAS_HUB:
+    return "keras_hub"
+  if name in PENZAI:
+    return "penzai"
+  return {"equinox": "equinox", "nnx": "flax"}.get(name, "transformers")
+
 
 def expected(name: str, layers: int) -> dict[str, int]:
   """What model ``name`` has, per converted kind: the conversion report must list all of it."""
   return {
+      # keras-hub: 2 norms per layer + the final one; one softmax and one activation per
+      # layer; BERT's embedding norm and pooler tanh
+      "keras_gemma": {"rms_norm": 2 * layers + 1, "softmax": layers, "gelu": layers},
+      "keras_llama": {"rms_norm": 2 * layers + 1, "softmax": layers, "silu": layers},
+      "keras_bert": {"layer_norm": 2 * layers + 1, "softmax": layers, "gelu": layers,
+                     "tanh": 1},
+      "keras_gpt2": {"layer_norm": 2 * layers + 1, "softmax": layers, "gelu": layers},
+      "keras_vit": {"layer_norm": 2 * layers + 1, "softmax": layers, "gelu": layers},
+      # penzai (a stacked model's scan body is converted once): Gemma 2 adds post-attention
+      # and post-MLP norms and tanh soft caps (attention logits per layer, final logits)
+      "penzai_llama": {"rms_norm": 2 * layers + 1, "softmax": layers, "silu": layers},
+      "penzai_llama_stacked": {"rms_norm": 3, "softmax": 1, "silu": 1},
+      "penzai_gemma": {"rms_norm": 2 * layers + 1, "softmax": layers, "gelu": layers},
+      "penzai_gemma2": {"rms_norm": 4 * layers + 1, "softmax": layers, "gelu": layers,
+                        "tanh": layers + 1},
+      "penzai_gpt_neox": {"layer_norm": 2 * layers + 1, "softmax": layers, "gelu": layers},
       # embeddings LN + 2 per layer; GELU (erf) per layer; softmax per layer; pooler tanh
       "bert": {"layer_norm": 1 + 2 * layers, "gelu": layers, "softmax": layers, "tanh": 1},
       "gpt2": {"layer_norm": 2 * layers + 1, "gelu": layers, "softmax": layers},
@@ -69,9 +127,9 @@ def _transformers(name: str, size, dtype):
   key = jax.random.key(1)
   if name == "vit":
     side = 4 * int(seq ** 0.5)
-    inputs = {"pixel_values": jax.random.normal(key, (batch, 3, side, side), dtype)}
+    inputs = {"pixel_values": _normal(key, (batch, 3, side, side), dtype)}
   else:
-    inputs = {"input_ids": jax.random.randint(key, (batch, seq), 0, 1000)}
+    inputs = {"input_ids": jax.random.randint(key, (batch, seq), 0, 1000, jnp.int32)}
   params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
                         else p, model.params)
 
@@ -106,7 +164,7 @@ def _equinox(size, dtype):
 
   blocks = [Block(k) for k in jax.random.split(jax.random.key(0), layers)]
   params, static = eqx.partition(blocks, eqx.is_inexact_array)
-  x = jax.random.normal(jax.random.key(1), (batch, seq, hidden), dtype)
+  x = _normal(jax.random.key(1), (batch, seq, hidden), dtype)
 
   def loss(params):
     model = eqx.combine(params, static)
@@ -141,7 +199,7 @@ def _nnx(size, dtype):
   blocks = nnx.List([Block(rngs) for _ in range(layers)]) if hasattr(nnx, "List") else [
       Block(rngs) for _ in range(layers)]
   graphdef, params = nnx.split(blocks)
-  x = jax.random.normal(jax.random.key(1), (batch, seq, hidden), dtype)
+  x = _normal(jax.random.key(1), (batch, seq, hidden), dtype)
 
   def loss(params):
     model = nnx.merge(graphdef, params)
@@ -152,16 +210,128 @@ def _nnx(size, dtype):
   return loss, params
 
 
-def compare(name: str, size: str = "test", dtype=jnp.float32) -> dict[str, Any]:
+def _keras_hub(name: str, size, dtype):
+  import os  # pylint: disable=import-outside-toplevel
+  os.environ.setdefault("KERAS_BACKEND", "jax")
+  import keras  # pylint: disable=import-outside-toplevel
+  if keras.backend.backend() != "jax":
+    raise RuntimeError(f"model {name!r} needs Keras's JAX backend (KERAS_BACKEND=jax before "
+                       f"Keras is imported), got {keras.backend.backend()!r}")
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  hidden, layers, heads, seq, batch = size
+  keras.utils.set_random_seed(0)
+  km, dt, vocab = keras_hub.models, jnp.dtype(dtype).name, 256
+  if name == "keras_gemma":
+    model = km.GemmaBackbone(vocabulary_size=vocab, num_layers=layers, num_query_heads=heads,
+                             num_key_value_heads=1, hidden_dim=hidden,
+                             intermediate_dim=2 * hidden, head_dim=hidden // heads, dtype=dt)
+  elif name == "keras_llama":
+    model = km.LlamaBackbone(vocabulary_size=vocab, num_layers=layers, num_query_heads=heads,
+                             hidden_dim=hidden, intermediate_dim=2 * hidden,
+                             num_key_value_heads=max(1, heads // 2), dtype=dt)
+  elif name == "keras_bert":
+    model = km.BertBackbone(vocabulary_size=vocab, num_layers=layers, num_heads=heads,
+                            hidden_dim=hidden, intermediate_dim=4 * hidden, dropout=0.0,
+                            max_sequence_length=seq, dtype=dt)
+  elif name == "keras_gpt2":
+    model = km.GPT2Backbone(vocabulary_size=vocab, num_layers=layers, num_heads=heads,
+                            hidden_dim=hidden, intermediate_dim=4 * hidden, dropout=0.0,
+                            max_sequence_length=seq, dtype=dt)
+  else:
+    side = 8 * max(1, round((seq - 1) ** 0.5))  # patches of 8: about seq tokens
+    model = km.ViTBackbone(image_shape=(side, side, 3), patch_size=8, num_layers=layers,
+                           num_heads=heads, hidden_dim=hidden, mlp_dim=4 * hidden, dtype=dt)
+  trainable = [v.value for v in model.trainable_variables]
+  fixed = [v.value for v in model.non_trainable_variables]
+  key = jax.random.key(1)
+  if name == "keras_vit":
+    inputs = _normal(key, (batch, side, side, 3), dtype)
+  else:
+    ids = jax.random.randint(key, (batch, seq), 0, vocab, jnp.int32)
+    inputs = {"token_ids": ids, "padding_mask": jnp.ones_like(ids)}
+    if name == "keras_bert":
+      inputs["segment_ids"] = jnp.zeros_like(ids)
+
+  def loss(trainable):
+    out, _ = model.stateless_call(trainable, fixed, inputs)
+    out = out["sequence_output"] if isinstance(out, dict) else out
+    return jnp.mean(out.astype(jnp.float32) ** 2)
+  return loss, trainable
+
+
+def _penzai(name: str, size, dtype):
+  from penzai import pz  # pylint: disable=import-outside-toplevel
+  from penzai.models.transformer.variants import gpt_neox  # pylint: disable=import-outside-toplevel
+  from penzai.models.transformer.variants import llamalike_common  # pylint: disable=import-outside-toplevel
+  hidden, layers, heads, seq, batch = size
+  vocab = 256
+  common = dict(embedding_dim=hidden, mlp_hidden_dim=2 * hidden, num_decoder_blocks=layers,
+                vocab_size=vocab, parameter_dtype=dtype, activation_dtype=dtype)
+  if name in ("penzai_llama", "penzai_llama_stacked"):
+    cfg = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=max(1, heads // 2), query_head_multiplier=min(2, heads),
+        projection_dim=hidden // heads, mlp_variant="swiglu", tie_embedder_and_logits=False,
+        use_layer_stack=name == "penzai_llama_stacked", **common)
+    model = llamalike_common.build_llamalike_transformer(cfg, init_base_rng=jax.random.key(0))
+  elif name in ("penzai_gemma", "penzai_gemma2"):
+    two = name == "penzai_gemma2"
+    cfg = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=1, query_head_multiplier=heads, projection_dim=hidden // heads,
+        mlp_variant="geglu_approx", tie_embedder_and_logits=True, use_post_attn_norm=two,
+        use_post_ffw_norm=two, final_logit_softcap=30.0 if two else None,
+        attn_logits_soft_cap=50.0 if two else None, **common)
+    model = llamalike_common.build_llamalike_transformer(cfg, init_base_rng=jax.random.key(0))
+  else:
+    cfg = gpt_neox.GPTNeoXTransformerConfig(
+        num_attention_heads=heads, projection_dim=hidden // heads, activation_fn="gelu_exact",
+        rope_subset_size=max(2, hidden // heads // 4), rope_wavelength=10000.0,
+        layernorm_epsilon=1e-5, **common)
+    model = gpt_neox.build_gpt_neox_transformer(cfg, init_base_rng=jax.random.key(0))
+  unbound, params = pz.unbind_params(model, freeze=True)
+  tokens = pz.nx.wrap(jnp.arange(batch * seq).reshape(batch, seq) % vocab).tag("batch", "seq")
+  positions = pz.nx.wrap(jnp.tile(jnp.arange(seq)[None], (batch, 1))).tag("batch", "seq")
+
+  def loss(values):
+    bound = pz.bind_variables(unbound, [pz.ParameterValue(value=v, label=p.label)
+                                        for p, v in zip(params, values)])
+    logits = bound(tokens, token_positions=positions).unwrap("batch", "seq", "vocabulary")
+    return jnp.mean(jnp.sin(logits.astype(jnp.float32)))
+  return loss, [p.value for p in params]
+
+
+def _reference_grad(name: str, size: str, dtype, params):
+  """The gradient in a wider precision at the same parameter values: the model built in
+  float64 (x64) for a float32 one, built in float32 for a bfloat16 one."""
+  wide = jnp.float64 if jnp.dtype(dtype) == jnp.float32 else jnp.float32
+
+  def grad():
+    loss, fresh = build(name, size, wide)  # the same structure (a class made per build too)
+    values = [np.asarray(a, wide) if jnp.issubdtype(a.dtype, jnp.floating) else a
+              for a in jax.tree.leaves(params)]
+    return jax.tree.map(np.asarray, jax.jit(jax.grad(loss))(
+        jax.tree.unflatten(jax.tree.structure(fresh), values)))
+  if wide == jnp.float64:
+    with jax.enable_x64(True):  # its layers compute in float64
+      return grad()
+  return grad()
+
+
+def compare(name: str, size: str = "test", dtype=jnp.float32, *,
+            unfused: bool = False, reference: bool = False) -> dict[str, Any]:
   """The conversion of ``name`` measured: forward equality, gradient rel L2 vs the unconverted
-  model (of ``invert`` and of the hand conversion), compiled temp of the gradient (unconverted,
-  by hand, by ``invert``), the report."""
+  model (of ``invert`` and of the hand conversion), compiled temp of the gradient and the
+  bytes autodiff keeps (unconverted, by hand where there is a hand conversion, by ``invert``;
+  with ``unfused``, also by ``invert(floor=False)``), the report; with ``reference``, each
+  gradient's rel L2 distance to a wider-precision one (:func:`_reference_grad`)."""
   loss, params = build(name, size, dtype)
   inv = invact_jax.invert(loss)
 
   def grad_and_temp(f, p):  # one compilation for both (the tests' time is compilation)
     c = jax.jit(jax.grad(f)).lower(p).compile()
     return c(p), int(c.memory_analysis().temp_size_in_bytes)
+
+  def kept(f, p) -> int:
+    return sum(r.bytes for r in memory.residuals(f, p) if not r.is_argument)
 
   def sq(tree):
     return sum(float(np.sum(np.square(np.asarray(a, np.float64)))) for a in jax.tree.leaves(tree))
@@ -175,26 +345,43 @@ def compare(name: str, size: str = "test", dtype=jnp.float32) -> dict[str, Any]:
   same = bool(jax.jit(loss)(params) == jax.jit(inv)(params))
   row = {"model": name, "size": size, "dtype": jnp.dtype(dtype).name,
          "forward_identical": same, "grad_rel_l2": rel(g1),
-         "temp_unconverted": t0, "temp_invert": t1}
-  with hand_converted(name):
-    hand_loss, hand_params = build(name, size, dtype)  # the same seeds: the same values
-    gh, row["temp_hand"] = grad_and_temp(hand_loss, hand_params)
-  row["grad_rel_l2_hand"] = rel(gh)
+         "temp_unconverted": t0, "temp_invert": t1,
+         "kept_unconverted": kept(loss, params), "kept_invert": kept(inv, params)}
+  if unfused:
+    row["temp_invert_unfused"] = grad_and_temp(invact_jax.invert(loss, floor=False), params)[1]
+  if reference:
+    g_ref = _reference_grad(name, size, dtype, params)
+
+    def err(g):
+      diff = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
+              for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True)]
+      return (sq(diff) / sq(g_ref)) ** 0.5
+    row["grad_error_unconverted"], row["grad_error_invert"] = err(g0), err(g1)
+  if name in MODELS:
+    with hand_converted(name):
+      hand_loss, hand_params = build(name, size, dtype)  # the same seeds: the same values
+      gh, row["temp_hand"] = grad_and_temp(hand_loss, hand_params)
+      row["kept_hand"] = kept(hand_loss, hand_params)
+    row["grad_rel_l2_hand"] = rel(gh)
   row["converted"] = inv.last_report.replaced
   row["left_alone"] = [list(x) for x in inv.last_report.left_alone]
   return row
 
 
 def build(name: str, size: str = "test", dtype=jnp.float32) -> tuple[Callable, Any]:
-  """``(loss, params)`` of third-party model ``name`` (one of :data:`MODELS`)."""
-  if name not in MODELS:
-    raise ValueError(f"argument `name`: unknown model {name!r}; choose from {MODELS}")
+  """``(loss, params)`` of third-party model ``name`` (one of :data:`ALL_MODELS`)."""
+  if name not in ALL_MODELS:
+    raise ValueError(f"argument `name`: unknown model {name!r}; choose from {ALL_MODELS}")
   if size not in SIZES:
     raise ValueError(f"argument `size`: unknown size {size!r}; choose from {tuple(SIZES)}")
   if name == "equinox":
     return _equinox(SIZES[size], dtype)
   if name == "nnx":
     return _nnx(SIZES[size], dtype)
+  if name in KERAS_HUB:
+    return _keras_hub(name, SIZES[size], dtype)
+  if name in PENZAI:
+    return _penzai(name, SIZES[size], dtype)
   return _transformers(name, SIZES[size], dtype)
 
 

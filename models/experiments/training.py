@@ -15,6 +15,8 @@ import json
 import math
 import os
 import pathlib
+import re
+import sys
 import time
 import warnings
 from typing import Any, Callable
@@ -38,6 +40,71 @@ class TrainingDiverged(RuntimeError):
 
 class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written (a full disk, a read-only or vanished directory); the
+  checkpoints written before are intact (message names the directory and the cause)."""
+
+
+# How a storage failure reads in orbax/TensorStore's errors (they raise ValueError, not OSError).
+_IO_FAILURE = re.compile(r"No space left on device|Read-only file system|Permission denied|"
+                         r"Disk quota exceeded|os_error_code=.?\d+|No such file or directory")
+
+# Library logs held back while training (asyncio's "Task exception was never retrieved",
+# orbax's background threads' tracebacks, exceptions of coroutines collected at shutdown):
+# one line says what failed.  INVACT_JAX_LIBRARY_LOGS=1 lets them through.
+LIBRARY_LOGS_ENV = "INVACT_JAX_LIBRARY_LOGS"
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+  """Hold back the logs of the libraries training runs (asyncio, absl/orbax) and the tracebacks
+  of their background threads and collected coroutines, unless INVACT_JAX_LIBRARY_LOGS=1."""
+  if os.environ.get(LIBRARY_LOGS_ENV) == "1":
+    yield
+    return
+  import logging  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  loggers = [logging.getLogger(n) for n in ("asyncio", "absl", "orbax", "tensorstore")]
+  levels = [lg.level for lg in loggers]
+  hooks = (sys.unraisablehook, threading.excepthook)
+  main_thread = threading.main_thread()
+
+  def thread_hook(args):
+    if args.thread is main_thread:
+      hooks[1](args)
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL)
+  sys.unraisablehook, threading.excepthook = (lambda _: None), thread_hook
+  try:
+    yield
+  finally:
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+    sys.unraisablehook, threading.excepthook = hooks
+
+
+def _checkpoint_io(manager, what: str, call):
+  """``call()`` (a checkpoint save or wait); a storage failure becomes one
+  CheckpointWriteError naming the directory and the cause."""
+  try:
+    return call()
+  except Exception as e:  # pylint: disable=broad-except  # orbax/TensorStore raise ValueError
+    text = str(e)
+    m = _IO_FAILURE.search(text)
+    if not isinstance(e, OSError) and m is None:
+      raise
+    cause = getattr(e, "strerror", None) or (m.group(0) if m else first_line(e))
+    if cause.startswith("os_error_code"):
+      cause = first_line(e)
+    step = re.search(r"/(\d+)\.orbax-checkpoint-tmp", text)  # an earlier save, written async
+    if step is not None:
+      what = f"the checkpoint of step {step.group(1)}"
+    raise CheckpointWriteError(
+        f"could not write {what} in {manager.directory}: {cause}; the checkpoints written "
+        "before are intact: free space (or fix the directory) and continue with --resume"
+    ) from None
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
@@ -293,18 +360,24 @@ class Trainer:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.state()))
 
   # -- compiled functions
-  def _logits(self, params, x, key):
-    return nnx.merge(self.graphdef, params)(x, key)
-
   def _loss(self, params, x, y, key):
     """(mean cross-entropy, accuracy) of one batch."""
     # FSDP: gather the weights, not the activations (left alone, sharding propagation may
     # split a layer's output features over the devices and all-gather its batch instead:
     # measured on the digits ViT, its input images, logits and attention scores).
     params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: self.replicated, params))
-    logits = self._logits(params, x, key)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+    loss, correct = self._losses(params, x, y, key)
+    return loss.mean(), jnp.mean(correct)
+
+  def _losses(self, params, x, y, key):
+    """Per-example (per-position for text) cross-entropy and correctness; a text model's
+    own ``loss`` (its head_mode: the logits never materialized when chunked)."""
+    model = nnx.merge(self.graphdef, params)
+    if hasattr(model, "loss"):
+      return model.loss(x, y, key)
+    logits = model(x, key)
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, y),
+            jnp.argmax(logits, -1) == y)
 
   def _train_step_fn(self, params, opt_state, x, y, key):
     (loss, acc), grads = jax.value_and_grad(self._loss, has_aux=True)(params, x, y, key)
@@ -313,9 +386,7 @@ class Trainer:
     return optax.apply_updates(params, updates), opt_state, loss, acc
 
   def _eval_step_fn(self, params, x, y, valid):
-    logits = self._logits(params, x, None)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    correct = (jnp.argmax(logits, -1) == y)
+    loss, correct = self._losses(params, x, y, None)
     valid = valid.reshape(valid.shape + (1,) * (y.ndim - 1))  # text: every position of a window
     return jnp.sum(jnp.where(valid, loss, 0.0)), jnp.sum(correct & valid)
 
@@ -524,14 +595,28 @@ def write_atomic(path: pathlib.Path, text: str) -> None:
 
 def _logged_up_to(metrics_path: pathlib.Path, step: int) -> list[dict[str, Any]]:
   """The records of ``metrics.jsonl`` up to ``step`` (a resumed run drops what the interrupted
-  one logged past its checkpoint); a line cut short by the kill is dropped too."""
+  one logged past its checkpoint); a last line cut short by the kill is dropped too.  Any other
+  line that is not a record this script writes (not UTF-8, not JSON, no integer step) is a
+  ConfigError naming the file and the line: nothing resumes over a log it cannot read."""
+  lines = metrics_path.read_bytes().split(b"\n")
+  last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
   kept = []
-  for line in metrics_path.read_text().splitlines():
-    try:
-      record = json.loads(line)
-    except ValueError:
+  for i, line in enumerate(lines):
+    if not line.strip():
       continue
-    if isinstance(record, dict) and "step" in record and record["step"] <= step:
+    try:
+      record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+      if i == last:  # the write a kill interrupted
+        continue
+      why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "not JSON"
+      raise ConfigError(f"--resume: {metrics_path} line {i + 1} is {why}; restore the file or "
+                        "delete that line") from None
+    step_of = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step_of, int) or isinstance(step_of, bool):
+      raise ConfigError(f"--resume: {metrics_path} line {i + 1} has no integer \"step\" "
+                        f"(got {step_of!r}); restore the file or delete that line")
+    if step_of <= step:
       kept.append(record)
   return kept
 
@@ -571,7 +656,7 @@ def train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: str | pathlib.Pa
   # process 0 writes the logs, shows progress and holds the run directory's lock.
   main = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)
-  with (RunLock(workdir) if main else contextlib.nullcontext()):
+  with (RunLock(workdir) if main else contextlib.nullcontext()), quiet_libraries():
     if main:  # checked again now that no other run can write here
       prepare_workdir(cfg, workdir, resume=resume, data=data)
     return _train(cfg, dataset, workdir, trainer, data, resume=resume, progress=progress,
@@ -670,11 +755,11 @@ def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, t
       if bar is not None:
         bar.write(f"epoch {done / per_epoch:5.1f}  step {done:6d}  test_loss {ev['test_loss']:.4f}"
                   f"  test_acc {ev['test_acc']:.4f}")
-    manager.save(done, args=ocp.args.StandardSave(trainer.state()),
-                 force=(done == trainer.total))
+    _checkpoint_io(manager, f"the checkpoint of step {done}", lambda: manager.save(
+        done, args=ocp.args.StandardSave(trainer.state()), force=(done == trainer.total)))
     if bar is not None:
       bar.update(1)
-  manager.wait_until_finished()
+  _checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   manager.close()
   if bar is not None:
     bar.close()

@@ -231,3 +231,49 @@ def test_softmax_over_any_axis_and_behind_transposes(name):
   np.testing.assert_array_equal(np.asarray(jit(fz)(q, k, v)), np.asarray(jit(f)(q, k, v)))
   assert_at_float32_floor(loss, (q, k, v), g, argnums=(0, 1, 2))
   assert kept_bytes(inv, q, k, v) <= kept_bytes(loss, q, k, v)
+
+
+def test_a_softmax_summed_in_float32_is_found_in_bfloat16():
+  """jax.nn.softmax of a bfloat16 array sums in float32 and casts the sum back."""
+  q = _x((2, 8, 4, 16), jnp.bfloat16)
+
+  def loss(q):
+    return jnp.sum(jnp.sin(jax.nn.softmax(q, axis=-1).astype(jnp.float32)))
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(q)
+  assert inv.last_report.replaced == {"softmax": 1}, inv.last_report
+  assert inv.last_report.left_alone == [], inv.last_report
+  np.testing.assert_array_equal(np.asarray(jit(inv)(q)), np.asarray(jit(loss)(q)))
+  assert_at_float32_floor(loss, (q,), g, hand_loss=loss)
+  assert kept_bytes(inv, q) < kept_bytes(loss, q)
+
+
+def test_two_norms_of_one_input_are_both_found():
+  """GPT-NeoX's parallel block normalizes the same x twice (attention and MLP branches)."""
+  (g1, b1), (g2, b2) = _params(7), _params(8)
+
+  def loss(x):
+    return jnp.sum(jnp.sin(ln_rsqrt(x, g1, b1)) * jnp.cos(ln_keras_folded(x, g2, b2)))
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(_x())
+  assert inv.last_report.replaced == {"layer_norm": 2}, inv.last_report
+  assert inv.last_report.left_alone == [], inv.last_report
+  assert_at_float32_floor(loss, (_x(),), g)
+
+
+def test_an_epsilon_passed_into_a_scan_is_a_constant():
+  """Stacked layers (penzai's layer stack): the norm's epsilon is a constant of the enclosing
+  program that the scan body receives as an input."""
+  g, _ = _params()
+  eps = jnp.float32(1e-6)
+
+  def loss(x):
+    def layer(h, _):
+      hf = h * jax.lax.rsqrt(_mean(h * h) + eps)  # eps: a closed-over array, a scan constant
+      return jnp.tanh(hf * g), None
+    return jnp.sum(jax.lax.scan(layer, x, None, length=2)[0])
+  inv = invact_jax.invert(loss)
+  g_inv = jax.jit(jax.grad(inv))(_x())
+  assert inv.last_report.replaced == {"rms_norm": 1, "tanh": 1}, inv.last_report
+  assert inv.last_report.left_alone == [], inv.last_report
+  assert_at_float32_floor(loss, (_x(),), g_inv)

@@ -7,14 +7,21 @@ from models.experiments import third_party
 
 @pytest.mark.parametrize("name", third_party.MODELS)
 def test_invert_matches_the_hand_converted_model(name):
-  pytest.importorskip("equinox" if name == "equinox" else "flax" if name == "nnx"
-                      else "transformers")
-  row = third_party.compare(name, "test")
+  pytest.importorskip(third_party.requirement(name))
+  row = third_party.compare(name, "test", unfused=True)
   assert row["forward_identical"], row
   # The issue's bound, or the hand-converted model's own distance where that is larger (at the
   # test size ViT's is 1.2e-5: the inverted ops' backward, not the conversion).
   assert row["grad_rel_l2"] <= max(1e-5, 1.1 * row["grad_rel_l2_hand"]), row
-  # Compiled temp of the gradient: within 2 % of the model converted in its source.
-  assert row["temp_invert"] <= 1.02 * row["temp_hand"], row
+  # The conversion alone (floor=False) keeps what the hand conversion keeps: compiled temp of
+  # the gradient within 2 % of it.
+  assert row["temp_invert_unfused"] <= 1.02 * row["temp_hand"], row
+  # The floor pass keeps less than the hand conversion (the norms' outputs that feed matmuls
+  # are recomputed from xhat); at this size (32 tokens, width 64) XLA:CPU's compiled temp may
+  # grow by the recomputed output's one buffer (measured: +8 KiB for BERT, GPT-2 and ViT).
+  assert row["kept_invert"] < row["kept_hand"], row
+  hidden, _, _, seq, batch = third_party.SIZES["test"]
+  one_buffer = (seq + (1 if name == "vit" else 0)) * batch * hidden * 4
+  assert row["temp_invert"] <= row["temp_invert_unfused"] + one_buffer, row
   assert row["converted"] == third_party.expected(name, third_party.SIZES["test"][1]), row
   assert row["left_alone"] == [], row

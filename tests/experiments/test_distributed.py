@@ -225,6 +225,24 @@ def test_mismatched_num_processes_is_one_line_and_exit_2_on_both(tmp_path):
   assert took < 20  # well inside --distributed-timeout: nobody waited for a timeout
 
 
+def test_processes_started_with_different_options_stop_before_training(tmp_path):
+  """Process 1 with --lr 0.5 (issue 41: before, both trained to a wrong result and exited
+  0): the processes compare their options and data through the coordination service before
+  the first step, and both stop with one line naming the option, exit 2, nothing trained."""
+  env = env_with_devices(2)
+  base = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "3", "--batch-size",
+          "32", "--no-progress", "--workdir", str(tmp_path / "w"), "--coordinator",
+          f"localhost:{_free_port()}", "--num-processes", "2", "--distributed-timeout", "20"]
+  procs = _launch(base, env, extra=((), ("--lr", "0.5")))
+  outs = _finish(procs, 60)
+  assert [p.returncode for p in procs] == [2, 2], _stderrs(outs)
+  line = ("the processes were started differently: lr is 0.003 in process 0 and 0.5 in process "
+          "1; start every process with the same options and data")
+  assert outs[0][1].strip() == f"error: {line}", _stderrs(outs)
+  assert outs[1][1].strip() == f"error: process 0: {line}", _stderrs(outs)
+  assert not (tmp_path / "w" / "inverted" / "checkpoints").exists()
+
+
 def test_an_unexpected_error_in_one_process_stops_the_others_at_once(tmp_path):
   """A bug in process 1 (an exception the script does not expect; injected here into its data
   loading): it prints its traceback and the others stop with its line, at once (before: its

@@ -69,6 +69,49 @@ def test_resume_rejects_changed_options_and_a_broken_config_file(digits, tmp_pat
       training.prepare_workdir(SMALL, tmp_path / "r", resume=True)
 
 
+def test_a_full_disk_is_one_line_and_loses_nothing(digits, tmp_path, monkeypatch):
+  """A checkpoint write that fails for lack of space (orbax/TensorStore raise ValueError, not
+  OSError, from their writer threads) is one CheckpointWriteError naming the directory and the
+  cause; the checkpoint before it is intact and --resume finishes the run."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  real = ocp.CheckpointManager.save
+
+  def full(self, step, *args, **kwargs):
+    if step == 10:
+      raise ValueError(f"RESOURCE_EXHAUSTED: Error writing local file \"{self.directory}/10."
+                       "orbax-checkpoint-tmp/x\": Failed to write 8 bytes to file 5: No space "
+                       "left on device [os_error_code='28']")
+    return real(self, step, *args, **kwargs)
+  monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+  with pytest.raises(training.CheckpointWriteError) as e:
+    training.train(SMALL, digits, tmp_path / "w", progress=False, devices=1)
+  line = str(e.value)
+  assert "\n" not in line and "checkpoint of step 10" in line and "No space left" in line
+  assert str(tmp_path / "w" / "checkpoints") in line
+  assert training.latest_checkpoint_step(tmp_path / "w") == 5
+  monkeypatch.setattr(ocp.CheckpointManager, "save", real)
+  resumed = training.train(SMALL, digits, tmp_path / "w", resume=True, progress=False, devices=1)
+  assert resumed["finished"]
+
+
+def test_a_metrics_log_it_cannot_read_is_one_line_naming_it(tmp_path):
+  """On resume: a last line cut short by a kill is dropped; any other line that is not UTF-8,
+  not JSON or has no integer step stops the resume with the file and the line."""
+  path = tmp_path / "metrics.jsonl"
+  good = b'{"step": 2, "loss": 1.0}\n{"step": 4, "loss": 0.5}\n'
+  path.write_bytes(good + b'{"step": 6, "lo')
+  assert [r["step"] for r in training._logged_up_to(path, 4)] == [2, 4]
+  for bad, why in [(b"\xff\xfe not text\n", "line 2 is not UTF-8"),
+                   (b"{oops\n", "line 2 is not JSON"),
+                   (b'{"step": "four"}\n', "line 2 has no integer"),
+                   (b"[1, 2]\n", "line 2 has no integer")]:
+    lines = good.split(b"\n")
+    path.write_bytes(lines[0] + b"\n" + bad + lines[1] + b"\n")
+    with pytest.raises(training.ConfigError, match=re.escape(str(path)) + " " + why) as e:
+      training._logged_up_to(path, 4)
+    assert "\n" not in str(e.value)
+
+
 def test_files_other_processes_read_are_replaced_at_once(tmp_path):
   """config.json and metrics.jsonl are rewritten by process 0 while the others read them
   (a resumed multi-process run read a truncated config.json: CI, 2026-11-23); a reader running
@@ -201,8 +244,14 @@ def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
   no_channels = tmp_path / "no_channels.npz"
   x = np.zeros((4, 8, 8, 0), np.float32)
   np.savez(no_channels, x_train=x, y_train=np.zeros(4, int), x_test=x, y_test=np.zeros(4, int))
+  import zipfile  # pylint: disable=import-outside-toplevel
+  not_npy = tmp_path / "not_npy.npz"  # members named .npy holding something else
+  with zipfile.ZipFile(not_npy, "w") as z:
+    for k in ("x_train", "y_train", "x_test", "y_test"):
+      z.writestr(f"{k}.npy", b"garbage")
   for path, pattern in [(npy, "single .npy array"), (text, "not a zip archive"),
-                        (objects, "object (pickled) arrays"), (no_channels, "C >= 1")]:
+                        (objects, "object (pickled) arrays"), (no_channels, "C >= 1"),
+                        (not_npy, "member x_train.npy is not .npy data")]:
     with pytest.raises(data_lib.DataError, match=re.escape(pattern)):
       data_lib.load_npz(path)
 

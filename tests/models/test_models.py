@@ -173,3 +173,25 @@ def test_implementation_field_reaches_every_op():
   np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="implementation must be one of"):
     cfg.replace(implementation="cuda")
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama-small"])
+def test_chunked_head_same_loss_and_gradients_without_the_logits(preset):
+  """head_mode="chunked" (the default outside the standard configuration): the same
+  per-token loss, correctness and gradients as with the logits materialized (the op's own
+  tests check that no [tokens, vocab] buffer is compiled)."""
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
+  labels = jnp.roll(tokens, -1, axis=1)
+  out, grads = {}, {}
+  for mode in ("standard", "chunked"):
+    cfg = text.PRESETS[preset].replace(**SMALL_TEXT, head_mode=mode)
+    graphdef, params = nnx.split(text.TextTransformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    loss = lambda p: nnx.merge(graphdef, p).loss(tokens, labels)[0].mean()  # noqa: E731
+    out[mode] = nnx.merge(graphdef, params).loss(tokens, labels)
+    grads[mode] = jax.grad(loss)(params)
+  np.testing.assert_allclose(out["chunked"][0], out["standard"][0], rtol=2e-6, atol=2e-6)
+  np.testing.assert_array_equal(out["chunked"][1], out["standard"][1])
+  for a, b in zip(jax.tree.leaves(grads["chunked"]), jax.tree.leaves(grads["standard"])):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="head_mode must be one of"):
+    text.PRESETS[preset].replace(head_mode="fused")

@@ -12,11 +12,13 @@ from jax import export
 
 import tests
 
+import invact_jax
 from invact_jax import accuracy
 from invact_jax import bitpack
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import math as act_math
 from invact_jax.ops.activations import pallas
+from invact_jax.ops.activations import registry
 from tests.ops.activations import base as test_base
 from tests.ops.activations.cases import CASES, DTYPES
 
@@ -195,3 +197,19 @@ def test_compiled_backend_exports_with_a_symbolic_batch_on_any_platform(name):
   def ref(x):  # the XLA path from the kernel's forward (gelu_erf's is its own erfc)
     return xla.backward(op, op.kernel_forward(x), xla.forward(op, x)[1], jnp.cos(x))
   np.testing.assert_allclose(exp.call(x), tests.jit(ref)(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["gelu_tanh", "gelu_erf", "silu", "mish"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_forward_is_at_least_as_accurate_as_jax_nn(name, dtype):
+  """In a 16-bit dtype the kernels compute in float32 and round once (jax.nn rounds its
+  intermediate values): not bit-identical to jax.nn, and no farther from float64."""
+  entry = registry.get(name)
+  x = jnp.linspace(-12.0, 12.0, 4001).astype(dtype)
+  ours = getattr(invact_jax, entry.public)(x, **dict(entry.selector),
+                                           implementation=invact_jax.Implementation(
+                                               name="pallas", interpret=True))
+  ref = entry.original(x, **dict(entry.selector))
+  exact = entry.forward64(np.asarray(x, np.float64))
+  err = lambda y: float(np.max(np.abs(np.asarray(y, np.float64) - exact)))  # noqa: E731
+  assert err(ours) <= err(ref), (err(ours), err(ref))

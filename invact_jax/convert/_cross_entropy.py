@@ -1,0 +1,430 @@
+"""The LM head's loss found by its algebra, whatever library wrote it (issue 40).
+
+A matmul ``z = x @ w (+ b)`` whose output feeds, and only feeds, a cross-entropy against
+integer labels — ``log_softmax`` or ``logsumexp``, the label's logit picked by
+``take_along_axis`` or summed against a one-hot (optax's ``softmax_cross_entropy`` and
+``softmax_cross_entropy_with_integer_labels``, hand-written forms, label smoothing) — is
+found by following every value computed from ``z`` as a linear combination of
+
+* elementwise ``[..., V]`` values: ``z`` itself and row constants broadcast along the
+  vocabulary: a shift ``k`` (a max, behind ``stop_gradient`` or not: any shift cancels) and
+  ``ls_k = log(sum(exp(z - k)))``;
+* per-token (row) values: ``k``, ``ls_k``, the label's logit ``pick``, ``zsum = sum(z)``;
+* a target weight ``a * onehot(label) + u`` (a one-hot of the labels, smoothed or not) and
+  its product with an elementwise value.
+
+A row value equal to ``ls_k + k - (1 - s) * pick - (s / V) * zsum`` is the per-token loss
+with label smoothing ``s``; the matched region (the matmul, the loss, the labels' one-hot
+and index arithmetic) is replaced by :func:`invact_jax.linear_cross_entropy` with
+``reduction="none"``, so the program's own reduction (a mean, a masked sum, weights)
+follows unchanged and no [tokens, V] buffer remains.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from invact_jax.convert import _algebra
+from invact_jax.convert import _graph
+from invact_jax.convert._graph import Lit
+
+__all__ = ["HeadMatch", "find_heads"]
+
+_SAME = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision",
+                   "abs"})  # abs of a sum of exponentials is the sum
+_SHAPE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
+_INDEX = frozenset({"lt", "add", "select_n", "reshape", "broadcast_in_dim", "convert_element_type",
+                    "squeeze", "expand_dims", "clamp", "ge", "le", "gt", "eq", "ne", "and",
+                    "or", "not", "sub", "max", "min"})
+_TOL = 1e-6
+
+
+@dataclasses.dataclass
+class HeadMatch:
+  """A matmul + cross-entropy found in a program.
+
+  Attributes:
+    nodes: the region's node indices; ``root``: the node computing the per-token loss.
+    x, w, bias, labels: the region's inputs (``bias`` None when there is none).
+    vocab_axis: ``w``'s vocabulary axis (1: [d, V], 0: [V, d]).
+    smoothing: the label smoothing.
+    sign: +1 (the loss) or -1 (its negation, the log-likelihood).
+  """
+  nodes: list
+  root: int
+  x: object
+  w: object
+  bias: object
+  labels: object
+  vocab_axis: int
+  smoothing: float
+  sign: float
+
+  public = "linear_cross_entropy"
+
+  @property
+  def inputs(self) -> list:
+    return [r for r in (self.x, self.w, self.bias, self.labels) if r is not None]
+
+  @property
+  def name(self) -> str:
+    extra = f", label smoothing {self.smoothing:g}" if self.smoothing else ""
+    return f"matmul + cross-entropy by its algebra{extra}"
+
+
+def _add(a: dict, b: dict, sign: float = 1.0) -> dict:
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = out.get(k, 0.0) + sign * v
+    if abs(out[k]) <= _TOL:
+      del out[k]
+  return out
+
+
+def _scale(a: dict, c: float) -> dict:
+  return {k: v * c for k, v in a.items()} if c else {}
+
+
+class _Head:
+  """Values computed from one matmul's output ``z``, followed forward."""
+
+  def __init__(self, g: _graph.Graph, dot: int, vocab: int, vaxis: int):
+    self.g, self.dot, self.vocab, self.vaxis = g, dot, vocab, vaxis
+    z = g.nodes[dot].outs[0]
+    self.elem = {z: {"z": 1.0}}      # [..., V] linear values
+    self.rows = {}                   # [...] (or [..., 1]) row values
+    self.exps = {}                   # exp(z - k): ref -> k symbol
+    self.sums = {}                   # sum over V of exp(z - k): ref -> k symbol
+    self.target = {}                 # a * onehot + u: ref -> (a, u)
+    self.weighted = {}               # target * linear: ref -> ((a, u), linear)
+    self.bias = None
+    self.labels = None
+    self.label_nodes: set = set()
+    self.nshift = 0
+
+  def _is_v(self, ref) -> bool:
+    a = self.g.avals[ref]
+    return bool(a.shape) and a.shape[-1] == self.vocab
+
+  def _const(self, r):
+    if isinstance(r, Lit) and np.size(r.val) == 1 and not isinstance(r.val, jax.core.Tracer):
+      return float(np.asarray(r.val).reshape(()))
+    return None
+
+  def _shift(self) -> str:
+    self.nshift += 1
+    return f"k{self.nshift}"
+
+  def _labels_of(self, ref):
+    """The integer array an index or a one-hot's comparison is computed from."""
+    g, seen, sources = self.g, set(), set()
+    stack = [ref]
+    nodes = []
+    while stack:
+      r = stack.pop()
+      if isinstance(r, Lit):  # labels closed over: a constant array of the program
+        if np.ndim(r.val) and jnp.issubdtype(np.asarray(r.val).dtype, jnp.integer) \
+            and not isinstance(r.val, jax.core.Tracer):
+          sources.add(r)
+        continue
+      if r in seen:
+        continue
+      seen.add(r)
+      if r not in g.producer:
+        sources.add(r)
+        continue
+      i = g.producer[r][0]
+      n = g.nodes[i]
+      if n.prim.name == "iota" or not n.ins:
+        nodes.append(i)
+        continue
+      if n.prim.name not in _INDEX or not jnp.issubdtype(g.avals[r].dtype, jnp.integer) and \
+          n.prim.name not in ("lt", "ge", "le", "gt", "eq", "ne", "and", "or", "not"):
+        sources.add(r)
+        continue
+      nodes.append(i)
+      stack.extend(n.ins)
+    ints = [s for s in sources if isinstance(s, Lit) or jnp.issubdtype(g.avals[s].dtype,
+                                                                       jnp.integer)]
+    if len(ints) != 1:
+      return None, []
+    return ints[0], nodes
+
+  def step(self, i: int) -> None:  # pylint: disable=too-many-branches,too-many-return-statements
+    g, n = self.g, self.g.nodes[i]
+    name, ins = n.prim.name, n.ins
+    if len(n.outs) != 1:
+      return
+    o = n.outs[0]
+    known = lambda r: not isinstance(r, Lit) and (  # noqa: E731
+        r in self.elem or r in self.rows or r in self.exps or r in self.sums
+        or r in self.target or r in self.weighted)
+    if name == "eq" and any(not isinstance(r, Lit) and r in g.producer and
+                            g.nodes[g.producer[r][0]].prim.name == "iota" for r in ins) and \
+        self._is_v(o):
+      other = next(r for r in ins if isinstance(r, Lit) or r not in g.producer or
+                   g.nodes[g.producer[r][0]].prim.name != "iota")
+      labels, nodes = self._labels_of(other)
+      if labels is not None and (self.labels is None or self.labels == labels):
+        self.labels = labels
+        self.label_nodes.update(nodes)
+        self.label_nodes.add(i)
+        self.target[o] = (1.0, 0.0)
+      return
+    if not any(known(r) for r in ins):
+      return
+    if name in _SAME or name in _SHAPE or name == "transpose":
+      src = ins[0]
+      if name == "transpose" and not isinstance(src, Lit) and (src in self.elem or src in self.exps):
+        perm = n.params["permutation"]
+        if perm[-1] != len(perm) - 1:
+          return  # the vocabulary axis moved: not followed
+      for table in (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted):
+        if not isinstance(src, Lit) and src in table:
+          if name == "broadcast_in_dim" and table is self.rows and self._is_v(o):
+            self.elem[o] = dict(table[src])  # a row value spread along the vocabulary
+          elif table is self.rows and self._is_v(o):
+            return
+          else:
+            table[o] = table[src]
+          return
+      return
+    if name in ("add", "sub"):
+      a, b = ins
+      sign = 1.0 if name == "add" else -1.0
+      lin = lambda r: None if isinstance(r, Lit) else self.elem.get(r, self.rows.get(r))  # noqa: E731
+      if all(not isinstance(r, Lit) and r in self.rows for r in (a, b)):
+        self.rows[o] = _add(self.rows[a], self.rows[b], sign)
+      elif lin(a) is not None and lin(b) is not None and self._is_v(o):
+        self.elem[o] = _add(lin(a), lin(b), sign)  # a row value spread along the vocabulary
+      elif not isinstance(a, Lit) and a in self.target and self._const(b) is not None:
+        t = self.target[a]
+        self.target[o] = (t[0], t[1] + sign * self._const(b))
+      elif (not isinstance(a, Lit) and a == self.g.nodes[self.dot].outs[0] and name == "add"
+            and self.bias is None and not isinstance(b, Lit)):
+        # the bias: z + b with b [V] spread over the tokens
+        src, chain = _spread_source(g, b)
+        if src is not None and tuple(g.avals[src].shape) == (self.vocab,):
+          self.bias = (src, chain)
+          self.elem[o] = {"z": 1.0}
+      return
+    if name == "neg":
+      for table in (self.elem, self.rows):
+        if ins[0] in table:
+          table[o] = _scale(table[ins[0]], -1.0)
+      return
+    if name in ("mul", "div"):
+      a, b = ins
+      c = self._const(b)
+      if c is None and name == "mul" and self._const(a) is not None:
+        c, a = self._const(a), b
+      if c is not None:
+        c = c if name == "mul" else 1.0 / c
+        for table in (self.elem, self.rows):
+          if not isinstance(a, Lit) and a in table:
+            table[o] = _scale(table[a], c)
+        if not isinstance(a, Lit) and a in self.target:
+          t = self.target[a]
+          self.target[o] = (t[0] * c, t[1] * c)
+        return
+      if name == "mul":
+        for t_ref, l_ref in ((a, b), (b, a)):
+          if (not isinstance(t_ref, Lit) and t_ref in self.target and not isinstance(l_ref, Lit)
+              and l_ref in self.elem):
+            self.weighted[o] = (self.target[t_ref], self.elem[l_ref])
+      return
+    if name == "exp":
+      lin = self.elem.get(ins[0])
+      if lin is not None and lin.get("z") == 1.0 and set(lin) <= {"z"} | {
+          k for k in lin if k.startswith("k")}:
+        shifts = [k for k in lin if k.startswith("k")]
+        if len(shifts) <= 1 and all(lin[k] == -1.0 for k in shifts):
+          self.exps[o] = shifts[0] if shifts else ""
+      return
+    if name == "reduce_sum":
+      axes = tuple(int(a) for a in n.params["axes"])
+      src = ins[0]
+      if axes != (len(g.avals[src].shape) - 1,):
+        return
+      if src in self.exps:
+        self.sums[o] = self.exps[src]
+      elif src in self.weighted:
+        (a, u), lin = self.weighted[src]
+        row = {}
+        for sym, c in lin.items():
+          if sym == "z":
+            row = _add(row, {"pick": a * c, "zsum": u * c})
+          else:  # a row constant spread along V: weighted sum is (a + u V) times it
+            row = _add(row, {sym: c * (a + u * self.vocab)})
+        self.rows[o] = row
+      elif src in self.elem:
+        row = {}
+        for sym, c in self.elem[src].items():
+          row = _add(row, {"zsum": c} if sym == "z" else {sym: c * self.vocab})
+        self.rows[o] = row
+      return
+    if name == "log":
+      if ins[0] in self.sums:
+        self.rows[o] = {"ls" + self.sums[ins[0]]: 1.0}
+      return
+    if name == "gather":
+      src, idx = ins
+      if not isinstance(src, Lit) and src in self.elem and self._is_v(src):
+        labels, nodes = self._labels_of(idx)
+        if labels is None or (self.labels is not None and self.labels != labels):
+          return
+        self.labels = labels
+        self.label_nodes.update(nodes)
+        lin = self.elem[src]
+        self.rows[o] = {("pick" if k == "z" else k): c for k, c in lin.items()}
+      elif not isinstance(src, Lit) and src in self.rows and all(
+          isinstance(r, Lit) or r not in self.elem for r in ins[1:]):
+        self.rows[o] = self.rows[src]  # .take(0) of a size-1 axis
+      return
+    if name == "stop_gradient" or name in ("reduce_max", "max", "select_n", "is_finite"):
+      # a row constant computed from z (a max and its clamps): a shift
+      a = g.avals[o]
+      if a.shape and a.shape[-1] == self.vocab and name != "stop_gradient":
+        return
+      if name == "stop_gradient" and ins[0] in self.rows:
+        self.rows[o] = self.rows[ins[0]]
+        return
+      if jnp.issubdtype(a.dtype, jnp.floating):
+        self.rows[o] = {self._shift(): 1.0}
+      return
+
+  def loss(self, row: dict) -> tuple[float, float] | None:
+    """``(sign, smoothing)`` when ``row`` is (the negation of) a cross-entropy."""
+    shifts = {k for k in row if k.startswith("k")}
+    lss = {k[2:] for k in row if k.startswith("ls")}
+    if len(lss) != 1:
+      return None
+    (k,) = lss
+    sign = row["ls" + k]
+    if abs(abs(sign) - 1.0) > _TOL:
+      return None
+    expect = {"ls" + k: sign}
+    if k:
+      expect[k] = sign
+    pick, zsum = row.get("pick", 0.0), row.get("zsum", 0.0)
+    smoothing = -zsum * self.vocab / sign
+    if abs(-pick / sign - (1.0 - smoothing)) > 1e-5 or not 0.0 <= smoothing < 1.0:
+      return None
+    rest = {s: c for s, c in row.items() if s not in ("pick", "zsum")}
+    if set(rest) != set(expect) or any(abs(rest[s] - expect[s]) > 1e-5 for s in rest):
+      return None
+    del shifts
+    return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing)
+
+
+def _spread_source(g: _graph.Graph, ref):
+  """``(source, chain)``: ``ref`` followed back through broadcasts, reshapes and casts."""
+  chain = []
+  while not isinstance(ref, Lit) and ref in g.producer:
+    i = g.producer[ref][0]
+    n = g.nodes[i]
+    if n.prim.name not in ("broadcast_in_dim", "reshape", "convert_element_type") or \
+        len(n.ins) != 1:
+      break
+    chain.insert(0, i)
+    ref = n.ins[0]
+  if isinstance(ref, Lit):
+    return None, []
+  return ref, chain
+
+
+def find_heads(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
+  """The matmul + cross-entropy regions of ``g``: ``(matches, left_alone)``, the latter
+  ``([dot node], why)`` for a head whose logits are also used elsewhere."""
+  matches, left, taken = [], [], set(claimed)
+  for di, n in enumerate(g.nodes):
+    if n.prim.name != "dot_general" or di in taken:
+      continue
+    (lc, rc), (lb, rb) = n.params["dimension_numbers"]
+    if lb or rb or len(lc) != 1 or len(rc) != 1:
+      continue
+    x, w = n.ins
+    if isinstance(x, Lit) or isinstance(w, Lit):
+      continue
+    xs, ws = tuple(g.avals[x].shape), tuple(g.avals[w].shape)
+    if len(ws) != 2 or int(lc[0]) != len(xs) - 1 or not jnp.issubdtype(g.avals[x].dtype,
+                                                                         jnp.floating):
+      continue
+    vaxis = 1 - int(rc[0])
+    vocab = ws[vaxis]
+    if vocab < 2 or tuple(g.avals[n.outs[0]].shape) != xs[:-1] + (vocab,):
+      continue
+    h = _Head(g, di, vocab, vaxis)
+    for i in range(di + 1, len(g.nodes)):
+      h.step(i)
+    if h.labels is None:
+      continue
+    found = None
+    for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
+      res = h.loss(h.rows[o])
+      squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
+      if res is None or squeeze(g.avals[o].shape) != squeeze(xs[:-1]) or \
+          np.prod(g.avals[o].shape) != np.prod(xs[:-1]):
+        continue
+      if tuple(np.shape(h.labels.val) if isinstance(h.labels, Lit) else
+               g.avals[h.labels].shape) != xs[:-1]:
+        continue
+      root = g.producer[o][0]
+      members = {g.producer[r][0] for table in (h.elem, h.rows, h.exps, h.sums, h.target,
+                                                h.weighted) for r in table
+                 if r in g.producer} | h.label_nodes | {di}
+      if h.bias is not None:
+        members.update(h.bias[1])
+      # helpers of the row values (a clamp's is_finite, the constants it selects)
+      changed = True
+      while changed:
+        changed = False
+        for i in range(di + 1, root):
+          m = g.nodes[i]
+          if i in members or any(
+              tuple(g.avals[r].shape)[-1:] == (vocab,) for r in m.outs if g.avals[r].shape):
+            continue
+          reads = [r for r in m.ins if not isinstance(r, Lit)]
+          if all(r in g.producer and g.producer[r][0] in members for r in reads) and all(
+              c in members for r in m.outs for c in g.consumers.get(r, ())) and any(
+                  g.consumers.get(r) for r in m.outs):
+            members.add(i)
+            changed = True
+      nodes = set(_graph.ancestors(g, root, lambda r: g.producer[r][0] in members))
+      nodes |= {i for i in h.label_nodes if i in members}
+      if h.bias is not None:
+        nodes.update(h.bias[1])
+      # index arithmetic and one-hot nodes only the region reads come inside
+      for i in sorted(h.label_nodes, reverse=True):
+        outs = g.nodes[i].outs
+        if all(c in nodes for o2 in outs for c in g.consumers.get(o2, ())):
+          nodes.add(i)
+        else:
+          nodes.discard(i)
+      # values computed and never read (jax.nn.logsumexp's sign) are part of the region
+      produced = {r for i in nodes for r in g.nodes[i].outs}
+      for i in range(di, root):
+        m = g.nodes[i]
+        if i not in nodes and all(
+            not g.consumers.get(r) and r not in outvars for r in m.outs) and all(
+                isinstance(r, Lit) or r in produced for r in m.ins):
+          nodes.add(i)
+      if nodes & taken:
+        continue
+      if _algebra.escapes(g, nodes, o, outvars):
+        found = found or ("escape", di)
+        continue
+      sign, smoothing = res
+      matches.append(HeadMatch(sorted(nodes), root, x, w,
+                               None if h.bias is None else h.bias[0], h.labels, vaxis,
+                               smoothing, sign))
+      taken.update(nodes)
+      found = "ok"
+      break
+    if isinstance(found, tuple):
+      left.append(([di], "its logits are also used elsewhere (a cross-entropy found, not "
+                         "replaced)"))
+  return matches, left

@@ -1,0 +1,189 @@
+"""Public LM-head loss without its logits: ``linear_cross_entropy`` and its plain reference.
+
+A language model's last projection and its cross-entropy materialize the logits
+[tokens, vocabulary] and their gradient: at 8 x 4096 tokens and a 128k vocabulary, 2 x 16 GiB
+in float32.  :func:`linear_cross_entropy` computes the same loss holding one chunk of
+logits at a time, forward and backward, and keeps only ``x``, ``w``, the labels and a
+float32 log-sum-exp per token (:mod:`.base`).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from invact_jax.ops import _common
+from invact_jax.ops import _implementation
+from invact_jax.ops.cross_entropy import base
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
+
+#: How this op can run: XLA (a chunked loop; kernels only where they beat it on a GPU).
+IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z_loss,
+             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size):
+  """Checked arguments: ``(x [N, d], w, bias, labels [N], Options, leading shape)``."""
+  x = _common.float_array(fn, "x", x)
+  w = _common.float_array(fn, "w", w)
+  if x.ndim < 1:
+    raise ValueError(f"invact_jax.{fn}: argument `x` must have shape [..., d], got a scalar")
+  if w.ndim != 2:
+    raise ValueError(f"invact_jax.{fn}: argument `w` must be a 2-D weight ([d, V] or [V, d]), "
+                     f"got shape {tuple(w.shape)}")
+  if isinstance(vocab_axis, bool) or not isinstance(vocab_axis, numbers.Integral) or \
+      vocab_axis not in (-2, -1, 0, 1):
+    raise ValueError(f"invact_jax.{fn}: argument `vocab_axis` must be -1 or 1 (w is [d, V]) "
+                     f"or 0 or -2 (w is [V, d]), got {vocab_axis!r}")
+  vocab_axis = int(vocab_axis) % 2
+  d, vocab = w.shape[1 - vocab_axis], w.shape[vocab_axis]
+  if x.shape[-1] != d:
+    raise ValueError(f"invact_jax.{fn}: argument `w` must have {x.shape[-1]} (the last axis "
+                     f"of x) on its axis {1 - vocab_axis}, got shape {tuple(w.shape)} with "
+                     f"vocab_axis={vocab_axis}")
+  if not hasattr(labels, "dtype"):
+    labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"invact_jax.{fn}: argument `labels` must be an integer array, got dtype "
+                    f"{labels.dtype}")
+  if tuple(labels.shape) != tuple(x.shape[:-1]):
+    raise ValueError(f"invact_jax.{fn}: argument `labels` must have shape {tuple(x.shape[:-1])} "
+                     f"(x's leading axes), got {tuple(labels.shape)}")
+  if bias is not None:
+    bias = _common.float_array(fn, "bias", bias)
+    if tuple(bias.shape) != (vocab,):
+      raise ValueError(f"invact_jax.{fn}: argument `bias` must have shape ({vocab},), got "
+                       f"{tuple(bias.shape)}")
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f"invact_jax.{fn}: argument `reduction` must be one of {_REDUCTIONS}, "
+                     f"got {reduction!r}")
+  if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(
+      ignore_index, numbers.Integral)):
+    raise TypeError(f"invact_jax.{fn}: argument `ignore_index` must be an integer or None, got "
+                    f"{ignore_index!r}")
+  smoothing = _common.static_scalar(fn, "label_smoothing", label_smoothing)
+  if not 0.0 <= smoothing < 1.0:
+    raise ValueError(f"invact_jax.{fn}: argument `label_smoothing` must be in [0, 1), got "
+                     f"{smoothing}")
+  zl = _common.static_scalar(fn, "z_loss", z_loss)
+  if not 0.0 <= zl < math.inf:
+    raise ValueError(f"invact_jax.{fn}: argument `z_loss` must be finite and >= 0, got {zl}")
+  cap = None
+  if logit_soft_cap is not None:
+    cap = _common.static_scalar(fn, "logit_soft_cap", logit_soft_cap)
+    if not 0.0 < cap < math.inf:
+      raise ValueError(f"invact_jax.{fn}: argument `logit_soft_cap` must be finite and > 0 "
+                       f"(or None), got {cap}")
+  lead = tuple(x.shape[:-1])
+  n = math.prod(lead)
+  default = base.default_chunk_sizes(n, vocab)
+  sizes = []
+  for arg, v, what, d_v in (("chunk_size", chunk_size, "tokens", default[0]),
+                            ("vocab_chunk_size", vocab_chunk_size, "vocabulary entries",
+                             default[1])):
+    if v is None:
+      v = d_v
+    elif isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+      raise ValueError(f"invact_jax.{fn}: argument `{arg}` must be a positive integer ({what} "
+                       f"per tile of logits) or None, got {v!r}")
+    sizes.append(int(v))
+  if not isinstance(labels, jax.core.Tracer):  # concrete labels: checked here
+    flat = np.asarray(labels).reshape(-1)
+    if ignore_index is not None:
+      flat = flat[flat != ignore_index]
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab):
+      bad = int(flat.min() if flat.min() < 0 else flat.max())
+      raise ValueError(f"invact_jax.{fn}: argument `labels` must be in [0, {vocab}) (the "
+                       f"vocabulary){'' if ignore_index is None else ' or ignore_index'}, got "
+                       f"{bad}")
+  opts = base.Options(vocab_axis, reduction, None if ignore_index is None else int(ignore_index),
+                      float(smoothing), float(zl), cap, sizes[0], min(sizes[1], vocab))
+  return x.reshape(n, d), w, bias, labels.reshape(n), opts, lead
+
+
+def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
+                         ignore_index: int | None = None, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, logit_soft_cap: float | None = None,
+                         vocab_axis: int = -1, chunk_size: int | None = None,
+                         vocab_chunk_size: int | None = None, return_correct: bool = False,
+                         implementation=None):
+  """Cross-entropy of ``x @ w (+ bias)`` against integer labels, never holding the logits.
+
+  The same loss as the plain formula (``optax.softmax_cross_entropy_with_integer_labels``
+  of the logits, reduced), computed one tile of ``chunk_size`` tokens by
+  ``vocab_chunk_size`` vocabulary entries at a time in the forward and again in the
+  backward: the largest intermediate is one tile of logits; the backward keeps ``x``, ``w``,
+  the bias, the labels and a float32 log-sum-exp per token.  Logits, the loss and each
+  tile's weight gradient accumulate in float32 (float64 for float64).
+
+  Args:
+    x: the final hidden states [..., d] (float16, bfloat16, float32 or float64).
+    w: the output weight, [d, V] (``vocab_axis=-1``) or [V, d] (``vocab_axis=0``: a tied
+      embedding table), used in ``x``'s dtype (cast one tile at a time: a float32 weight
+      with bfloat16 activations is kept once, as it is, not as a bfloat16 copy).
+    labels: integer array of ``x``'s leading shape, in ``[0, V)`` or ``ignore_index``; an
+      out-of-range label gives that token a NaN loss under ``jit`` (concrete labels are
+      checked here).
+    bias: [V] or None.
+    reduction: ``"mean"`` (over the tokens not ignored; NaN when all are), ``"sum"``, or
+      ``"none"`` (per-token losses of ``labels``' shape, 0 for ignored tokens).
+    ignore_index: the label of tokens that do not count (padding), or None.
+    label_smoothing: ``s`` of ``(1 - s) * onehot + s / V`` targets.
+    z_loss: weight of ``logsumexp(logits)^2`` added per token (PaLM's z-loss).
+    logit_soft_cap: ``c`` of ``c * tanh(logits / c)`` before the softmax (Gemma 2), or None.
+    vocab_axis: which axis of ``w`` is the vocabulary.
+    chunk_size, vocab_chunk_size: a tile's tokens and vocabulary entries (static ints);
+      default: up to 1024 tokens, about 2^20 logits per tile.
+    return_correct: also return, per token, whether its label has the largest logit (the
+      accuracy's numerator, for free: the forward tracks each token's largest logit).
+    implementation: None / "xla".
+
+  Returns:
+    The loss: float32 (float64 for float64 inputs), a scalar unless ``reduction="none"``;
+    with ``return_correct``, ``(loss, correct)``, ``correct`` a bool array of ``labels``'
+    shape (False for ignored tokens).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, invact_jax
+    >>> x, w = jnp.ones((4, 8)), jnp.zeros((8, 16))
+    >>> labels = jnp.array([0, 3, 5, 15])
+    >>> round(float(invact_jax.linear_cross_entropy(x, w, labels)), 4)   # log(16)
+    2.7726
+  """
+  fn = "linear_cross_entropy"
+  _implementation.resolve(implementation, op=fn, implementations=IMPLEMENTATIONS, options=())
+  x2, w, bias, y, opts, lead = _options(fn, x, w, labels, bias, reduction, ignore_index,
+                                        label_smoothing, z_loss, logit_soft_cap, vocab_axis,
+                                        chunk_size, vocab_chunk_size)
+  if not isinstance(return_correct, bool):
+    raise TypeError(f"invact_jax.{fn}: argument `return_correct` must be a bool, got "
+                    f"{return_correct!r}")
+  out, correct = base.linear_cross_entropy(x2, w, bias, y, opts)
+  out = out.reshape(lead) if reduction == "none" else out
+  return (out, correct.reshape(lead)) if return_correct else out
+
+
+def linear_cross_entropy_reference(x, w, labels, *, bias=None, reduction: str = "mean",
+                                   ignore_index: int | None = None,
+                                   label_smoothing: float = 0.0, z_loss: float = 0.0,
+                                   logit_soft_cap: float | None = None,
+                                   vocab_axis: int = -1) -> jax.Array:
+  """The plain formula (all logits at once, JAX's own autodiff): the baseline, same options.
+
+  Example:
+    >>> import jax.numpy as jnp, invact_jax
+    >>> x, w = jnp.ones((4, 8)), jnp.zeros((8, 16))
+    >>> round(float(invact_jax.linear_cross_entropy_reference(x, w, jnp.arange(4))), 4)
+    2.7726
+  """
+  fn = "linear_cross_entropy_reference"
+  x2, w, bias, y, opts, lead = _options(fn, x, w, labels, bias, reduction, ignore_index,
+                                        label_smoothing, z_loss, logit_soft_cap, vocab_axis,
+                                        None, None)
+  out = base.reference(x2, w, bias, y, opts)
+  return out.reshape(lead) if reduction == "none" else out

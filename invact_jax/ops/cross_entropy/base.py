@@ -1,0 +1,299 @@
+"""The XLA implementation of the LM head's loss without its logits: a chunked linear +
+cross-entropy ``custom_vjp``, and the plain formula it is tested against.
+
+For tokens ``x`` [N, d], a weight ``w`` [d, V] (or [V, d]), an optional bias ``b`` [V] and
+integer labels ``y`` [N], with ``z = x @ w + b`` (soft-capped to ``c * tanh(z / c)`` when a
+cap ``c`` is given) and ``lse = logsumexp(z)``, each token's loss is
+
+    loss = lse - (1 - s) * z[y] - s * mean(z) + zl * lse^2
+
+(``s``: label smoothing, ``zl``: the z-loss weight), zero for ignored tokens.  Its gradient
+in the logits is ``softmax(z) * (1 + 2 zl lse) - (1 - s) * onehot(y) - s / V`` (times the
+cap's ``1 - (z / c)^2``).
+
+Neither pass holds more than one tile of logits (``chunk_size`` tokens x
+``vocab_chunk_size`` vocabulary entries).  The forward runs over token chunks and, within
+each, over vocabulary tiles with an online log-sum-exp, keeping per token only its float32
+``lse``; the backward runs over vocabulary tiles and, within each, over token chunks,
+recomputing each tile's logits from ``x``, ``w`` and ``lse``: a tile's weight gradient
+accumulates in a [d, tile] float32 buffer and is written once, the input gradient
+accumulates per token chunk.  No buffer of the logits' or the weight's size is created
+besides the weight gradient itself.  The residuals are ``x``, ``w``, the bias, the labels
+and ``lse``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from invact_jax.ops import _common
+
+__all__ = ["Options", "linear_cross_entropy", "reference", "default_chunk_sizes"]
+
+# Elements of one chunk of logits the default chunk size aims at (4 MiB in float32).
+_CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The loss's static options (hashable: the ``custom_vjp``'s non-differentiable argument).
+
+  Attributes:
+    vocab_axis: the weight's vocabulary axis (1: [d, V]; 0: [V, d], a tied embedding).
+    reduction: ``"mean"`` (over the tokens not ignored), ``"sum"`` or ``"none"``.
+    ignore_index: the label of tokens that do not count (padding), or None.
+    label_smoothing, z_loss: their weights (0: off).
+    logit_soft_cap: ``c`` of ``c * tanh(z / c)`` (Gemma 2), or None.
+    chunk_size: tokens per tile of logits.
+    vocab_chunk_size: vocabulary entries per tile.
+  """
+  vocab_axis: int
+  reduction: str
+  ignore_index: int | None
+  label_smoothing: float
+  z_loss: float
+  logit_soft_cap: float | None
+  chunk_size: int
+  vocab_chunk_size: int
+
+
+def default_chunk_sizes(tokens: int, vocab: int) -> tuple[int, int]:
+  """``(tokens, vocabulary entries)`` per tile: about 2^20 logits (4 MiB in float32), up to
+  1024 tokens, the rest along the vocabulary.  The tokens per tile divide the token count
+  where a multiple of 8 up to 1024 does (no padding; a sharded token axis stays even)."""
+  t = next((c for c in range(min(1024, tokens) // 8 * 8, 7, -8) if tokens % c == 0), None)
+  if t is None:
+    t = min(1024, max(8, -(-tokens // 8) * 8))
+  return t, max(1, min(vocab, _CHUNK_ELEMENTS // t))
+
+
+# ------------------------------------------------------------------------ the formula
+def _logits(x, w, b, opts: Options, cd):
+  """``x @ w (+ b)`` in ``cd`` (float32 accumulation), soft-capped: ``(z, raw / cap)``."""
+  contract = (1,) if opts.vocab_axis == 0 else (0,)
+  z = jax.lax.dot_general(x, w, (((1,), contract), ((), ())), preferred_element_type=cd)
+  if b is not None:
+    z = z + b.astype(cd)
+  t = None
+  if opts.logit_soft_cap is not None:
+    t = jnp.tanh(z / opts.logit_soft_cap)
+    z = opts.logit_soft_cap * t
+  return z, t
+
+
+def _token_loss(z, y, counted, opts: Options):
+  """Per-token loss and lse from capped logits ``z`` [c, V]: zero where not ``counted``; NaN
+  for a label outside ``[0, V)`` that is not ignored (the plain formula's pick gives NaN)."""
+  lse = jax.nn.logsumexp(z, axis=-1)
+  label = jnp.where(counted, y, 0)
+  picked = jnp.take_along_axis(z, label[:, None].astype(jnp.int32), axis=-1, mode="fill",
+                               fill_value=jnp.nan)[:, 0]
+  s = opts.label_smoothing
+  loss = lse - (1.0 - s) * picked
+  if s:
+    loss = loss - s * jnp.mean(z, axis=-1)
+  if opts.z_loss:
+    loss = loss + opts.z_loss * lse * lse
+  return jnp.where(counted, loss, 0.0), lse
+
+
+def _counted(y, opts: Options):
+  """Tokens that count (not ``ignore_index``)."""
+  if opts.ignore_index is None:
+    return jnp.ones(y.shape, bool)
+  return y != opts.ignore_index
+
+
+def _reduce(per_token, counted, opts: Options):
+  if opts.reduction == "none":
+    return per_token
+  total = jnp.sum(per_token)
+  if opts.reduction == "sum":
+    return total
+  return total / jnp.sum(counted).astype(per_token.dtype)
+
+
+def reference(x, w, b, y, opts: Options):
+  """The plain formula, all logits at once, with JAX's own autodiff: the baseline."""
+  cd = _common.compute_dtype(x.dtype)
+  counted = _counted(y, opts)
+  z, _ = _logits(x, w.astype(x.dtype), None if b is None else b.astype(x.dtype), opts, cd)
+  per_token, _ = _token_loss(z, y, counted, opts)
+  return _reduce(per_token, counted, opts)
+
+
+# ------------------------------------------------------------------- the custom_vjp
+def _chunks(a, c: int, fill=0):
+  """``a`` [N, ...] as [n, c, ...]: chunk ``i`` holds tokens ``i, i + n, i + 2n, ...`` (padded
+  with ``fill`` to ``n * c``).  Strided rather than contiguous, so that a token axis sharded
+  over devices gives every chunk the same share of each device's tokens: a chunk is computed
+  where its tokens are, with no gather."""
+  n = -(-a.shape[0] // c)
+  pad = n * c - a.shape[0]
+  if pad:
+    a = jnp.concatenate([a, jnp.full((pad, *a.shape[1:]), fill, a.dtype)])
+  return jnp.swapaxes(a.reshape(c, n, *a.shape[1:]), 0, 1)
+
+
+def _unchunk(a, size: int):
+  """The inverse of :func:`_chunks`: [n, c, ...] -> the first ``size`` of [N, ...]."""
+  return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])[:size]
+
+
+def _tiles(vocab: int, cv: int) -> tuple[int, int]:
+  """Full vocabulary tiles and the size of the last, partial one (0 if none)."""
+  return vocab // cv, vocab % cv
+
+
+def _weight_tile(w, b, start, size: int, opts: Options, dtype):
+  """``w``'s (and ``b``'s) vocabulary entries ``[start, start + size)`` in ``dtype`` (the
+  activations'); ``start`` may be traced."""
+  ax = opts.vocab_axis
+  wt = jax.lax.dynamic_slice_in_dim(w, start, size, axis=ax).astype(dtype)
+  bt = None if b is None else jax.lax.dynamic_slice_in_dim(b, start, size).astype(dtype)
+  return wt, bt
+
+
+def _over_tiles(vocab: int, cv: int, body, carry):
+  """``body(start, size, carry)`` for every vocabulary tile (a loop over the full ones, then
+  the partial one)."""
+  full, rest = _tiles(vocab, cv)
+  if full:
+    carry = jax.lax.fori_loop(0, full, lambda j, c: body(j * cv, cv, c), carry)
+  if rest:
+    carry = body(full * cv, rest, carry)
+  return carry
+
+
+def _zeros(like, dtype, *refs):
+  """An accumulator for ``like``'s gradient: its shape and sharding (on the tokens' mesh when
+  that has explicit axes: what a contraction over the tokens gives), varying inside
+  ``shard_map`` where ``refs`` are."""
+  z = jnp.zeros_like(like, dtype=dtype)
+  sharding = _common.explicit_sharding(like, refs[0])
+  if sharding is not None:
+    z = jax.sharding.reshard(z, sharding)
+  return _common.varying_like(z, *refs)
+
+
+def _forward(x, w, b, y, opts: Options):
+  """Per-token losses and float32 lse: over token chunks, and within each over vocabulary
+  tiles with an online log-sum-exp."""
+  cd = _common.compute_dtype(x.dtype)
+  n, vocab = x.shape[0], w.shape[opts.vocab_axis]
+  counted = _counted(y, opts)
+  s = opts.label_smoothing
+
+  def chunk(_, inputs):
+    xc, yc, kc = inputs
+    label = jnp.where(kc, yc, 0).astype(jnp.int32)
+
+    def tile(start, size, acc):
+      m, total, picked, zsum = acc
+      wt, bt = _weight_tile(w, b, start, size, opts, x.dtype)
+      z, _ = _logits(xc, wt, bt, opts, cd)
+      m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+      total = total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
+      here = jnp.arange(size, dtype=jnp.int32)[None, :] == (label - start)[:, None]
+      picked = picked + jnp.sum(jnp.where(here, z, 0.0), axis=-1)
+      if s:
+        zsum = zsum + jnp.sum(z, axis=-1)
+      return m_new, total, picked, zsum
+    row = xc[:, 0]  # per-token accumulators: the tokens' sharding (and vma)
+    zeros = _common.varying_like(jnp.zeros_like(row, dtype=cd), xc, w)
+    m, total, picked, zsum = _over_tiles(vocab, opts.vocab_chunk_size, tile, (
+        _common.varying_like(jnp.full_like(row, -jnp.inf, dtype=cd), xc, w), zeros, zeros,
+        zeros))
+    lse = m + jnp.log(total)
+    inside = (label >= 0) & (label < vocab)  # else the plain formula's pick is NaN
+    loss = lse - (1.0 - s) * jnp.where(inside, picked, jnp.nan)
+    if s:
+      loss = loss - s * zsum / vocab
+    if opts.z_loss:
+      loss = loss + opts.z_loss * lse * lse
+    correct = kc & inside & (picked >= m)  # the label's logit is the largest
+    return None, (jnp.where(kc, loss, 0.0), lse, correct)
+  _, (loss, lse, correct) = jax.lax.scan(chunk, None, (
+      _chunks(x, opts.chunk_size), _chunks(y, opts.chunk_size),
+      _chunks(counted, opts.chunk_size, False)))
+  return _unchunk(loss, n), _unchunk(lse, n), counted, _unchunk(correct, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def linear_cross_entropy(x, w, b, y, opts: Options):
+  """``(loss, correct)``: the reduced loss (``opts.reduction``) of tokens ``x`` [N, d] and,
+  per token, whether its label has the largest logit (no gradient); see the module doc."""
+  loss, _, counted, correct = _forward(x, w, b, y, opts)
+  return _reduce(loss, counted, opts), correct
+
+
+def _fwd(x, w, b, y, opts):
+  loss, lse, counted, correct = _forward(x, w, b, y, opts)
+  return (_reduce(loss, counted, opts), correct), (x, w, b, y, lse)
+
+
+def _bwd(opts: Options, res, cts):
+  g, _ = cts  # ``correct`` has no gradient
+  x, w, b, y, lse = res
+  cd = lse.dtype
+  n, vocab = x.shape[0], w.shape[opts.vocab_axis]
+  ct = opts.chunk_size
+  counted = _counted(y, opts)
+  if opts.reduction == "mean":
+    g = g.astype(cd) / jnp.sum(counted).astype(cd)
+  scale = jnp.where(counted, jnp.broadcast_to(g.astype(cd), counted.shape), 0.0)
+  s = opts.label_smoothing
+  xs, ys, ls, ss = (_chunks(x, ct), _chunks(jnp.where(counted, y, 0).astype(jnp.int32), ct),
+                    _chunks(lse, ct), _chunks(scale, ct))
+  wdt = x.dtype  # the matmuls run in the activations' dtype
+
+  def tile(start, size, acc):
+    dx, dw, db = acc
+    wt, bt = _weight_tile(w, b, start, size, opts, wdt)
+
+    def chunk(i, inner):
+      dx, dwt, dbt = inner
+      xc, yc, lc, sc = xs[i], ys[i], ls[i], ss[i]
+      z, t = _logits(xc, wt, bt, opts, cd)
+      p = jnp.exp(z - lc[:, None])
+      if opts.z_loss:
+        p = p * (1.0 + 2.0 * opts.z_loss * lc)[:, None]
+      here = jnp.arange(size, dtype=jnp.int32)[None, :] == (yc - start)[:, None]
+      dz = p - jnp.where(here, 1.0 - s, 0.0) - s / vocab
+      if t is not None:
+        dz = dz * (1.0 - t * t)
+      dz = dz * sc[:, None]
+      dzw = dz.astype(wdt)
+      # the weight gradient sums over the tokens (sharded or not): it has the tile's type
+      like_w = _common.explicit_sharding(wt, xc)
+      if opts.vocab_axis == 0:  # w [V, d]
+        dxc = jax.lax.dot_general(dzw, wt, (((1,), (0,)), ((), ())), preferred_element_type=cd)
+        dwt = dwt + jax.lax.dot_general(dzw, xc.astype(wdt), (((0,), (0,)), ((), ())),
+                                        preferred_element_type=cd, out_sharding=like_w)
+      else:  # w [d, V]
+        dxc = jax.lax.dot_general(dzw, wt, (((1,), (1,)), ((), ())), preferred_element_type=cd)
+        dwt = dwt + jax.lax.dot_general(xc.astype(wdt), dzw, (((0,), (0,)), ((), ())),
+                                        preferred_element_type=cd, out_sharding=like_w)
+      dx = jax.lax.dynamic_update_index_in_dim(dx, dx[i] + dxc, i, 0)
+      if dbt is not None:
+        dbt = dbt + jnp.sum(dz, axis=0)
+      return dx, dwt, dbt
+    dx, dwt, dbt = jax.lax.fori_loop(0, xs.shape[0], chunk, (
+        dx, _zeros(wt, cd, x, lse), None if b is None else _zeros(bt, cd, x, lse)))
+    dw = jax.lax.dynamic_update_slice_in_dim(dw, dwt.astype(w.dtype), start,
+                                             axis=opts.vocab_axis)
+    if db is not None:
+      db = jax.lax.dynamic_update_slice_in_dim(db, dbt.astype(b.dtype), start, axis=0)
+    return dx, dw, db
+  dx, dw, db = _over_tiles(vocab, opts.vocab_chunk_size, tile, (
+      _zeros(xs, cd, x, lse), _zeros(w, w.dtype, x, lse),
+      None if b is None else _zeros(b, b.dtype, x, lse)))
+  dx = _unchunk(dx, n).astype(x.dtype)
+  return (_common.cotangent_like(dx, x), _common.cotangent_like(dw, w),
+          None if b is None else _common.cotangent_like(db, b), None)
+
+
+linear_cross_entropy.defvjp(_fwd, _bwd)

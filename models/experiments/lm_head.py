@@ -1,0 +1,166 @@
+"""The LM head benchmark (issue 40): the plain head against the chunked ones, side by side.
+
+For one head (tokens ``x`` [N, d], weight [d, V], integer labels), each variant's
+``value_and_grad`` of the mean loss w.r.t. ``x`` and the weight is compiled and measured:
+compiled temp bytes (and whether a [N, V] buffer exists in the compiled program), median wall
+time over repeats, and the gradient's relative L2 distance to a float64 reference.
+
+Variants: ``plain`` (``x @ w`` then optax's integer-label cross-entropy: what users write),
+``invact_jax`` (:func:`invact_jax.linear_cross_entropy`), ``invact_jax.invert(plain)`` (the
+conversion finding the pattern in the plain code), and where installed, tokamax's
+``linear_softmax_cross_entropy_loss`` (``chunked_xla`` and ``xla``).  PyTorch + Liger-Kernel's
+fused linear cross-entropy runs on a GPU in its own process (``torch_rows``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import invact_jax
+
+__all__ = ["Head", "VARIANTS", "make_head", "measure", "rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+  """One LM head: ``x`` [N, d], ``w`` [d, V], ``labels`` [N]."""
+  x: Any
+  w: Any
+  labels: Any
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return (self.x.shape[0], self.x.shape[1], self.w.shape[1])
+
+
+def make_head(tokens: int, d: int, vocab: int, dtype, seed: int = 0) -> Head:
+  k = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(k[0], (tokens, d), jnp.float32).astype(dtype)
+  w = (jax.random.normal(k[1], (d, vocab), jnp.float32) / np.sqrt(d)).astype(dtype)
+  return Head(x, w, jax.random.randint(k[2], (tokens,), 0, vocab, jnp.int32))
+
+
+def plain(x, w, labels):
+  """What users write: logits in the inputs' dtype, the loss in float32 (optax)."""
+  logits = (x @ w).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def ours(x, w, labels):
+  return invact_jax.linear_cross_entropy(x, w, labels)
+
+
+def _tokamax(implementation: str) -> Callable | None:
+  if importlib.util.find_spec("tokamax") is None:
+    return None
+  import tokamax  # pylint: disable=import-outside-toplevel
+  fn = getattr(tokamax, "linear_softmax_cross_entropy_loss", None)
+  if fn is None:
+    return None
+
+  def loss(x, w, labels):
+    return fn(x, labels, w, reduction="mean", implementation=implementation)
+  return loss
+
+
+def variants() -> dict[str, Callable]:
+  """name -> loss(x, w, labels), those that can run here."""
+  out = {"plain": plain, "invact_jax": ours, "invact_jax.invert(plain)": invact_jax.invert(plain)}
+  for impl in ("chunked_xla", "xla"):
+    fn = _tokamax(impl)
+    if fn is not None:
+      out[f"tokamax {impl}"] = fn
+  return out
+
+
+VARIANTS = ("plain", "invact_jax", "invact_jax.invert(plain)", "tokamax chunked_xla",
+            "tokamax xla")
+
+
+def _has_logits_buffer(text: str, n: int, v: int) -> bool:
+  for m in re.findall(r"\[([\d,]+)\]", text):
+    dims = [int(d) for d in m.split(",") if d]
+    if n in dims and v in dims:
+      return True
+  return False
+
+
+def measure(name: str, loss: Callable, head: Head, repeats: int, g64=None) -> dict:
+  """One row: compiled temp, a [N, V] buffer or not, median time, gradient error."""
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  try:
+    compiled = step.lower(head.x, head.w, head.labels).compile()
+  except Exception as e:  # pylint: disable=broad-except  (a variant that does not lower here)
+    return {"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+  n, _, v = head.shape
+  value, grads = compiled(head.x, head.w, head.labels)
+  jax.block_until_ready(grads)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(head.x, head.w, head.labels))
+    times.append(time.perf_counter() - t0)
+  row = {"variant": name, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+         "logits_buffer": _has_logits_buffer(compiled.as_text(), n, v),
+         "time_s": statistics.median(times), "loss": float(value)}
+  if g64 is not None:
+    num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in zip(grads, g64))
+    den = sum(float(np.sum(b ** 2)) for b in g64)
+    row["grad_error"] = (num / den) ** 0.5
+  return row
+
+
+def reference_grads(head: Head):
+  """float64 gradients of the plain formula (x64)."""
+  with jax.enable_x64(True):
+    x, w = (np.asarray(a, np.float64) for a in (head.x, head.w))
+    g = jax.jit(jax.grad(lambda x, w: invact_jax.linear_cross_entropy_reference(
+        x, w, head.labels), argnums=(0, 1)))(x, w)
+    return [np.asarray(a, np.float64) for a in g]
+
+
+def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
+         names=None) -> list[dict]:
+  """Every variant on one head per dtype."""
+  out = []
+  for dtype in dtypes:
+    head = make_head(tokens, d, vocab, jnp.dtype(dtype))
+    g64 = reference_grads(head)
+    for name, loss in variants().items():
+      if names is not None and name not in names:
+        continue
+      row = measure(name, loss, head, repeats, g64)
+      out.append({"dtype": jnp.dtype(dtype).name, "tokens": tokens, "d": d, "vocab": vocab,
+                  "framework": "jax", **row})
+  for dtype in dtypes:
+    base = next((r for r in out if r["dtype"] == jnp.dtype(dtype).name
+                 and r["variant"] == "plain"), None)
+    for r in out:
+      if base is not None and r["dtype"] == base["dtype"] and "temp_bytes" in r:
+        r["temp_vs_plain"] = r["temp_bytes"] / base["temp_bytes"]
+        r["time_vs_plain"] = r["time_s"] / base["time_s"]
+  return out
+
+
+def table(rs: list[dict]) -> str:
+  lines = ["| dtype | variant | temp MiB | vs plain | [N, V] buffer | time (s) | vs plain | "
+           "grad error vs float64 |", "|---|---|---:|---:|---|---:|---:|---:|"]
+  for r in rs:
+    if "error" in r:
+      lines.append(f"| {r['dtype']} | {r['variant']} | — | — | — | — | — | {r['error']} |")
+      continue
+    lines.append(
+        f"| {r['dtype']} | {r['variant']} | {r['temp_bytes'] / 2**20:.1f} | "
+        f"{100 * r.get('temp_vs_plain', float('nan')):.1f} % | "
+        f"{'yes' if r['logits_buffer'] else 'no'} | {r['time_s']:.3f} | "
+        f"{r.get('time_vs_plain', float('nan')):.2f} | {r.get('grad_error', float('nan')):.1e} |")
+  return "\n".join(lines)

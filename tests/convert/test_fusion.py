@@ -1,0 +1,213 @@
+"""invact_jax.invert's floor pass (convert/_fusion.py): matmuls keep what their neighbours keep
+anyway — a norm feeding matmuls keeps xhat once, a GLU keeps its activation's output and the
+up projection (not their product), a reshaped attention output is kept once, a bfloat16
+value cast to float32 for a matmul is kept in bfloat16.  Forward bit-identical, gradients
+at the float32 floor, residual sets checked exactly."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import invact_jax
+from invact_jax import memory
+from models.experiments.floor import flash_attention  # keeps q, k, v, o and a row lse
+from tests import jit
+from tests.convert.test_program import assert_at_float32_floor
+
+D, FF, ROWS = 32, 48, 12
+
+
+def _w(shape, seed):
+  return jax.random.normal(jax.random.key(seed), shape) / math.sqrt(shape[0])
+
+
+def _x(shape=(ROWS, D), dtype=jnp.float32, seed=0):
+  return (1.0 + 2.0 * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+
+
+def layer_norm(x, g, b):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+  return (x - mean) / jnp.sqrt(var + 1e-5) * g + b
+
+
+def rms_norm(x, w):
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+  return w * xf.astype(x.dtype)
+
+
+def _kept(fn, *args) -> list:
+  """(shape, dtype) of every kept non-argument array of at least 2 dimensions, sorted."""
+  return sorted((tuple(r.shape), r.dtype) for r in memory.residuals(fn, *args)
+                if not r.is_argument and len(r.shape) > 1)
+
+
+def _check(loss, args, argnums=0, hand_loss=None):
+  """Converted forward bit-identical; gradient at the float32 floor (plus the inverted ops'
+  own error: ``hand_loss``'s); returns the converted function."""
+  inv = invact_jax.invert(loss)
+  np.testing.assert_array_equal(np.asarray(jit(inv)(*args)), np.asarray(jit(loss)(*args)))
+  g = jax.jit(jax.grad(inv, argnums=argnums))(*args)
+  assert_at_float32_floor(loss, args, g, argnums=argnums, hand_loss=hand_loss)
+  return inv
+
+
+def test_a_norm_feeding_matmuls_keeps_xhat_once():
+  """LayerNorm -> three projections (and RMSNorm with float32 statistics -> two): the norm
+  and its matmuls keep xhat and the float32 rstd; the normalized output is not kept."""
+  p = {"g": 1 + 0.1 * _x((D,), seed=1), "b": 0.1 * _x((D,), seed=2),
+       "w": [_w((D, D), 3 + i) for i in range(3)]}
+
+  def loss(p, x):
+    z = layer_norm(x, p["g"], p["b"])
+    q, k, v = (z @ w for w in p["w"])
+    return jnp.sum(q * k + v)
+  inv = _check(loss, (p, _x()), argnums=(0, 1))
+  assert inv.last_report.replaced == {"layer_norm": 1}
+  assert _kept(inv, p, _x()) == [((ROWS, 1), "float32")] + [((ROWS, D), "float32")] * 3  # xhat, q, k
+  kept_unfused = _kept(invact_jax.invert(loss, floor=False), p, _x())
+  assert kept_unfused.count(((ROWS, D), "float32")) == 4  # and the norm's output
+
+  w2 = {"n": 1 + 0.1 * _x((D,), seed=4), "wg": _w((D, FF), 5), "wu": _w((D, FF), 6)}
+
+  def rms_loss(w2, x):
+    h = rms_norm(x, w2["n"])
+    return jnp.sum((h @ w2["wg"]) * (h @ w2["wu"]))
+  inv = _check(rms_loss, (w2, _x()), argnums=(0, 1))
+  # xhat and rstd; the two projections (their product's inputs)
+  assert _kept(inv, w2, _x()) == sorted([((ROWS, D), "float32"), ((ROWS, 1), "float32"),
+                                         ((ROWS, FF), "float32"), ((ROWS, FF), "float32")])
+
+
+def test_a_zero_scale_has_exact_gradients():
+  """The normalized output is recomputed as xhat * scale + bias, never divided by the scale."""
+  p = {"g": jnp.zeros(D).at[3].set(1.0), "b": 0.1 * _x((D,), seed=2), "w": _w((D, D), 3)}
+
+  def loss(p, x):
+    return jnp.sum(jnp.sin(layer_norm(x, p["g"], p["b"]) @ p["w"]))
+  g = jax.jit(jax.grad(invact_jax.invert(loss), argnums=(0, 1)))(p, _x())
+  assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(g))
+  assert_at_float32_floor(loss, (p, _x()), g, argnums=(0, 1))
+
+
+def test_a_glu_keeps_the_activation_output_and_up_not_their_product():
+  p = {"wg": _w((D, FF), 1), "wu": _w((D, FF), 2), "wd": _w((FF, D), 3)}
+
+  def loss(p, x):
+    return jnp.sum(jnp.sin((jax.nn.silu(x @ p["wg"]) * (x @ p["wu"])) @ p["wd"]))
+  inv = _check(loss, (p, _x()), argnums=(0, 1))
+  assert inv.last_report.replaced == {"silu": 1}
+  kept = _kept(inv, p, _x())
+  assert kept == sorted([((ROWS, FF), "float32"), ((ROWS, FF), "float32"),
+                         ((ROWS, FF // 8), "uint8"), ((ROWS, D), "float32")]), kept
+  unfused = _kept(invact_jax.invert(loss, floor=False), p, _x())
+  assert unfused.count(((ROWS, FF), "float32")) == 3, unfused  # silu's output, up, product
+
+
+def test_an_attention_output_reshaped_for_its_projection_is_kept_once():
+  b, t, h = 2, 6, 4
+  p = {"wq": _w((D, D), 1), "wk": _w((D, D), 2), "wv": _w((D, D), 3), "wo": _w((D, D), 4)}
+  x = _x((b, t, D))
+
+  def loss(p, x):
+    split = lambda a: a.reshape(b, t, h, D // h)  # noqa: E731
+    o = flash_attention(split(x @ p["wq"]), split(x @ p["wk"]), split(x @ p["wv"]), True)
+    return jnp.sum(jnp.sin(o.reshape(b, t, D) @ p["wo"]))
+  inv = _check(loss, (p, x), argnums=(0, 1))
+  kept = [s for s, d in _kept(inv, p, x) if d == "float32"]
+  # q, k, v, o (the kernel's own residuals) and the projection's output for sin: no copy
+  # of o in the [b, t, D] layout.
+  assert sorted(kept) == sorted([(b, t, h, D // h)] * 4 + [(b, h, t, 1), (b, t, D)]), kept
+  unfused = [s for s, d in _kept(invact_jax.invert(loss, floor=False), p, x) if d == "float32"]
+  assert unfused.count((b, t, D)) == 2, unfused
+
+
+def test_a_bfloat16_value_cast_for_a_float32_matmul_is_kept_narrow():
+  p = {"w1": _w((D, FF), 1), "w2": _w((FF, D), 2)}
+
+  def loss(p, x):
+    h = jnp.sin(x @ p["w1"].astype(jnp.bfloat16))  # not an op invert converts
+    return jnp.sum(jnp.sin(h.astype(jnp.float32) @ p["w2"]))
+  x = _x(dtype=jnp.bfloat16)
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(p, x)
+  g_ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(p, x)
+  for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):  # the same VJP, recomputed
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+  kept = _kept(inv, p, x)
+  assert ((ROWS, FF), "float32") not in kept and ((ROWS, FF), "bfloat16") in kept, kept
+  assert ((ROWS, FF), "float32") in _kept(invact_jax.invert(loss, floor=False), p, x)
+
+
+def test_a_post_norm_output_read_by_matmuls_and_the_residual_stream():
+  """BERT's post-LN: the norm's output feeds the next projections and the residual add; the
+  fused unit returns it too."""
+  p = {"g": 1 + 0.1 * _x((D,), seed=1), "b": 0.1 * _x((D,), seed=2), "w1": _w((D, FF), 3),
+       "w2": _w((FF, D), 4)}
+
+  def make(gelu):
+    def loss(p, x):
+      for _ in range(2):
+        x = layer_norm(x + gelu(x @ p["w1"], approximate=False) @ p["w2"], p["g"], p["b"])
+      return jnp.sum(jnp.sin(x))
+    return loss
+  # GELU's inverted backward has its own error (ill-conditioned near its minimum): the
+  # hand-converted model's distance is part of the bound.
+  loss = make(jax.nn.gelu)
+  inv = _check(loss, (p, _x()), argnums=(0, 1), hand_loss=make(invact_jax.gelu))
+  assert inv.last_report.replaced == {"layer_norm": 2, "gelu": 2}
+
+
+def test_a_matmul_reading_a_value_computed_from_another_of_the_group_is_not_fused():
+  """``z @ tanh(z @ W)^T``: fusing both matmuls with the norm would make the program cyclic;
+  the conversion keeps it correct."""
+  p = {"g": 1 + 0.1 * _x((D,), seed=1), "b": 0.1 * _x((D,), seed=2), "w": _w((D, D), 3)}
+
+  def loss(p, x):
+    z = layer_norm(x, p["g"], p["b"])
+    return jnp.sum(jnp.sin(z.T @ jnp.tanh(z @ p["w"])))
+  _check(loss, (p, _x()), argnums=(0, 1))
+
+
+@pytest.mark.parametrize("wrap", ["scan", "vmap", "remat", "shard_map"])
+def test_under_transformations(wrap):
+  """A pre-norm Llama-style layer (RMSNorm, SwiGLU) under scan, vmap, remat and shard_map:
+  forward bit-identical, gradients at the float32 floor, the fused units inside."""
+  layer_p = {"n": 1 + 0.1 * _x((D,), seed=1), "wg": _w((D, FF), 2), "wu": _w((D, FF), 3),
+             "wd": _w((FF, D), 4)}
+
+  def layer(p, x):
+    h = rms_norm(x, p["n"])
+    return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
+  x = _x((8, ROWS, D))
+  if wrap == "scan":
+    p = jax.tree.map(lambda a: jnp.stack([a, 0.9 * a]), layer_p)
+
+    def loss(p, x):
+      return jnp.sum(jnp.sin(jax.lax.scan(lambda h, q: (layer(q, h), None), x, p)[0]))
+  elif wrap == "vmap":
+    p = layer_p
+    loss = lambda p, x: jnp.sum(jnp.sin(jax.vmap(layer, (None, 0))(p, x)))  # noqa: E731
+  elif wrap == "remat":
+    p = layer_p
+    loss = lambda p, x: jnp.sum(jnp.sin(jax.checkpoint(layer)(p, x)))  # noqa: E731
+  else:
+    if len(jax.devices()) < 8:
+      pytest.skip("needs 8 (virtual) devices; conftest.py sets them")
+    from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    mesh = jax.make_mesh((8,), ("data",))
+    p = layer_p
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+
+    def loss(p, x):
+      local = lambda p, x: jax.lax.psum(jnp.sum(jnp.sin(layer(p, x))), "data")  # noqa: E731
+      return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(p, x)
+  inv = _check(loss, (p, x), argnums=(0, 1))
+  assert inv.last_report.replaced == {"rms_norm": 1, "silu": 1}, inv.last_report
+  unfused = sum(r.bytes for r in memory.residuals(invact_jax.invert(loss, floor=False), p, x))
+  kept = sum(r.bytes for r in memory.residuals(inv, p, x))
+  # under remat the layer keeps only its inputs either way
+  assert kept <= unfused if wrap == "remat" else kept < unfused, (kept, unfused)

@@ -1,0 +1,252 @@
+"""invact_jax.linear_cross_entropy: the LM head's loss without its logits (issue 40).
+
+Every option against the plain formula (values and gradients), gradient error against float64
+no worse than the plain head's in float32 and bfloat16, NaN like the plain loss, bad input as
+one line naming the argument, no [tokens, vocabulary] buffer in the compiled program, and the
+transformations (jit, vmap, grad, scan, remat, shard_map, sharded inputs)."""
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import invact_jax
+
+N, D, V = 37, 16, 50  # neither divides the tiles below: every remainder path runs
+TILES = {"chunk_size": 8, "vocab_chunk_size": 16}
+
+
+def _inputs(dtype=jnp.float32, n=N, v=V, seed=0):
+  k = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(k[0], (n, D)).astype(dtype)
+  w = (jax.random.normal(k[1], (D, v)) / math.sqrt(D) * 3).astype(dtype)
+  b = (0.5 * jax.random.normal(k[2], (v,))).astype(dtype)
+  y = jax.random.randint(k[3], (n,), 0, v)
+  return x, w, b, y
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _loss_and_grads(fn, x, w, b, y, **kw):
+  def f(x, w, b):
+    out = fn(x, w, y, bias=b, **kw)
+    return jnp.sum(out * jnp.linspace(0.5, 1.5, out.size).reshape(out.shape)) \
+        if kw.get("reduction") == "none" else out
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, b)
+
+
+OPTIONS = {
+    "mean": {}, "sum": {"reduction": "sum"}, "none": {"reduction": "none"},
+    "ignore_index": {"ignore_index": 7}, "label_smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-3}, "soft_cap": {"logit_soft_cap": 2.0},
+    "everything": {"ignore_index": 7, "label_smoothing": 0.2, "z_loss": 1e-2,
+                   "logit_soft_cap": 3.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_each_option_matches_the_plain_formula(name):
+  kw = OPTIONS[name]
+  x, w, b, y = _inputs()
+  if "ignore_index" in kw:
+    y = y.at[::3].set(7)
+  (l1, g1) = _loss_and_grads(invact_jax.linear_cross_entropy, x, w, b, y, **kw, **TILES)
+  (l0, g0) = _loss_and_grads(invact_jax.linear_cross_entropy_reference, x, w, b, y, **kw)
+  assert _rel(l1, l0) <= 2e-6, (l1, l0)
+  for a, r in zip(g1, g0):
+    assert _rel(a, r) <= 2e-6, _rel(a, r)
+
+
+def test_the_plain_formula_is_optax_and_the_options_are_theirs():
+  """The reference is optax's loss of the logits; label smoothing is optax's smoothed
+  targets; z-loss adds lse^2; a soft cap is c * tanh(z / c)."""
+  x, w, b, y = _inputs()
+  logits = x @ w + b
+  ref = invact_jax.linear_cross_entropy_reference
+  np.testing.assert_allclose(
+      ref(x, w, y, bias=b), optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+      rtol=1e-6)
+  smooth = optax.smooth_labels(jax.nn.one_hot(y, V), 0.1)
+  np.testing.assert_allclose(ref(x, w, y, bias=b, label_smoothing=0.1),
+                             optax.softmax_cross_entropy(logits, smooth).mean(), rtol=1e-6)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  np.testing.assert_allclose(
+      ref(x, w, y, bias=b, z_loss=0.01, reduction="none"),
+      optax.softmax_cross_entropy_with_integer_labels(logits, y) + 0.01 * lse ** 2, rtol=1e-6)
+  capped = 2.0 * jnp.tanh(logits / 2.0)
+  np.testing.assert_allclose(ref(x, w, y, bias=b, logit_soft_cap=2.0),
+                             optax.softmax_cross_entropy_with_integer_labels(capped, y).mean(),
+                             rtol=1e-6)
+  y2 = y.at[::2].set(-100)
+  keep = y2 != -100
+  np.testing.assert_allclose(
+      ref(x, w, y2, bias=b, ignore_index=-100),
+      jnp.sum(jnp.where(keep, optax.softmax_cross_entropy_with_integer_labels(
+          logits, jnp.where(keep, y2, 0)), 0.0)) / jnp.sum(keep), rtol=1e-6)
+
+
+def test_a_tied_embedding_weight_and_leading_axes():
+  """``w`` given as [V, d] (vocab_axis=0), ``x`` [batch, seq, d], no bias."""
+  x, w, _, y = _inputs()
+  x3, y3 = x[:36].reshape(4, 9, D), y[:36].reshape(4, 9)
+  ours = lambda x, e: invact_jax.linear_cross_entropy(x, e, y3, vocab_axis=0, **TILES)  # noqa: E731
+  plain = lambda x, e: invact_jax.linear_cross_entropy_reference(x, e.T, y3)  # noqa: E731
+  v1, g1 = jax.value_and_grad(ours, argnums=(0, 1))(x3, w.T)
+  v0, g0 = jax.value_and_grad(plain, argnums=(0, 1))(x3, w.T)
+  assert _rel(v1, v0) <= 2e-6
+  assert all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0))
+  per_token = invact_jax.linear_cross_entropy(x3, w.T, y3, vocab_axis=0, reduction="none")
+  assert per_token.shape == (4, 9) and per_token.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradient_error_against_float64_no_worse_than_the_plain_heads(dtype):
+  x, w, b, y = _inputs(jnp.dtype(dtype), n=64, v=300)
+  kw = {"label_smoothing": 0.1, "z_loss": 1e-3}
+  _, g1 = _loss_and_grads(invact_jax.linear_cross_entropy, x, w, b, y, chunk_size=16,
+                          vocab_chunk_size=64, **kw)
+
+  def plain(x, w, y, bias, **kw):  # what users write: bf16 logits, float32 loss
+    logits = (x @ w + bias).astype(jnp.float32)
+    return optax.softmax_cross_entropy(logits, optax.smooth_labels(
+        jax.nn.one_hot(y, w.shape[1]), kw["label_smoothing"])).mean() + kw["z_loss"] * jnp.mean(
+            jax.nn.logsumexp(logits, axis=-1) ** 2)
+  _, g0 = _loss_and_grads(plain, x, w, b, y, **kw)
+  with jax.enable_x64(True):
+    args = [np.asarray(a, np.float64) for a in (x, w, b)]
+    _, g64 = _loss_and_grads(invact_jax.linear_cross_entropy_reference, *args, y, **kw)
+  for a, r, e in zip(g1, g0, g64):
+    assert _rel(a, e) <= 1.1 * _rel(r, e) + 1e-7, (_rel(a, e), _rel(r, e))
+
+
+def test_nan_propagates_like_the_plain_loss():
+  """An out-of-range label under jit (not checkable there) makes the loss NaN, as the plain
+  formula's pick does; a NaN input makes it NaN."""
+  x, w, b, y = _inputs()
+  bad = jnp.asarray(y).at[3].set(V + 5)
+  f = jax.jit(lambda y: invact_jax.linear_cross_entropy(x, w, y, bias=b, **TILES))
+  r = jax.jit(lambda y: invact_jax.linear_cross_entropy_reference(x, w, y, bias=b))
+  assert np.isnan(f(bad)) and np.isnan(r(bad))
+  per = jax.jit(lambda y: invact_jax.linear_cross_entropy(x, w, y, reduction="none"))(bad)
+  assert np.isnan(per[3]) and np.isfinite(np.delete(np.asarray(per), 3)).all()
+  assert np.isnan(invact_jax.linear_cross_entropy(x.at[0, 0].set(jnp.nan), w, y))
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    ({"w": jnp.ones((D + 1, V))}, "`w`"),
+    ({"w": jnp.ones((D,))}, "`w`"),
+    ({"labels": jnp.zeros((N,), jnp.float32)}, "`labels`"),
+    ({"labels": jnp.zeros((N + 1,), jnp.int32)}, "`labels`"),
+    ({"labels": jnp.full((N,), V, jnp.int32)}, "`labels`"),
+    ({"labels": jnp.full((N,), -1, jnp.int32)}, "`labels`"),
+    ({"bias": jnp.ones((V + 1,))}, "`bias`"),
+    ({"reduction": "avg"}, "`reduction`"),
+    ({"chunk_size": 0}, "`chunk_size`"),
+    ({"vocab_chunk_size": -4}, "`vocab_chunk_size`"),
+    ({"chunk_size": 2.5}, "`chunk_size`"),
+    ({"label_smoothing": 1.0}, "`label_smoothing`"),
+    ({"z_loss": -1.0}, "`z_loss`"),
+    ({"logit_soft_cap": 0.0}, "`logit_soft_cap`"),
+    ({"vocab_axis": 2}, "`vocab_axis`"),
+    ({"ignore_index": 1.5}, "`ignore_index`"),
+    ({"x": jnp.ones((N, D), jnp.int32)}, "`x`"),
+    ({"implementation": "pallas"}, "implementation"),
+])
+def test_bad_input_is_one_line_naming_the_argument(kwargs, arg):
+  x, w, b, y = _inputs()
+  call = {"x": x, "w": w, "labels": y, **kwargs}
+  with pytest.raises((ValueError, TypeError)) as e:
+    invact_jax.linear_cross_entropy(call.pop("x"), call.pop("w"), call.pop("labels"), **call)
+  assert arg in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def _hlo_shapes(fn, *args):
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return {tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"\[([\d,]+)\]", text)}
+
+
+def test_no_tokens_by_vocabulary_buffer_in_the_compiled_program():
+  n, v = 512, 4096
+  x, w, b, y = _inputs(n=n, v=v)
+  grad = jax.grad(lambda x, w: invact_jax.linear_cross_entropy(
+      x, w, y, chunk_size=64, vocab_chunk_size=512), argnums=(0, 1))
+  shapes = _hlo_shapes(grad, x, w)
+  assert not any(n in s and v in s for s in shapes), sorted(s for s in shapes if v in s)
+  plain = jax.grad(lambda x, w: invact_jax.linear_cross_entropy_reference(x, w, y),
+                   argnums=(0, 1))
+  assert any(n in s and v in s for s in _hlo_shapes(plain, x, w))  # the check can fail
+  ours = invact_jax.memory.compiled(grad, x, w).temp
+  assert ours <= 0.1 * invact_jax.memory.compiled(plain, x, w).temp
+
+
+@pytest.mark.parametrize("wrap", ["vmap", "scan", "remat", "shard_map", "sharded"])
+def test_under_transformations(wrap):
+  x, w, b, y = _inputs(n=32)
+  f = lambda x, w, y: invact_jax.linear_cross_entropy(x, w, y, bias=b, **TILES)  # noqa: E731
+  r = lambda x, w, y: invact_jax.linear_cross_entropy_reference(x, w, y, bias=b)  # noqa: E731
+  xs, ys = x.reshape(4, 8, D), y.reshape(4, 8)
+  if wrap == "vmap":
+    run = lambda g: lambda w: jnp.sum(jax.vmap(g, (0, None, 0))(xs, w, ys))  # noqa: E731
+  elif wrap == "scan":
+    run = lambda g: lambda w: jax.lax.scan(  # noqa: E731
+        lambda c, a: (c + g(a[0], w, a[1]), None), 0.0, (xs, ys))[0]
+  elif wrap == "remat":
+    run = lambda g: lambda w: jax.checkpoint(g)(x, w, y)  # noqa: E731
+  else:
+    if len(jax.devices()) < 8:
+      pytest.skip("needs 8 (virtual) devices; conftest.py sets them")
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+    mesh = jax.make_mesh((8,), ("data",))
+    xd = jax.device_put(x, NamedSharding(mesh, P("data")))
+    yd = jax.device_put(y, NamedSharding(mesh, P("data")))
+    if wrap == "sharded":  # tokens sharded (an explicit mesh): computed where they are
+      w = jax.device_put(w, NamedSharding(mesh, P()))
+      run = lambda g: lambda w: g(xd, w, yd)  # noqa: E731
+      with jax.sharding.set_mesh(mesh):
+        text = jax.jit(jax.grad(run(f))).lower(w).compile().as_text()
+        v1, g1 = jax.jit(jax.value_and_grad(run(f)))(w)
+        v0, g0 = jax.jit(jax.value_and_grad(run(r)))(w)
+      assert not re.search(r"all-gather[^\n]*f32\[32,16\]", text), "x was gathered"
+      assert _rel(v1, v0) <= 2e-6 and _rel(g1, g0) <= 2e-6, (_rel(v1, v0), _rel(g1, g0))
+      return
+    else:
+      def run(g):
+        def inner(w):
+          local = lambda x, w, y: jax.lax.pmean(g(x, w, y), "data")  # noqa: E731
+          return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                               out_specs=P())(xd, w, yd)
+        return inner
+  v1, g1 = jax.jit(jax.value_and_grad(run(f)))(w)
+  v0, g0 = jax.jit(jax.value_and_grad(run(r)))(w)
+  assert _rel(v1, v0) <= 2e-6 and _rel(g1, g0) <= 2e-6, (_rel(v1, v0), _rel(g1, g0))
+
+
+def test_return_correct_is_the_accuracys_numerator():
+  x, w, b, y = _inputs()
+  y = y.at[:5].set(7)
+  loss, correct = invact_jax.linear_cross_entropy(x, w, y, bias=b, ignore_index=7,
+                                                  return_correct=True, **TILES)
+  logits = x @ w + b
+  expect = (jnp.argmax(logits, -1) == y) & (y != 7)
+  np.testing.assert_array_equal(np.asarray(correct), np.asarray(expect))
+  assert correct.dtype == jnp.bool_ and correct.shape == y.shape
+  assert float(loss) == float(invact_jax.linear_cross_entropy(x, w, y, bias=b, ignore_index=7,
+                                                              **TILES))
+
+
+def test_a_float32_weight_with_bfloat16_tokens_is_kept_as_it_is():
+  """Cast one tile at a time: the backward keeps the weight (an argument), not a bfloat16
+  copy of it; only x, the labels and a float32 lse per token are kept."""
+  x, w, _, y = _inputs()
+  xb = x.astype(jnp.bfloat16)
+  kept = [(r.shape, r.dtype) for r in invact_jax.memory.residuals(
+      lambda x, w: invact_jax.linear_cross_entropy(x, w, y, **TILES), xb, w) if not r.is_argument]
+  assert kept == [((N,), "float32")], kept  # the lse
+  g = jax.grad(lambda w: invact_jax.linear_cross_entropy(xb, w, y, **TILES))(w)
+  assert g.dtype == jnp.float32
