@@ -142,8 +142,8 @@ def floor_audit(fn: Callable[..., Any], *args, **kwargs) -> FloorAudit:
     >>> def mlp(x, w1, w2):
     ...   return jnp.sum(jax.nn.gelu(x @ w1) @ w2)
     >>> args = (jnp.ones((8, 16)), jnp.ones((16, 64)), jnp.ones((64, 16)))
-    >>> round(memory.floor_audit(mlp, *args).ratio, 2)          # GELU's internals
-    5.82
+    >>> memory.floor_audit(mlp, *args).ratio > 4   # GELU's internals (5.82 on JAX 0.10)
+    True
     >>> round(memory.floor_audit(invact_jax.invert(mlp), *args).ratio, 2)  # GELU's y and bits
     1.0
   """

@@ -81,7 +81,7 @@ def apply_norm(norm, x, mode: str, implementation=None):
 def norm_dense(norm, x, linears, implementation=None):
   """``tuple(linear(norm(x)) for linear in linears)`` as one fused ``invact_jax`` unit."""
   dtype = norm.dtype or x.dtype
-  kernels = [lin.kernel.value for lin in linears]
+  kernels = [_param(lin.kernel) for lin in linears]
   biases = [_param(lin.bias) for lin in linears]
   if isinstance(norm, nnx.RMSNorm):
     return invact_jax.rms_norm_dense(x, _param(norm.scale), kernels, biases,
@@ -92,9 +92,25 @@ def norm_dense(norm, x, linears, implementation=None):
                                      implementation=implementation)
 
 
+def cudnn_attention_runs(dtype, head_dim: int = 64) -> bool:
+  """Whether ``attention="auto"`` takes cuDNN's flash attention: a GPU, a 16-bit dtype and
+  a head size cuDNN takes (a multiple of 8, at most 128)."""
+  return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim % 8 == 0 and head_dim <= 128)
+
+
 def dot_product_attention(q, k, v, *, causal: bool, attention: str,
                           softmax_mode: str = "standard", tagged: bool = False):
-  """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim]."""
+  """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim].
+
+  ``attention``: ``"auto"`` (cuDNN's flash attention through
+  ``jax.nn.dot_product_attention`` where it runs and ``softmax_mode`` is ``"standard"``,
+  else ``"xla"``), ``"xla"`` (the probabilities materialized; ``softmax_mode`` says what
+  their softmax keeps) or ``"dot_product"`` (``jax.nn.dot_product_attention``'s default
+  implementation)."""
+  if (attention == "auto" and softmax_mode == "standard"
+      and cudnn_attention_runs(q.dtype, q.shape[-1])):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
   if attention == "dot_product":
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
   scale = 1.0 / math.sqrt(q.shape[-1])

@@ -17,8 +17,10 @@ Memory *modes* say what an op keeps for the backward:
   backward).  ViT's classification head is a few logits per image: it is always standard.
 
 *Implementations* say how an op runs: ``implementation`` (None/"xla", "pallas", "triton")
-for the invact_jax ops and ``attention`` ("xla" einsum + softmax, or "dot_product" =
-``jax.nn.dot_product_attention``, cuDNN on GPU).
+for the invact_jax ops and ``attention`` ("auto": cuDNN's flash attention through
+``jax.nn.dot_product_attention`` on a GPU in 16 bits with the standard softmax, else
+"xla"; "xla": einsum + softmax, the probabilities materialized; "dot_product":
+``jax.nn.dot_product_attention``'s default).
 
 :data:`CONFIGURATIONS` names the combinations the scripts and benchmarks compare; the
 baseline is always ``"standard"``.  The old names (``*_impl`` fields, ``"jax-default"``,
@@ -41,7 +43,7 @@ NORM_MODES = ("standard", "inverted", "fused")
 SOFTMAX_MODES = ("standard", "inverted")
 DROPOUT_MODES = ("standard", "regenerate", "bits")
 HEAD_MODES = ("standard", "chunked")
-ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product")
 #: ``implementation``: how the invact_jax ops run (None: the library's default, XLA).
 IMPLEMENTATIONS = (None, *_IMPLEMENTATION_NAMES)
 
@@ -138,7 +140,7 @@ class BlockOptions:
   scan_layers: bool = False
   remat: str = "none"
   save_names: tuple[tuple[str, ...], ...] | None = None
-  attention: str = "xla"
+  attention: str = "auto"                # cuDNN flash attention where it runs, else "xla"
   norm_mode: str = "standard"
   softmax_mode: str = "standard"
   dropout_mode: str = "standard"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """GPU report: kernel bandwidth, GPU-only tests, model peaks and step times, largest batch,
-the planner's device check; one command on one NVIDIA GPU (issue 18).
+the planner's device check, the memory-time frontier against jax.checkpoint policies and
+PyTorch + Liger; one command on one NVIDIA GPU (issues 18, 42).
 
   python scripts/gpu_report.py                         # everything, ~8 min on an H100
   python scripts/gpu_report.py --sections kernels,tests
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
 
   dry = args.dry_run
   runners = {"kernels": _kernels, "tests": _tests, "models": _models, "max_batch": _max_batch,
-             "planner": _planner}
+             "planner": _planner, "frontier": _frontier}
   for section in sections:  # in the order given
     runners[section](report, args, dry, on_gpu, progress, section_deadline, deadline)
   report["seconds"] = time.time() - t_start + report.get("seconds_earlier", 0.0)
@@ -181,6 +182,14 @@ def _planner(report, args, dry, on_gpu, progress, section_deadline, deadline):
       # ViT-B/16 at batch 8: bench/plan_memory_vit.json's model and batch (the CPU frontier).
       args.out_dir, model="vit-ti16" if dry else "vit-b16", batch=2 if dry else 8,
       timeout_s=deadline - time.time(), extra=["--seq-len", "8"] if dry else [])
+
+
+def _frontier(report, args, dry, on_gpu, progress, section_deadline, deadline):
+  from models.experiments import frontier  # pylint: disable=import-outside-toplevel
+  del on_gpu, deadline
+  env = report["environment"]
+  report["frontier"] = frontier.run(args.out_dir, device=env["device"], date=env["date"],
+                                    dry=dry, deadline=section_deadline(1.0), progress=progress)
 
 
 if __name__ == "__main__":

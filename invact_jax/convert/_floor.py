@@ -297,7 +297,7 @@ class _Walker:
 
   def _scan(self, n) -> None:
     p = n.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = _graph.scan_counts(p)
     g2 = _graph.flatten(p["jaxpr"])
     carry = range(nc, nc + ncar)
     # consts are walked back in the enclosing program once; the stacked xs too (their whole

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 __all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "substitute", "params_equal", "where", "bind", "schedule",
-           "evaluate", "region", "ancestors", "shape_structs"]
+           "evaluate", "region", "ancestors", "scan_counts", "shape_structs"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -310,6 +310,15 @@ def ancestors(graph: Graph, root: int, member: Callable[[Any], bool]) -> list:
       if not isinstance(r, Lit) and r in graph.producer and member(r):
         stack.append(graph.producer[r][0])
   return sorted(seen)
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+  """A ``scan`` equation's (number of consts, number of carries): JAX ≤ 0.11 names them
+  ``num_consts``/``num_carry``; JAX 0.12 packs the inputs as ``ft_in`` = (consts, carry, xs)."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def shape_structs(avals) -> list:

@@ -724,7 +724,7 @@ def _nested(opts: _Options):
                            check_vma=p.get("check_vma", True))
       return list(body(*invals))
     if name == "scan" or name in ("pjit", "jit"):
-      consts = range(p["num_consts"]) if name == "scan" else range(len(node.ins))
+      consts = range(_graph.scan_counts(p)[0] if name == "scan" else len(node.ins))
       new = _convert_closed(p["jaxpr"], opts, _known(node.ins, consts))
       return None if new is None else _graph.bind(
           _graph.Node(node.prim, dict(p, jaxpr=new), node.ins, node.outs, eqn=node.eqn), invals)

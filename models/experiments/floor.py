@@ -31,8 +31,8 @@ import invact_jax
 from invact_jax import memory
 from models import options
 
-__all__ = ["flash_attention", "HAND_LAYERS", "SIZES", "Stack", "hand_stack", "model_stack",
-           "per_layer", "third_party_ratio"]
+__all__ = ["flash_attention", "rms_norm", "layer_norm", "rope", "init_layer", "HAND_LAYERS",
+           "SIZES", "Stack", "hand_stack", "model_stack", "per_layer", "third_party_ratio"]
 
 #: (hidden d, heads, sequence T, batch): "issue" is issue 39's; "test" runs in seconds.
 SIZES = {"issue": (256, 4, 128, 2), "test": (64, 4, 16, 2)}
@@ -76,19 +76,19 @@ flash_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 # ---------------------------------------------------------------- hand-written layers
-def _rms_norm(x, w, eps=1e-6):
+def rms_norm(x, w, eps=1e-6):
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return w * xf.astype(x.dtype)
 
 
-def _layer_norm(x, g, b, eps=1e-5):
+def layer_norm(x, g, b, eps=1e-5):
   mean = jnp.mean(x, axis=-1, keepdims=True)
   var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
   return (x - mean) / jnp.sqrt(var + eps) * g + b
 
 
-def _rope(x):
+def rope(x):
   _, t, _, d = x.shape
   inv = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
@@ -107,27 +107,27 @@ def _attention(p, x, heads: int, causal: bool, rotary: bool = False):
     return y.reshape(b, t, heads, d // heads)
   q, k, v = proj("q"), proj("k"), proj("v")
   if rotary:
-    q, k = _rope(q), _rope(k)
+    q, k = rope(q), rope(k)
   o = flash_attention(q, k, v, causal).reshape(b, t, d) @ p["wo"]
   return o + p["bo"] if "bo" in p else o
 
 
 def llama_layer(p, x, heads: int):
-  x = x + _attention(p, _rms_norm(x, p["n1"]), heads, True, rotary=True)
-  h = _rms_norm(x, p["n2"])
+  x = x + _attention(p, rms_norm(x, p["n1"]), heads, True, rotary=True)
+  h = rms_norm(x, p["n2"])
   return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
 
 
 def gpt2_layer(p, x, heads: int):
-  x = x + _attention(p, _layer_norm(x, p["g1"], p["b1"]), heads, True)
-  h = _layer_norm(x, p["g2"], p["b2"])
+  x = x + _attention(p, layer_norm(x, p["g1"], p["b1"]), heads, True)
+  h = layer_norm(x, p["g2"], p["b2"])
   return x + jax.nn.gelu(h @ p["w1"] + p["c1"], approximate=True) @ p["w2"] + p["c2"]
 
 
 def bert_layer(p, x, heads: int):
-  x = _layer_norm(x + _attention(p, x, heads, False), p["g1"], p["b1"])
+  x = layer_norm(x + _attention(p, x, heads, False), p["g1"], p["b1"])
   h = jax.nn.gelu(x @ p["w1"] + p["c1"], approximate=False)
-  return _layer_norm(x + h @ p["w2"] + p["c2"], p["g2"], p["b2"])
+  return layer_norm(x + h @ p["w2"] + p["c2"], p["g2"], p["b2"])
 
 
 #: name -> (layer function, MLP width as a multiple of d)
@@ -135,7 +135,7 @@ HAND_LAYERS: dict[str, tuple[Callable, float]] = {
     "llama": (llama_layer, 2.75), "gpt2": (gpt2_layer, 4.0), "bert": (bert_layer, 4.0)}
 
 
-def _init(kind: str, d: int, ff: int, dtype, key) -> dict:
+def init_layer(kind: str, d: int, ff: int, dtype, key) -> dict:
   shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d)}
   if kind == "llama":
     shapes.update(n1=(d,), n2=(d,), wg=(d, ff), wu=(d, ff), wd=(ff, d))
@@ -168,7 +168,7 @@ def hand_stack(kind: str, depth: int, dtype, size: str = "issue") -> Stack:
   square of the output: ``loss(params, x)``."""
   d, heads, t, b = SIZES[size]
   layer, mult = HAND_LAYERS[kind]
-  ps = [_init(kind, d, int(mult * d), dtype, jax.random.key(i)) for i in range(depth)]
+  ps = [init_layer(kind, d, int(mult * d), dtype, jax.random.key(i)) for i in range(depth)]
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *ps)
   x = jax.random.normal(jax.random.key(99), (b, t, d), dtype)
 

@@ -13,6 +13,8 @@ The logic behind ``scripts/gpu_report.py``.  Sections, each bounded in time:
 * ``max_batch``: the largest ViT-B/16 batch that runs, default vs inverted-all (bisection,
   one child process per probe, bounded probes).
 * ``planner``: :mod:`models.experiments.plan_memory` ``--device-peak`` for three budgets.
+* ``frontier``: :mod:`models.experiments.frontier`: jax.checkpoint policies and MaxText's
+  presets with and without invact_jax, and PyTorch (+ Liger-Kernel), on the memory-time plane.
 
 Children are modules, never scripts: this module's :func:`child` run as
 ``python -m models.experiments.gpu_report SPEC_JSON`` (each prints one JSON line last), the
@@ -34,7 +36,7 @@ import xml.etree.ElementTree as ET
 from typing import Callable, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SECTIONS = ("kernels", "tests", "models", "max_batch", "planner")
+SECTIONS = ("kernels", "tests", "models", "max_batch", "planner", "frontier")
 # "+pallas": the same modes with the invact_jax ops as Pallas kernels (models.options).
 CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all", "inverted+pallas",
                   "inverted-all+pallas")
@@ -379,6 +381,11 @@ def markdown(report: dict) -> str:
     lines.append("")
   elif pl:
     lines += [f"**Planner on the device**: not measured: {pl.get('note') or pl.get('error') or pl.get('tail', '')[-300:]}", ""]
+  fr = report.get("frontier")
+  if fr:
+    from models.experiments import frontier  # pylint: disable=import-outside-toplevel
+    lines += ["**Frontier** (activation bytes and step time; `*`: on the Pareto front; "
+              f"`{fr['json']}`):", "", frontier.markdown(fr["rows"]), ""]
   return "\n".join(lines)
 
 

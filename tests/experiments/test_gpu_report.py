@@ -17,10 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def dry_report(tmp_path_factory):
   out = tmp_path_factory.mktemp("gpu_report")
   done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"), "--dry-run",
-                         "--sections", "kernels,tests,models", "--out-dir", str(out)],
+                         "--sections", "kernels,tests,models,frontier", "--out-dir", str(out)],
                         capture_output=True, text=True, check=False, cwd=ROOT)
   assert done.returncode == 0, done.stderr[-3000:]
-  (path,) = out.glob("gpu_*.json")
+  path = next(out.glob("gpu_*.json"))
   return json.loads(path.read_text()), path
 
 
@@ -38,8 +38,19 @@ def test_dry_run_fills_every_section(dry_report):
   assert group["peaks"]["inverted-all"]["compiled_temp_bytes"] < \
       group["peaks"]["standard"]["compiled_temp_bytes"]
   assert set(group["step_time_s"]) == {"standard", "inverted-all"}
+  fr = report["frontier"]
+  rows = [r for r in fr["rows"] if r["framework"] == "jax"]
+  assert {(r["configuration"], r["invact"]) for r in rows} == {
+      ("default", False), ("default", True), ("full", False), ("full", True)}
+  assert all(r["activation_bytes"] > 0 and r["step_ms"] > 0 for r in rows), rows
+  by = {(r["configuration"], r["invact"]): r["activation_bytes"] for r in rows}
+  assert by[("default", True)] < by[("default", False)]   # invact keeps less
+  assert by[("full", False)] < by[("default", False)]     # and so does full remat
+  assert any(r["pareto"] for r in fr["rows"])
+  saved = json.loads(pathlib.Path(fr["json"]).read_text())
+  assert saved["rows"] == fr["rows"] and saved["device"] == env["device"]
   md = path.with_suffix(".md").read_text()
-  for heading in ("**Kernels**", "**GPU tests**", "**Models**"):
+  for heading in ("**Kernels**", "**GPU tests**", "**Models**", "**Frontier**"):
     assert heading in md
 
 

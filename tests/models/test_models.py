@@ -186,12 +186,28 @@ def test_chunked_head_same_loss_and_gradients_without_the_logits(preset):
   for mode in ("standard", "chunked"):
     cfg = text.PRESETS[preset].replace(**SMALL_TEXT, head_mode=mode)
     graphdef, params = nnx.split(text.TextTransformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-    loss = lambda p: nnx.merge(graphdef, p).loss(tokens, labels)[0].mean()  # noqa: E731
-    out[mode] = nnx.merge(graphdef, params).loss(tokens, labels)
-    grads[mode] = jax.grad(loss)(params)
+    per_token = jax.jit(lambda p: nnx.merge(graphdef, p).loss(tokens, labels))  # noqa: B023
+    out[mode] = per_token(params)
+    grads[mode] = jax.jit(jax.grad(lambda p: per_token(p)[0].mean()))(params)  # noqa: B023
   np.testing.assert_allclose(out["chunked"][0], out["standard"][0], rtol=2e-6, atol=2e-6)
   np.testing.assert_array_equal(out["chunked"][1], out["standard"][1])
   for a, b in zip(jax.tree.leaves(grads["chunked"]), jax.tree.leaves(grads["standard"])):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
   with pytest.raises(ValueError, match="head_mode must be one of"):
     text.PRESETS[preset].replace(head_mode="fused")
+
+
+def test_auto_attention_takes_cudnn_only_where_it_runs():
+  """``attention="auto"``: cuDNN's flash attention on a GPU in 16 bits; the materialized
+  ``"xla"`` path everywhere else, bit for bit."""
+  from models import layers
+  on_gpu = jax.default_backend() == "gpu"
+  assert layers.cudnn_attention_runs(jnp.bfloat16, 64) == on_gpu
+  assert not layers.cudnn_attention_runs(jnp.float32, 64)
+  assert not layers.cudnn_attention_runs(jnp.bfloat16, 12)    # not a multiple of 8
+  assert not layers.cudnn_attention_runs(jnp.bfloat16, 256)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
+  cfg = text.PRESETS["gpt2"].replace(**SMALL_TEXT)
+  assert cfg.attention == "auto"
+  auto, xla = (_forward(cfg.replace(attention=a), tokens) for a in ("auto", "xla"))
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))

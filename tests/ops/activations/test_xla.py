@@ -72,13 +72,26 @@ class InputValidationTest(parameterized.TestCase):
     x = jnp.linspace(-3, 3, 64 * 40).reshape(40, 64)
     w = jnp.cos(3.0 * x)  # dy, independent of y
     g_ref = tests.jit(jax.grad(lambda x: jnp.vdot(invact_jax.gelu(x, implementation="xla"), w)))(x)
+    xd = np.asarray(x, np.float64)   # tanh GELU's derivative in float64
+    t = np.tanh(np.sqrt(2 / np.pi) * (xd + 0.044715 * xd**3))
+    true = (0.5 * (1 + t) + 0.5 * xd * (1 - t**2) * np.sqrt(2 / np.pi)
+            * (1 + 3 * 0.044715 * xd**2)) * np.asarray(w, np.float64)
+    own_error = float(np.max(np.abs(np.asarray(g_ref, np.float64) - true)))
     grads = []
     for block_rows in (1, 4, 256):
       impl = invact_jax.Implementation(name="pallas", block_rows=block_rows)
       grads.append(tests.jit(jax.grad(
           lambda x: jnp.vdot(invact_jax.gelu(x, implementation=impl), w)))(x))
-      # The tiling never changes a result.
-      np.testing.assert_array_equal(grads[-1], grads[0])
+      if jax.default_backend() == "gpu" or jax.__version_info__ < (0, 12):
+        # The tiling never changes a result: one kernel body for every element.
+        np.testing.assert_array_equal(grads[-1], grads[0])
+      else:
+        # JAX 0.12's interpret mode compiles the body per block shape, and XLA:CPU rounds
+        # the inverse's steps differently per shape: up to 1.3e-6 apart here, 0.13 of the
+        # backward's own error against float64 (9.5e-6, near GELU's minimum; 2026-11-25).
+        # The tiling stays well inside that error.
+        apart = float(jnp.max(jnp.abs(grads[-1] - grads[0])))
+        assert apart <= 0.25 * own_error, (apart, own_error)
     if jax.default_backend() != "gpu":  # interpret mode: XLA's math, so XLA's gradient
       np.testing.assert_allclose(grads[0], g_ref, rtol=0, atol=1e-6)
     with self.assertRaisesRegex(ValueError, "argument `block_rows` must be a positive power"):
