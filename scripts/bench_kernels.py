@@ -14,7 +14,6 @@ nothing) and is left out unless named.  Prints a markdown table and writes JSON
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import pathlib
 import sys
@@ -26,7 +25,8 @@ def main(argv=None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from invact_jax.ops.activations import registry  # pylint: disable=import-outside-toplevel
   from models.experiments import op_speed  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu")
   p.add_argument("--min-log2", type=int, default=20)
   p.add_argument("--max-log2", type=int, default=28)

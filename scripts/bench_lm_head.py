@@ -8,31 +8,24 @@ See models/experiments/lm_head.py.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
 
 import jax
 
+from models.experiments import cli
 from models.experiments import lm_head
 
 
-def _positive(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-  return value
-
-
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--tokens", type=_positive, default=2048)
-  p.add_argument("--d", type=_positive, default=256)
-  p.add_argument("--vocab", type=_positive, default=32768)
+  p = cli.parser(__doc__)
+  p.add_argument("--tokens", type=cli.positive_int, default=2048)
+  p.add_argument("--d", type=cli.positive_int, default=256)
+  p.add_argument("--vocab", type=cli.positive_int, default=32768)
   p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                  choices=("float32", "bfloat16"))
-  p.add_argument("--repeats", type=_positive, default=7)
+  p.add_argument("--repeats", type=cli.positive_int, default=7)
   p.add_argument("--json", help="also write the rows here")
   a = p.parse_args(argv)
   rows = lm_head.rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats)

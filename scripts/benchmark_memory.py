@@ -10,7 +10,6 @@ for unrolled layers, which XLA:CPU fuses and reorders, so those can mislead on C
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import pathlib
@@ -22,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
   from models import options  # pylint: disable=import-outside-toplevel
   from models.experiments import model_memory as benchmark  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--models", default="vit-b16,bert-base,gpt2,llama-small")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--batches", default="8")

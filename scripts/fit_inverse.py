@@ -25,7 +25,6 @@ and dtype, the storage floor and the library's error over the audit grid
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import pprint
@@ -324,7 +323,8 @@ def fit_all(degree: int, tol: float, progress=print) -> dict:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--write", action="store_true", help="refit and regenerate the coefficients")
   p.add_argument("--degree", type=int, default=12)
   p.add_argument("--tol", type=float, default=1e-6, help="max abs fit error per piece")

@@ -12,7 +12,6 @@ models/experiments/floor.py.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import json
@@ -82,7 +81,8 @@ def tables(layers, models) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--size", default="issue", choices=tuple(floor.SIZES),
                  help="layer sizes (d, heads, T, batch); third-party models use 'test' sizes")
   p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],

@@ -15,7 +15,6 @@ Long sections print progress; each is bounded by the time budget.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -53,7 +52,8 @@ def write_docs(paths, doc_path: pathlib.Path) -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--sections", default=None, help="comma list (default: all)")
   p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise every path")
   p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget, seconds")

@@ -16,7 +16,6 @@ an H100): compare configurations with each other, and take bandwidth figures fro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -38,7 +37,8 @@ def _median_seconds(f, *args, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--activations", default="gelu_tanh,gelu_erf,mish")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--block-rows", default="128,256,1024,2048", help="rows of 8 elements")

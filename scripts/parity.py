@@ -35,7 +35,8 @@ def _list(choices):
 
 def parse(argv=None):
   from models.experiments import parity  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--seeds", type=int, default=None, help="seeds per cell (K; default 5, --quick: 2)")
   p.add_argument("--tasks", type=_list(tuple(parity.TASKS)), default=list(parity.TASKS))
   p.add_argument("--dtypes", type=_list(parity.DTYPES), default=list(parity.DTYPES))

@@ -19,7 +19,6 @@ Writes ``--out`` (JSON) when given.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import pathlib
@@ -42,7 +41,8 @@ def shapes(depth: int) -> dict[str, list[tuple[str, int]]]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--models", default="vit-ti16")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--depth", type=int, default=6)

@@ -21,7 +21,6 @@ Pallas-Triton lowering hooks (tested with JAX 0.12); prints a markdown table and
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import pathlib
@@ -139,7 +138,8 @@ def _norm_rows(captured, widths, dtypes) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu,mish")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--norm-widths", default="768,4096",

@@ -16,7 +16,6 @@ Several processes (one per host; each sees its local devices, the mesh spans all
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -29,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def parse(argv=None):
   from models.experiments import cli  # pylint: disable=import-outside-toplevel
   from models.experiments import training  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.parser(__doc__)
   p.add_argument("--data", type=pathlib.Path, help=".npz with x_train, y_train, x_test, y_test "
                  "(default: scikit-learn's digits)")
   # Every option that shapes the result: TrainConfig's fields (--activations: the old name).

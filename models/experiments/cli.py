@@ -7,7 +7,8 @@ same ``choices`` and ``check`` on the dataclass itself (so a config built in cod
 to the same rules), and :func:`from_args` builds the config back from the parsed namespace.
 
 Why not tyro: a bad value must be one line naming the option with exit code 2; argparse
-does that, tyro prints a multi-line panel.
+does that once its usage block is left out (:class:`ArgumentParser`, which every script
+uses), tyro prints a multi-line panel.
 """
 from __future__ import annotations
 
@@ -18,8 +19,28 @@ import types
 import typing
 from typing import Any, Callable, Sequence
 
-__all__ = ["option", "flag", "add_arguments", "from_args", "check", "positive_int",
-           "nonnegative_int"]
+__all__ = ["ArgumentParser", "parser", "option", "flag", "add_arguments", "from_args", "check",
+           "positive_int", "nonnegative_int"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse's parser whose errors are one line, ``PROG: error: MESSAGE``, exit code 2
+  (argparse prints its usage block above the message; ``--help`` still shows it)."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parser(doc: str | None) -> ArgumentParser:
+  """A script's parser, described by the first line of its docstring.
+
+  Args:
+    doc: the script's ``__doc__``.
+
+  Returns:
+    An :class:`ArgumentParser` whose errors are one line.
+  """
+  return ArgumentParser(description=(doc or "").split("\n")[0])
 
 
 def option(default: Any, help: str, *, choices: Sequence[Any] | None = None,  # pylint: disable=redefined-builtin

@@ -31,8 +31,9 @@ def main(argv=None) -> int:
   from invact_jax import memory, planner  # pylint: disable=import-outside-toplevel
   from models.experiments import model_memory as benchmark  # pylint: disable=import-outside-toplevel
   from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
   from models.experiments.cli import positive_int  # pylint: disable=import-outside-toplevel
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.parser(__doc__)
   p.add_argument("--models", default="vit-b16,gpt2")
   p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
   p.add_argument("--batch", type=positive_int, default=8)

@@ -101,6 +101,13 @@ def _checkpoint_io(manager, what: str, call):
     step = re.search(r"/(\d+)\.orbax-checkpoint-tmp", text)  # an earlier save, written async
     if step is not None:
       what = f"the checkpoint of step {step.group(1)}"
+    if call != manager.wait_until_finished:
+      # An earlier save may still be writing in the background: let it finish (the process
+      # may exit right after this error) so that what was saved before is not lost.
+      try:
+        manager.wait_until_finished()
+      except Exception:  # pylint: disable=broad-except  # reported below as not intact
+        what += " (and an earlier one still being written)"
     raise CheckpointWriteError(
         f"could not write {what} in {manager.directory}: {cause}; the checkpoints written "
         "before are intact: free space (or fix the directory) and continue with --resume"
