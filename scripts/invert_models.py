@@ -11,10 +11,10 @@ Models whose package is not installed are skipped with a line saying so (keras-h
 
   python scripts/invert_models.py                     # the README's table (size "table")
   python scripts/invert_models.py --size zoo --models keras_vit penzai_gemma2 --json out.json
+  python scripts/invert_models.py --size zoo --fallback temp   # temp never above the original
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -53,19 +53,23 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  p = cli.parser(__doc__)
   p.add_argument("--models", nargs="+", default=list(third_party.ALL_MODELS),
                  choices=third_party.ALL_MODELS)
   p.add_argument("--size", default="table", choices=tuple(third_party.SIZES))
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--fallback", choices=("temp",),
+                 help="invert's fallback: leave alone the sites that raise the compiled temp")
   p.add_argument("--json", help="also write the rows here")
   a = p.parse_args(argv)
   warnings.filterwarnings("ignore", message=".*Transformers v5.*")
   models = third_party.installed(a.models)
-  rows = [third_party.compare(m, a.size, jnp.dtype(a.dtype), reference=True)
+  rows = [third_party.compare(m, a.size, jnp.dtype(a.dtype), reference=True,
+                                 fallback=a.fallback)
           for m in tqdm(models, desc="models", file=sys.stderr)]
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-          "size": third_party.SIZES[a.size], "dtype": a.dtype,
+          "size": third_party.SIZES[a.size], "dtype": a.dtype, "fallback": a.fallback,
           "date": datetime.date.today().isoformat()}
   print(f"JAX {meta['jax']}, {meta['device']}, (hidden, layers, heads, sequence, batch) = "
         f"{meta['size']}, {a.dtype}, {meta['date']}")

@@ -520,6 +520,18 @@ class _Options:
   norm: Any        # the norms' implementation (norms.api.IMPLEMENTATIONS)
   report: ProgramReport
   floor: bool = True  # fuse the matmuls that read recomputable values (the floor pass)
+  skip: frozenset = frozenset()  # sites (numbered in the order they are found) left alone
+  sites: int = 0  # sites numbered so far
+
+  def site(self, public: str, where: str) -> bool:
+    """Number the next converted site; False if it is to be left alone (``skip``)."""
+    number, self.sites = self.sites, self.sites + 1
+    if number in self.skip:
+      self.report.left_alone.append(
+          (public, where, "converting it raised the gradient's compiled temp above the "
+           "unconverted program's (fallback='temp')"))
+      return False
+    return True
 
 
 def options_for_analysis() -> _Options:
@@ -621,6 +633,14 @@ def find(target: _graph.Graph, opts: _Options) -> Found:
 def _plan(target: _graph.Graph, opts: _Options) -> list:
   """The :class:`_graph.Unit` s that replace the converted matches of ``target``."""
   found = find(target, opts)
+  found.norms = [m for m in found.norms
+                 if opts.site(m.public, target.nodes[m.root].where)]
+  found.heads = [m for m in found.heads
+                 if opts.site(m.public, target.nodes[m.root].where)]
+  found.softmaxes = [m for m in found.softmaxes
+                     if opts.site(m.public, target.nodes[m.root].where)]
+  found.forms = [m for m in found.forms
+                 if opts.site(m.pattern.form.public, target.nodes[m.root].where)]
   units: list = []
   norm_units: list = []  # (rule, unit) for the fusion with the matmuls that read the norm
   kept: set = set()      # outputs of converted ops that their own backward keeps
@@ -765,8 +785,51 @@ def _is_array(leaf) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
+def _gradient_temp(closed, positions, opts: _Options | None) -> int:
+  """Compiled temp bytes of the pullback of ``closed`` (converted with ``opts``; None: as it
+  is) with respect to its inputs at ``positions``, ones as the floating outputs' cotangents."""
+  structs = _graph.shape_structs(closed.in_avals)
+  graph = _graph.flatten(closed)
+
+  def step(*a):
+    def f(*d):
+      full = list(a)
+      for i, v in zip(positions, d):
+        full[i] = v
+      outs = (jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *full) if opts is None
+              else _run(graph, full, opts))
+      return [o for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
+    outs, pull = jax.vjp(f, *[a[i] for i in positions])
+    return outs, pull([jnp.ones_like(o) for o in outs])
+  # Measured as one device's program, outside the mesh the caller may be tracing under
+  # (a shard_map body, explicit shardings): the shardings are not part of the structs, and
+  # the equations re-derive them from their inputs.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    analysis = jax.jit(step).lower(*structs).compile().memory_analysis()
+  return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+
+def _temp_fallback(closed, positions, make_opts: Callable[[frozenset], _Options]) -> frozenset:
+  """The sites to leave alone so that the gradient's compiled temp is at most the
+  unconverted program's: none if converting all of them already is; else sites in the order
+  of the temp that leaving each alone saves (measured one at a time), until it is."""
+  original = _gradient_temp(closed, positions, None)
+  opts = make_opts(frozenset())
+  if _gradient_temp(closed, positions, opts) <= original:
+    return frozenset()
+  saved = {i: -_gradient_temp(closed, positions, make_opts(frozenset({i})))
+           for i in range(opts.sites)}
+  skip: set = set()
+  for i in sorted(saved, key=lambda i: (-saved[i], i)):
+    skip.add(i)
+    if _gradient_temp(closed, positions, make_opts(frozenset(skip))) <= original:
+      return frozenset(skip)
+  return frozenset(skip)
+
+
 def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
-           implementation=None, floor: bool = True) -> Callable[..., Any]:
+           implementation=None, floor: bool = True, fallback: str | None = None,
+           argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
   """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.
 
   The recommended way to apply invact_jax to code you did not write (see also
@@ -791,6 +854,18 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
       ``xhat`` and ``rstd`` for both; a matmul whose operand is an elementwise function of
       values kept anyway (a GLU's product, a reshaped attention output, a bfloat16 value
       cast to float32) keeps those values instead.  False converts the ops alone.
+    fallback: None (default) converts every site found; ``"temp"`` leaves alone, site by
+      site, the conversions that make the gradient's compiled temp larger than the
+      unconverted program's (XLA can fuse a converted program worse, e.g. XLA:CPU with exact
+      GELU): at each new trace signature it compiles the pullback with respect to
+      ``argnums`` of the unconverted and the converted program (as one device's program),
+      and if the converted one needs more, leaves alone the sites that save the most temp
+      (each measured alone) until it does not.  Costs one compilation per site and
+      signature; the report names each site left alone.  Inside a ``shard_map`` body it
+      measures nothing and converts every site (the report says so): apply ``invert``
+      outside the ``shard_map`` there.
+    argnums: the positional arguments the gradient is taken with respect to (their floating
+      leaves), for ``fallback="temp"``.
 
   Returns:
     The converted function; after each call (or trace) its ``last_report``
@@ -807,6 +882,14 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
     {'gelu': 1}
   """
   names = _names(only, norms)
+  if fallback not in (None, "temp"):
+    raise ValueError(f"invact_jax.invert: argument `fallback`: expected None or 'temp', got "
+                     f"{fallback!r}")
+  argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  if not argnums or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                            for i in argnums):
+    raise ValueError(f"invact_jax.invert: argument `argnums`: expected non-negative ints, "
+                     f"got {argnums!r}")
   act_impl = _implementation.resolve(implementation, op="invert",
                                      implementations=_act_api.IMPLEMENTATIONS)
   norm_impl = _implementation.resolve(implementation, op="invert",
@@ -833,14 +916,38 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
 
     vals = [leaves[i] for i in dyn]
     closed = jax.make_jaxpr(flat)(*vals)
-    report = ProgramReport()
+    skip, report = frozenset(), ProgramReport()
+    if fallback == "temp":
+      if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        # A shard_map body's program is not one that compiles on its own (its values vary
+        # over the manual axes): nothing to measure, every site is converted; said.
+        report.left_alone.append(("fallback", "", "fallback='temp' does not measure inside a "
+                                  "shard_map body: every site converted"))
+      else:
+        skip = _fallback_sites(closed, args, leaves, dyn)
     outs = _run(_graph.flatten(closed), vals,
-                _Options(names, act_impl, norm_impl, report, bool(floor)))
+                _Options(names, act_impl, norm_impl, report, bool(floor), skip))
     wrapped.last_report = report
     out_leaves = list(out_structure["leaves"])
     for i, v in zip(out_structure["arrays"], outs):
       out_leaves[i] = v
     return jax.tree.unflatten(out_structure["tree"], out_leaves)
+
+  cache: dict = {}
+
+  def _fallback_sites(closed, args, leaves, dyn) -> frozenset:
+    if max(argnums) >= len(args):
+      raise ValueError(f"invact_jax.invert: argument `argnums`: {max(argnums)} is out of range "
+                       f"for {len(args)} positional arguments")
+    ends = np.cumsum([len(jax.tree.leaves(a)) for a in args])
+    wanted = {j for k in argnums for j in range(ends[k] - len(jax.tree.leaves(args[k])), ends[k])}
+    positions = [p for p, i in enumerate(dyn) if i in wanted and jnp.issubdtype(
+        closed.in_avals[p].dtype, jnp.inexact)]
+    key = (str(closed), tuple(positions))
+    if key not in cache:
+      cache[key] = _temp_fallback(closed, positions, lambda skip: _Options(
+          names, act_impl, norm_impl, ProgramReport(), bool(floor), skip)) if positions else frozenset()
+    return cache[key]
 
   wrapped.last_report = None
   wrapped.invact_jax_original = fn  # what the floor audit measures against

@@ -23,6 +23,7 @@ allocator's peak never resets) and prints it as the last line.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -36,11 +37,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
-from invact_jax import memory
+from invact_jax import memory, planner
 from models.experiments import floor
 
-__all__ = ["STACKS", "POLICIES", "Shape", "build", "measure", "child", "rows", "pareto",
-           "markdown", "plot"]
+__all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "Shape", "build", "measure", "child",
+           "rows", "profile_from_rows", "plan_specs", "layers_that_fit", "pareto", "markdown",
+           "headline_rows", "plot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,13 @@ STACKS = {
     "dry-llama": Shape("llama", 64, 4, 176, 2, 16, 2),
     "dry-gpt2": Shape("gpt2", 64, 4, 256, 2, 16, 2),
 }
+
+#: Stacks sized on a GPU to as many layers as fit (the JAX default step, see
+#: :func:`layers_that_fit`); elsewhere they keep their ``layers``.
+FIT = ("llama-7b",)
+
+#: The planner's budgets, as fractions of JAX default's activation bytes of the stack.
+PLAN_BUDGETS = (0.25, 0.5, 0.75)
 
 _PROJECTIONS = ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj", "mlpwi_0",
                 "mlpwi_1", "mlpwi", "mlpwo")
@@ -146,43 +155,74 @@ def _block(s: Shape):
   return gpt2 if s.kind == "gpt2" else (lambda p, x: gpt2(p, x, causal=False))
 
 
-def build(s: Shape, policy: str, invact: bool, dtype) -> tuple[Callable, tuple]:
+def tags(s: Shape) -> tuple[str, ...]:
+  """The ``checkpoint_name`` s a layer of ``s`` tags (MaxText's)."""
+  if s.kind == "llama":
+    return ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+  return ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
+
+
+def build(s: Shape, policy: str, invact: bool, dtype,
+          runs: list | None = None) -> tuple[Callable, tuple]:
   """``(loss(params, x), (params, x))``: the stack under ``lax.scan``, each layer under
-  ``jax.checkpoint(policy)``, invact_jax's ``invert`` of the layer inside it."""
+  ``jax.checkpoint(policy)``, invact_jax's ``invert`` of the layer inside it.  ``runs``
+  (a plan; ``policy`` is then ignored): ``[[layers, [tags kept]], ...]`` in forward order,
+  each run a ``lax.scan`` of its own over its slice of the parameters, its layers under
+  ``save_only_these_names(*tags)``."""
   kind = "llama" if s.kind == "llama" else "gpt2"
   keys = jax.random.split(jax.random.key(0), s.layers)
   layers = [floor.init_layer(kind, s.d, s.ff, dtype, k) for k in keys]
   params = jax.tree.map(lambda *a: jnp.stack(a), *layers)
   x = (jax.random.normal(jax.random.key(1), (s.batch, s.seq, s.d), jnp.float32)).astype(dtype)
-  layer = _block(s)
+  block = _block(s)
   if invact:
-    layer = invact_jax.invert(layer)
-  pol = POLICIES[policy]
-  if callable(pol) and pol is _offloaded:
-    pol = pol()
-  if policy != "none":
-    layer = jax.checkpoint(layer, policy=pol, prevent_cse=False)
+    block = invact_jax.invert(block)
+
+  def remat(pol, none: bool = False):
+    if callable(pol) and pol is _offloaded:
+      pol = pol()
+    return block if none else jax.checkpoint(block, policy=pol, prevent_cse=False)
+  if runs is None:
+    plan = [(s.layers, remat(POLICIES[policy], none=policy == "none"))]
+  else:
+    if sum(n for n, _ in runs) != s.layers:
+      raise ValueError(f"argument `runs`: {sum(n for n, _ in runs)} layers for a stack of "
+                       f"{s.layers}")
+    plan = [(n, remat(jax.checkpoint_policies.save_only_these_names(*kept))) for n, kept in runs]
 
   def loss(params, x):
-    h, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, params)
+    h, start = x, 0
+    for n, layer in plan:
+      run = jax.tree.map(lambda a, i=start, n=n: a[i:i + n], params)
+      h, _ = jax.lax.scan(lambda h, p, layer=layer: (layer(p, h), None), h, run)
+      start += n
     return jnp.mean(h.astype(jnp.float32) ** 2)
   return loss, (params, x)
 
 
+def _shape(spec: dict) -> Shape:
+  s = STACKS[spec["stack"]]
+  return dataclasses.replace(s, layers=spec["layers"]) if spec.get("layers") else s
+
+
 def _key(spec: dict) -> dict:
-  """The fields that name a JAX row (``configuration`` "default": no remat)."""
+  """The fields that name a JAX row (``configuration`` "default": no remat; a plan's
+  ``configuration`` is given)."""
+  configuration = spec.get("configuration") or (
+      "default" if spec["policy"] == "none" else spec["policy"])
   return {"model": spec["stack"], "framework": "jax", "invact": spec["invact"],
-          "configuration": "default" if spec["policy"] == "none" else spec["policy"],
-          "dtype": spec["dtype"]}
+          "configuration": configuration, "dtype": spec["dtype"]}
 
 
 def measure(spec: dict) -> dict:
-  """One row: ``spec`` = {stack, policy, invact, dtype, repeats}."""
-  s = STACKS[spec["stack"]]
-  loss, args = build(s, spec["policy"], spec["invact"], jnp.dtype(spec["dtype"]))
+  """One row: ``spec`` = {stack, policy, invact, dtype, repeats[, layers][, runs,
+  configuration]}."""
+  s = _shape(spec)
+  loss, args = build(s, spec["policy"], spec["invact"], jnp.dtype(spec["dtype"]),
+                     spec.get("runs"))
   step = jax.jit(jax.value_and_grad(loss))
   compiled = step.lower(*args).compile()
-  row = _key(spec)
+  row = {**_key(spec), "layers": s.layers}
   if memory.reports_peak():
     peak = memory.device_peak(step, *args)
     # activations: the step's peak increase minus what it returns (the gradients: params'
@@ -225,12 +265,149 @@ def _in_child(module: str, spec: dict, timeout_s: float, env=None) -> dict:
     return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
+# --------------------------------------------------------------- the planner's rows
+# Which measured policies give which tags' figures: (policy with the group kept, policy
+# without it) -- the group's tags are those the first keeps and the second does not.
+_GROUPS = (("save_qkv_proj", "full"), ("save_out_proj", "full"),
+           ("minimal", "save_dot_except_mlp"))
+_PLAN_POLICIES = ("full", "save_qkv_proj", "save_out_proj", "save_dot_except_mlp", "minimal")
+
+
+def _widths(s: Shape) -> dict[str, tuple[int, int]]:
+  """Per tag, (elements per token of the tensor, multiply-adds per token of its matmul)."""
+  w = {"query_proj": s.d, "key_proj": s.d, "value_proj": s.d, "out_proj": s.d,
+       "mlpwi_0": s.ff, "mlpwi_1": s.ff, "mlpwi": s.ff, "mlpwo": s.d}
+  fan_in = {t: (s.ff if t == "mlpwo" else s.d) for t in w}
+  return {t: (w[t], w[t] * fan_in[t]) for t in tags(s)}
+
+
+def profile_from_rows(rs: list[dict], stack: str, invact: bool) -> planner.LayerProfile | None:
+  """The planner's :class:`~invact_jax.planner.LayerProfile` of one stack and one side
+  (with or without invact), calibrated on the device by the frontier's own measured rows:
+
+  * ``base_bytes``: the activation bytes of ``full`` (every layer recomputed);
+  * per group of tags (q/k/v: ``save_qkv_proj`` − ``full``; the output projection:
+    ``save_out_proj`` − ``full``; the MLP's: ``minimal`` − ``save_dot_except_mlp``), the
+    activation bytes per layer it adds and the step milliseconds per layer keeping it saves,
+    shared among the group's tags in proportion to their tensors' sizes (bytes) and their
+    matmuls' multiply-adds (time);
+  * ``full_cost``: ``full``'s step minus ``minimal``'s, per layer (at least the gains' sum).
+
+  Costs are milliseconds, so the planner minimizes the predicted step time.  None when a
+  row it needs is missing or failed."""
+  by = {r["configuration"]: r for r in rs
+        if r.get("model") == stack and r.get("framework") == "jax"
+        and r.get("invact") == invact and "error" not in r}
+  if any(p not in by for p in _PLAN_POLICIES):
+    return None
+  layers = by["full"].get("layers") or STACKS[stack].layers
+  s = dataclasses.replace(STACKS[stack], layers=layers)
+  widths = _widths(s)
+  nbytes = dict.fromkeys(widths, 0.0)
+  gain = dict.fromkeys(widths, 0.0)
+  for with_, without in _GROUPS:
+    group = [t for t in widths if _keeps(with_, t) and not _keeps(without, t)]
+    b = max(by[with_]["activation_bytes"] - by[without]["activation_bytes"], 0) / layers
+    ms = max(by[without]["step_ms"] - by[with_]["step_ms"], 0.0) / layers
+    for t in group:
+      nbytes[t] = b * widths[t][0] / sum(widths[u][0] for u in group)
+      gain[t] = ms * widths[t][1] / sum(widths[u][1] for u in group)
+  full_cost = max((by["full"]["step_ms"] - by["minimal"]["step_ms"]) / layers, sum(gain.values()))
+  return planner.LayerProfile(
+      configuration="inverted" if invact else "standard", depth=layers,
+      base_bytes=int(by["full"]["activation_bytes"]), tags=tuple(widths),
+      tag_bytes=tuple(int(round(nbytes[t])) for t in widths),
+      tag_gain=tuple(float(gain[t]) for t in widths), full_cost=float(full_cost))
+
+
+def _keeps(policy: str, tag: str) -> bool:
+  """Whether the MaxText-style ``policy`` keeps ``tag`` (by the names it saves)."""
+  names = {"full": (), "save_qkv_proj": _QKV, "save_out_proj": ("out_proj",),
+           "save_dot_except_mlp": (*_QKV, "out_proj"), "minimal": _PROJECTIONS}[policy]
+  return tag in names
+
+
+def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
+               budgets=PLAN_BUDGETS) -> list[dict]:
+  """Per budget (a fraction of JAX default's activation bytes), the planner's plan over both
+  sides (:func:`profile_from_rows`) as a row spec (``runs``, ``configuration`` "plan N %",
+  ``predicted_bytes``), or an ``error`` row when no plan fits or the rows are missing."""
+  default = next((r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
+                  and r.get("configuration") == "default" and not r.get("invact")
+                  and "error" not in r), None)
+  profiles = [p for p in (profile_from_rows(rs, stack, i) for i in (False, True)) if p]
+  out = []
+  for frac in budgets:
+    name = f"plan {100 * frac:.0f} %"
+    spec = {"stack": stack, "policy": "plan", "invact": True, "dtype": dtype,
+            "repeats": repeats, "configuration": name}
+    if default is None or not profiles:
+      out.append({**spec, "error": "the rows the planner is calibrated on are missing"})
+      continue
+    budget = int(frac * default["activation_bytes"])
+    try:
+      plan = planner.solve(profiles, budget, uniform=False)
+    except planner.InfeasibleBudget as e:
+      out.append({**spec, "budget_bytes": budget, "error": str(e)})
+      continue
+    runs = [[len(list(g)), list(k)] for k, g in itertools.groupby(plan.keep)]
+    invact = plan.configuration == "inverted"
+    minimal = next(r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
+                   and r.get("configuration") == "minimal" and r.get("invact") == invact)
+    out.append({**spec, "invact": invact, "runs": runs,
+                "layers": default.get("layers") or STACKS[stack].layers,
+                "budget_bytes": budget, "predicted_bytes": plan.predicted_bytes,
+                "predicted_step_ms": minimal["step_ms"] + plan.predicted_cost})
+  return out
+
+
+def layers_that_fit(stack: str, dtype: str, *, limit_bytes: int | None = None,
+                    fraction: float = 0.85, most: int = 32) -> int:
+  """As many layers of ``stack`` as JAX default's step fits in ``fraction`` of the device's
+  memory (``limit_bytes``, default: the allocator's ``bytes_limit``), at most ``most``: the
+  step's compiled temp at 2 and 4 layers extrapolated (a scanned stack's temp is linear in
+  its depth), plus the parameters and their gradients.  Compiles only (nothing is allocated
+  on the device).  Without ``limit_bytes`` on a device that reports none (a CPU), the stack's
+  own ``layers``."""
+  s = STACKS[stack]
+  if limit_bytes is None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+      return s.layers
+    limit_bytes = int(stats["bytes_limit"])
+
+  def temp_and_params(n: int) -> tuple[int, int]:
+    box = {}
+
+    def make():
+      box["loss"], args = build(dataclasses.replace(s, layers=n), "none", False,
+                                jnp.dtype(dtype))
+      return args
+    args = jax.eval_shape(make)
+    compiled = jax.jit(jax.value_and_grad(box["loss"])).lower(*args).compile()
+    params = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(args[0]))
+    return int(compiled.memory_analysis().temp_size_in_bytes), params
+  (t2, p2), (t4, p4) = temp_and_params(2), temp_and_params(4)
+  per_layer = (t4 - t2) / 2 + 2 * (p4 - p2) / 2
+  fixed = t2 + 2 * p2 - 2 * per_layer
+  return int(max(2, min(most, (fraction * limit_bytes - fixed) // per_layer)))
+
+
 def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
          in_process: bool = False, torch_variants=None, deadline: float = math.inf,
-         progress: Callable[[str], None] = lambda _: None) -> list[dict]:
-  """Every (stack, policy, invact) row, then the torch rows where torch is importable."""
+         plans: bool = True, progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+  """Every (stack, policy, invact) row, the planner's plans (with ``plans``, where the
+  policies it is calibrated on were measured), then the torch rows where torch is
+  importable.  Stacks in :data:`FIT` have as many layers as fit (on a GPU)."""
   policies = [p for p in (policies or POLICIES) if p != "minimal_offloaded" or has_memory_kinds()]
+  layers = {name: (layers_that_fit(name, dtype) if name in FIT else STACKS[name].layers)
+            for name in stacks}
   out = []
+
+  def one(spec):
+    return (child(spec) if in_process else
+            {**_key(spec), **_in_child("models.experiments.frontier", spec,
+                                       deadline - time.time())})
   for name in stacks:
     for policy in policies:
       for invact in (False, True):
@@ -238,11 +415,22 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
           progress("frontier: out of time")
           return out
         spec = {"stack": name, "policy": policy, "invact": invact, "dtype": dtype,
-                "repeats": repeats}
+                "repeats": repeats, "layers": layers[name]}
         progress(f"frontier {name} {policy}{' +invact' if invact else ''}")
-        out.append(child(spec) if in_process else
-                   {**_key(spec), **_in_child("models.experiments.frontier", spec,
-                                              deadline - time.time())})
+        out.append(one(spec))
+    if plans and set(_PLAN_POLICIES) | {"none"} <= set(policies):
+      for spec in plan_specs(out, name, dtype=dtype, repeats=repeats):
+        if "error" in spec or time.time() > deadline:
+          out.append({**_key(spec), **{k: spec[k] for k in ("budget_bytes", "error")
+                                       if k in spec}})
+          continue
+        progress(f"frontier {name} {spec['configuration']}")
+        row = one(spec)
+        row.update({k: spec[k] for k in ("budget_bytes", "predicted_bytes", "predicted_step_ms",
+                                         "runs")})
+        if "error" not in row:
+          row["prediction_error"] = row["activation_bytes"] / spec["predicted_bytes"] - 1
+        out.append(row)
   from models.experiments import frontier_torch  # pylint: disable=import-outside-toplevel
   if frontier_torch.importable():
     for name in stacks:
@@ -251,7 +439,8 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
           return out
         progress(f"frontier {name} torch {variant}")
         spec = {"stack": name, "variant": variant, "dtype": dtype, "repeats": repeats,
-                "shape": dataclasses.asdict(STACKS[name])}
+                "shape": dataclasses.asdict(dataclasses.replace(STACKS[name],
+                                                                layers=layers[name]))}
         res = _in_child("models.experiments.frontier_torch", spec, deadline - time.time())
         out.append({"model": name, "framework": "torch", "configuration": variant,
                     "invact": False, "dtype": dtype, **res})
@@ -273,18 +462,68 @@ def pareto(rs: list[dict]) -> list[dict]:
   return rs
 
 
+def _plan_note(r: dict) -> str:
+  """A plan row's runs and its prediction (empty for other rows)."""
+  if "runs" not in r:
+    return ""
+  runs = " + ".join(f"{n}×[{', '.join(k) or 'nothing'}]" for n, k in r["runs"])
+  note = f"{runs}; predicted {r['predicted_bytes'] / 2**20:,.1f} MiB"
+  if "prediction_error" in r:
+    note += f" ({r['prediction_error']:+.1%})"
+  if r.get("predicted_step_ms") is not None:
+    note += f", {r['predicted_step_ms']:.1f} ms"
+  return note
+
+
 def markdown(rs: list[dict]) -> str:
-  lines = ["| model | framework | configuration | invact | activations MiB | step ms | front |",
-           "|---|---|---|---|---:|---:|---|"]
+  """The rows as a markdown table (``front``: on the model's Pareto front)."""
+  lines = ["| model | framework | configuration | invact | activations MiB | step ms | front | "
+           "plan |", "|---|---|---|---|---:|---:|---|---|"]
   for r in rs:
     if "error" in r:
       lines.append(f"| {r['model']} | {r['framework']} | {r['configuration']} | "
-                   f"{'yes' if r['invact'] else 'no'} | — | — | {r['error']} |")
+                   f"{'yes' if r['invact'] else 'no'} | — | — | {r['error']} | |")
       continue
     lines.append(f"| {r['model']} | {r['framework']} | {r['configuration']} | "
                  f"{'yes' if r['invact'] else 'no'} | {r['activation_bytes'] / 2**20:,.1f} | "
-                 f"{r['step_ms']:.1f} | {'*' if r.get('pareto') else ''} |")
+                 f"{r['step_ms']:.1f} | {'*' if r.get('pareto') else ''} | {_plan_note(r)} |")
   return "\n".join(lines)
+
+
+def headline_rows(data: dict, path: str) -> list[str]:
+  """The README headline's rows from a frontier JSON (``path`` as linked): per model, the
+  fastest JAX-only configuration and the fastest with invact whose activations fit 25 % and
+  50 % of JAX default's and (where measured) PyTorch + Liger's."""
+  ok = [r for r in data["rows"] if "error" not in r]
+  source = f"[{path.rsplit('/', 1)[-1]}]({path}) · [docs](docs/gpu-report.md)"
+  where = f"{data['device']}, JAX {data.get('versions', {}).get('jax', '?')}, {data['date']}"
+  out = []
+  for model in sorted({r["model"] for r in ok}):
+    mine = [r for r in ok if r["model"] == model]
+    default = next((r for r in mine if r["framework"] == "jax" and not r["invact"]
+                    and r["configuration"] == "default"), None)
+    if default is None:
+      continue
+    budgets = [(f"{f:.0%} of JAX default's", f * default["activation_bytes"]) for f in (0.25, 0.5)]
+    liger = next((r for r in mine if r["framework"] == "torch" and r["configuration"] == "liger"),
+                 None)
+    if liger is not None:
+      budgets.append((f"PyTorch + Liger's ({liger['step_ms']:.1f} ms)", liger["activation_bytes"]))
+
+    def best(invact, budget):
+      fits = [r for r in mine if r["framework"] == "jax" and r["invact"] == invact
+              and r["activation_bytes"] <= budget]
+      return min(fits, key=lambda r: r["step_ms"], default=None)
+
+    def cell(r):
+      return ("none fits" if r is None else
+              f"{r['configuration']}: {r['step_ms']:.1f} ms, {r['activation_bytes'] / 2**30:.2f} GiB")
+    for label, budget in budgets:
+      j, i = best(False, budget), best(True, budget)
+      ratio = f" ({i['step_ms'] / j['step_ms']:.2f}×)" if i and j else ""
+      out.append(f"| frontier: {model}, fastest within {label} activations | {cell(j)} | "
+                 f"{cell(i)}{ratio} | {where} | {source} |")
+  return out
 
 
 def plot(rs: list[dict], path) -> None:
@@ -329,8 +568,9 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
                    deadline=deadline, progress=progress))
   out = pathlib.Path(out_dir) / f"frontier_{re.sub(r'[^a-z0-9]+', '-', device.lower())}_{date}"
   out.parent.mkdir(parents=True, exist_ok=True)
+  versions = {"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None)}
   out.with_suffix(".json").write_text(json.dumps({"device": device, "date": date, "dry": dry,
-                                                  "rows": rs}, indent=1))
+                                                  "versions": versions, "rows": rs}, indent=1))
   out.with_suffix(".md").write_text(markdown(rs) + "\n")
   if any("error" not in r for r in rs):
     plot(rs, out.with_suffix(".png"))

@@ -1,6 +1,7 @@
 """The README's headline table, generated from the committed benchmark JSONs in ``bench/``.
 
-Memory and speed come from the newest GPU report (:mod:`models.experiments.gpu_report`),
+Memory and speed come from the newest GPU report (:mod:`models.experiments.gpu_report`) and
+the newest frontier run per device (:func:`models.experiments.frontier.headline_rows`),
 accuracy from the parity study (``bench/parity.json``) and the gradient audit
 (``bench/accuracy.json``).  ``python -m models.experiments.headline`` rewrites the block
 between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` in README.md; a test
@@ -46,12 +47,16 @@ def _gpu_rows(report: dict, path: str) -> list[str]:
 
 def markdown(root: pathlib.Path = ROOT) -> str:
   """The headline table (markdown) from ``root/bench``."""
-  from models.experiments import gpu_report  # pylint: disable=import-outside-toplevel
+  from models.experiments import frontier, gpu_report  # pylint: disable=import-outside-toplevel
   bench = root / "bench"
   lines = ["| figure | JAX default (`standard`) | invact_jax (`inverted-all`) | measured on | "
            "source |", "|---|---:|---:|---|---|"]
   for p in gpu_report.newest_per_device(bench.glob("gpu_*_????-??-??.json")):
     lines += _gpu_rows(json.loads(p.read_text()), f"bench/{p.name}")
+  for p in gpu_report.newest_per_device(bench.glob("frontier_*_????-??-??.json")):
+    data = json.loads(p.read_text())
+    if not data.get("dry"):
+      lines += frontier.headline_rows(data, f"bench/{p.name}")
   parity = json.loads((bench / "parity.json").read_text())
   meta = parity["meta"]
   for task in sorted({r["task"] for r in parity["summary"]}):

@@ -317,14 +317,16 @@ def _reference_grad(name: str, size: str, dtype, params):
 
 
 def compare(name: str, size: str = "test", dtype=jnp.float32, *,
-            unfused: bool = False, reference: bool = False) -> dict[str, Any]:
+            unfused: bool = False, reference: bool = False,
+            fallback: str | None = None) -> dict[str, Any]:
   """The conversion of ``name`` measured: forward equality, gradient rel L2 vs the unconverted
   model (of ``invert`` and of the hand conversion), compiled temp of the gradient and the
   bytes autodiff keeps (unconverted, by hand where there is a hand conversion, by ``invert``;
   with ``unfused``, also by ``invert(floor=False)``), the report; with ``reference``, each
-  gradient's rel L2 distance to a wider-precision one (:func:`_reference_grad`)."""
+  gradient's rel L2 distance to a wider-precision one (:func:`_reference_grad`);
+  ``fallback``: :func:`invact_jax.invert`'s."""
   loss, params = build(name, size, dtype)
-  inv = invact_jax.invert(loss)
+  inv = invact_jax.invert(loss, fallback=fallback)
 
   def grad_and_temp(f, p):  # one compilation for both (the tests' time is compilation)
     c = jax.jit(jax.grad(f)).lower(p).compile()
@@ -343,7 +345,7 @@ def compare(name: str, size: str = "test", dtype=jnp.float32, *,
   g0, t0 = grad_and_temp(loss, params)
   g1, t1 = grad_and_temp(inv, params)
   same = bool(jax.jit(loss)(params) == jax.jit(inv)(params))
-  row = {"model": name, "size": size, "dtype": jnp.dtype(dtype).name,
+  row = {"model": name, "size": size, "dtype": jnp.dtype(dtype).name, "fallback": fallback,
          "forward_identical": same, "grad_rel_l2": rel(g1),
          "temp_unconverted": t0, "temp_invert": t1,
          "kept_unconverted": kept(loss, params), "kept_invert": kept(inv, params)}

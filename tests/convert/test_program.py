@@ -288,7 +288,7 @@ def test_a_match_whose_intermediate_is_used_elsewhere_is_left_alone_and_said():
     return jnp.sum(x * s + s)          # SiLU's sigmoid is also used outside it
   inv = invact_jax.invert(loss)
   g = jax.grad(inv)(_x())
-  np.testing.assert_allclose(g, jax.grad(loss)(_x()), rtol=1e-6)
+  np.testing.assert_allclose(g, jax.grad(loss)(_x()), rtol=1e-5)
   assert inv.last_report.replaced == {"sigmoid": 1}
   assert any("jax.nn.silu" == w and "also used elsewhere" in y
              for w, _, y in inv.last_report.left_alone), inv.last_report
@@ -301,7 +301,7 @@ def test_custom_vjp_bodies_are_not_entered_and_said():
   mine.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (g / jnp.cosh(x) ** 2,))
   inv = invact_jax.invert(lambda x: jnp.sum(mine(x)))
   g = jax.grad(inv)(_x())
-  np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(mine(x)))(_x()), rtol=1e-6)
+  np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(mine(x)))(_x()), rtol=1e-5)
   assert inv.last_report.replaced == {}
   assert any("not entered" in y for _, _, y in inv.last_report.left_alone)
   assert "left alone" in str(inv.last_report)
@@ -437,3 +437,116 @@ def test_non_array_outputs_pass_through_unchanged():
                           hand_loss=lambda x: jnp.sum(invact_jax.gelu(x)))
   assert invact_jax.invert(lambda x: 3)(x) == 3
   assert invact_jax.invert(lambda x: None)(x) is None
+
+
+def _dropout_mlp(ws, x, key):
+  """The README's XLA:CPU regression: unrolled exact-GELU layers with dropout after the
+  activation compile to more temp once the activations are inverted."""
+  h = x
+  for i, w in enumerate(ws):
+    h = jax.nn.gelu(h @ w, approximate=False)
+    h = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, h.shape), h / 0.9, 0.0)
+  return jnp.sum(h ** 2)
+
+
+def test_fallback_temp_keeps_the_gradient_temp_at_most_the_original():
+  ws = [jnp.full((128, 128), 0.01, jnp.float32) for _ in range(3)]
+  args = (ws, jnp.ones((256, 128), jnp.float32), jax.random.key(0))
+
+  def temp(f):
+    return memory.compiled(jax.grad(f), *args).temp
+  inv = invact_jax.invert(_dropout_mlp, fallback="temp")
+  grad = jax.jit(jax.grad(inv))(*args)
+  chex.assert_trees_all_close(grad, jax.grad(_dropout_mlp)(*args), rtol=1e-5, atol=1e-8)
+  assert temp(inv) <= temp(_dropout_mlp)
+  fell_back = [w for w, _, why in inv.last_report.left_alone if "fallback='temp'" in why]
+  if temp(invact_jax.invert(_dropout_mlp)) > temp(_dropout_mlp):
+    assert fell_back, inv.last_report  # the regression exists here: some site was left alone
+  else:
+    assert not fell_back and inv.last_report.replaced == {"gelu": 3}, inv.last_report
+  assert jax.jit(inv)(*args) == jax.jit(_dropout_mlp)(*args)
+
+
+def test_fallback_leaves_alone_the_sites_that_save_most_until_the_temp_is_not_above(monkeypatch):
+  from invact_jax.convert import _program
+  cost = {0: 5, 1: 30, 2: -10}  # what converting each site adds to an original temp of 100
+  calls = []
+
+  def fake_temp(closed, positions, opts):
+    calls.append(None if opts is None else opts.skip)
+    if opts is None:
+      return 100
+    opts.sites = len(cost)
+    return 100 + sum(c for i, c in cost.items() if i not in opts.skip)
+  monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
+
+  def f(w, x):
+    h = jax.nn.gelu(jax.nn.gelu(jax.nn.gelu(x @ w) @ w) @ w)
+    return jnp.sum(h)
+  inv = invact_jax.invert(f, fallback="temp")
+  args = (jnp.ones((8, 8)), jnp.ones((4, 8)))
+  inv(*args)
+  # original, all converted, each alone, then site 1 (saves 30): 95 <= 100
+  assert calls == [None, frozenset(), *(frozenset({i}) for i in range(3)), frozenset({1})]
+  assert sum("fallback='temp'" in why for _, _, why in inv.last_report.left_alone) == 1
+  assert inv.last_report.replaced == {"gelu": 2}
+  inv(*args)  # the same signature: decided once
+  assert len(calls) == 6
+  cost.update({0: 10, 1: 12, 2: 5})  # 127: every site has to be left alone
+  inv = invact_jax.invert(f, fallback="temp")
+  inv(*args)
+  assert calls[-3:] == [frozenset({1}), frozenset({0, 1}), frozenset({0, 1, 2})]
+  assert inv.last_report.replaced == {}
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"fallback": "yes"}, "argument `fallback`"),
+    ({"fallback": "temp", "argnums": -1}, "argument `argnums`"),
+    ({"fallback": "temp", "argnums": ()}, "argument `argnums`"),
+    ({"fallback": "temp", "argnums": 2}, "argument `argnums`: 2 is out of range"),
+])
+def test_fallback_arguments_are_checked(kwargs, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    invact_jax.invert(lambda w, x: jnp.sum(jax.nn.gelu(x @ w)), **kwargs)(
+        jnp.ones((4, 4)), jnp.ones((2, 4)))
+
+
+def test_fallback_under_vmap_scan_and_shard_map(monkeypatch):
+  """The fallback decides on the traced program whatever transformation is around it: here
+  site 0 (the first gelu) raises the temp, and the gradient is the plain one."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from invact_jax.convert import _program
+
+  def fake_temp(closed, positions, opts):
+    if opts is None:
+      return 100
+    opts.sites = 2
+    return 100 + (0 if 0 in opts.skip else 10)
+  monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
+
+  def f(w, x):
+    return jnp.sum(jax.nn.gelu(jax.nn.gelu(x @ w) @ w))
+  inv = invact_jax.invert(f, fallback="temp")
+  w, xs = jnp.full((8, 8), 0.1), jnp.linspace(-1, 1, 3 * 4 * 8).reshape(3, 4, 8)
+  want = jax.vmap(jax.grad(f), (None, 0))(w, xs)
+  chex.assert_trees_all_close(jax.jit(jax.vmap(jax.grad(inv), (None, 0)))(w, xs), want,
+                              rtol=1e-5)
+  assert inv.last_report.replaced == {"gelu": 1}
+  scanned = jax.jit(jax.grad(lambda w: jax.lax.scan(
+      lambda c, x: (c + inv(w, x), None), 0.0, xs)[0]))(w)
+  chex.assert_trees_all_close(scanned, want.sum(0), rtol=1e-5)
+  n = len(jax.devices())
+  mesh = jax.make_mesh((n,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(jnp.linspace(-1, 1, 2 * n * 8).reshape(2 * n, 8),
+                     jax.sharding.NamedSharding(mesh, P("b")))
+  want = jax.grad(f)(w, x)
+  chex.assert_trees_all_close(jax.jit(jax.grad(inv))(w, x), want, rtol=1e-5)  # sharded input
+  assert inv.last_report.replaced == {"gelu": 1}
+
+  def sharded(g):
+    return lambda w, x: jax.shard_map(lambda w, x: jax.lax.psum(g(w, x), "b"), mesh=mesh,
+                                      in_specs=(P(), P("b")), out_specs=P())(w, x)
+  # inside a shard_map body: nothing measured, every site converted, and said
+  chex.assert_trees_all_close(jax.jit(jax.grad(sharded(inv)))(w, x), want, rtol=1e-5)
+  assert inv.last_report.replaced == {"gelu": 2}
+  assert any("shard_map" in why for _, _, why in inv.last_report.left_alone)

@@ -49,3 +49,109 @@ def test_pareto_marks_rows_no_other_row_beats():
                                                            "step_ms": 30.0}]
   marked = [r["pareto"] for r in frontier.pareto(rows)]
   assert marked == [True, True, False, True, False, True]
+
+
+def _synthetic(stack="dry-llama", scale=1.0):
+  """Rows of both sides: ``full`` 100 bytes; q/k/v add 30, out 10, the MLP 60 (per stack of
+  2 layers); keeping saves 6, 2, 8 ms; the default keeps 350 (the invact side 90 %)."""
+  table = {"default": (350, 10.0), "full": (100, 20.0), "save_qkv_proj": (130, 14.0),
+           "save_out_proj": (110, 18.0), "save_dot_except_mlp": (140, 12.0),
+           "minimal": (200, 4.0)}
+  return [{"model": stack, "framework": "jax", "invact": invact, "configuration": c,
+           "activation_bytes": int(b * (0.9 if invact else 1.0) * scale), "step_ms": t,
+           "layers": 2} for c, (b, t) in table.items() for invact in (False, True)]
+
+
+def test_profile_from_rows_shares_each_group_by_tensor_size_and_matmul_work():
+  s = frontier.STACKS["dry-llama"]  # d=64, ff=176
+  p = frontier.profile_from_rows(_synthetic(), "dry-llama", False)
+  b, g = dict(zip(p.tags, p.tag_bytes)), dict(zip(p.tags, p.tag_gain))
+  assert p.base_bytes == 100 and p.depth == 2 and p.configuration == "standard"
+  assert b["query_proj"] == b["key_proj"] == b["value_proj"] == 5 and b["out_proj"] == 5
+  # the MLP's 30 bytes per layer: two ff-wide tensors and one d-wide
+  np.testing.assert_allclose([b["mlpwi_0"], b["mlpwo"]],
+                             [round(30 * s.ff / (2 * s.ff + s.d)), round(30 * s.d / (2 * s.ff + s.d))])
+  np.testing.assert_allclose([g["query_proj"], g["out_proj"], g["mlpwi_0"] + g["mlpwi_1"] + g["mlpwo"]],
+                             [1.0, 1.0, 4.0])
+  assert p.full_cost == 8.0  # (full - minimal) per layer
+  assert frontier.profile_from_rows(_synthetic()[:-2], "dry-llama", False) is None
+
+
+def test_plan_specs_fit_the_budget_or_say_why():
+  rs = _synthetic()
+  specs = frontier.plan_specs(rs, "dry-llama", dtype="float32", repeats=1)
+  assert [s["configuration"] for s in specs] == ["plan 25 %", "plan 50 %", "plan 75 %"]
+  assert "infeasible" in specs[0]["error"]  # 87 of 350: below every plan (the least is 90)
+  for s in specs[1:]:
+    assert "error" not in s and s["predicted_bytes"] <= s["budget_bytes"], s
+    assert sum(n for n, _ in s["runs"]) == 2
+  # at 75 % (262 bytes) everything fits: the plan keeps every projection (fastest), on the
+  # side that keeps less at the same cost
+  assert specs[2]["invact"]
+  assert specs[2]["runs"] == [[2, list(frontier.tags(frontier.STACKS["dry-llama"]))]]
+  assert abs(specs[2]["predicted_step_ms"] - 4.0) < 1e-9
+  missing = frontier.plan_specs([r for r in rs if r["configuration"] != "default"], "dry-llama",
+                                dtype="float32", repeats=1)
+  assert all("missing" in s["error"] for s in missing)
+
+
+def test_a_plan_of_runs_keeps_per_run_and_leaves_the_gradient():
+  s = frontier.STACKS["dry-llama"]
+  loss, args = frontier.build(s, "none", False, np.float32)
+  plan, _ = frontier.build(s, "plan", True, np.float32, runs=[[1, ["out_proj"]], [1, []]])
+  for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(plan))(*args)),
+                  jax.tree.leaves(jax.jit(jax.grad(loss))(*args))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  none, _ = frontier.build(s, "plan", True, np.float32, runs=[[1, []], [1, []]])
+
+  def kept(f):
+    return sum(r.bytes for r in memory.residuals(f, *args) if not r.is_argument)
+  # the first layer keeps its attention output projection, [batch, seq, d] float32, and no more
+  assert kept(plan) - kept(none) == s.batch * s.seq * s.d * 4
+  with np.testing.assert_raises_regex(ValueError, "argument `runs`: 3 layers"):
+    frontier.build(s, "plan", True, np.float32, runs=[[3, []]])
+
+
+def test_layers_that_fit_stay_within_the_limit():
+  name = "dry-llama"
+  limit = 6_000_000
+  n = frontier.layers_that_fit(name, "float32", limit_bytes=limit, most=64)
+  assert n > 2
+
+  def need(layers):
+    loss, args = frontier.build(frontier.STACKS[name].__class__(
+        **{**frontier.STACKS[name].__dict__, "layers": layers}), "none", False, np.float32)
+    params = sum(a.nbytes for a in jax.tree.leaves(args[0]))
+    return memory.compiled(jax.value_and_grad(loss), *args).temp + 2 * params
+  assert need(n) <= 0.85 * limit < need(n + 1), (n, need(n), need(n + 1))
+  assert frontier.layers_that_fit(name, "float32") == frontier.STACKS[name].layers  # CPU: no limit
+
+
+def test_rows_plan_at_three_budgets_from_the_measured_policies(monkeypatch):
+  real = frontier.measure
+  synthetic = {(r["configuration"], r["invact"]): r for r in _synthetic(scale=1e4)}
+  monkeypatch.setattr(frontier, "measure", lambda spec: real(spec) if "runs" in spec else dict(
+      synthetic[("default" if spec["policy"] == "none" else spec["policy"], spec["invact"])]))
+  rs = frontier.rows(["dry-llama"], dtype="float32", repeats=1, in_process=True,
+                     torch_variants=(), policies=["none", *frontier._PLAN_POLICIES])
+  plans = [r for r in rs if r["configuration"].startswith("plan")]
+  assert len(plans) == 3
+  for r in plans:
+    if "error" not in r:  # measured by the real step (compiled temp on a CPU)
+      assert r["activation_bytes"] > 0 and "prediction_error" in r and r["runs"], r
+  assert any("error" not in r for r in plans)
+
+
+def test_headline_rows_name_the_fastest_within_each_budget(tmp_path):
+  rows = _synthetic(scale=2**30 / 100) + [
+      {"model": "dry-llama", "framework": "torch", "invact": False, "configuration": "liger",
+       "activation_bytes": 150 * 2**30 // 100, "step_ms": 5.0}]
+  data = {"device": "GPU X", "date": "2026-11-25", "versions": {"jax": "0.11.2"}, "rows": rows}
+  lines = frontier.headline_rows(data, "bench/frontier_gpu-x_2026-11-25.json")
+  assert len(lines) == 3 and all(line.count("|") == 6 for line in lines)
+  # 25 % of 3.5 GiB is below the least either side keeps (full: 1.00 / 0.90 GiB)
+  assert "fastest within 25% of JAX default's activations | none fits | none fits |" in lines[0]
+  # 50 % (1.75 GiB): JAX-only save_dot_except_mlp (1.40 GiB, 12 ms); invact minimal (1.80) does
+  # not fit, its save_dot_except_mlp (1.26 GiB) does
+  assert "save_dot_except_mlp: 12.0 ms, 1.40 GiB | save_dot_except_mlp: 12.0 ms, 1.26 GiB (1.00×)" in lines[1]
+  assert "PyTorch + Liger's (5.0 ms)" in lines[2] and "GPU X, JAX 0.11.2, 2026-11-25" in lines[2]
