@@ -73,6 +73,10 @@ class LayerProfile:
       relief among a run's tags counts (one layer is recomputed at a time).
     input_bytes: bytes of one layer's input, which a scan keeps for every layer whatever the
       plan (the slope of ``base_bytes`` over depth); 0 if unknown (the model then errs high).
+    fixed_cost: recompute cost outside the layers that the configuration's operator
+      variants add, once per step (e.g. a chunked LM head recomputes its logits in the
+      backward); part of every plan's cost, so configurations compete on it (MONeT's
+      operator variants).
   """
   configuration: str
   depth: int
@@ -83,6 +87,7 @@ class LayerProfile:
   full_cost: float
   tag_relief: tuple[int, ...] = ()
   input_bytes: int = 0
+  fixed_cost: float = 0.0
 
   def __post_init__(self):
     for name in ("tags", "tag_bytes", "tag_gain", "tag_relief"):
@@ -103,7 +108,8 @@ class LayerProfile:
       if len(getattr(self, name)) != len(self.tags):
         raise ValueError(f"LayerProfile argument `{name}` has {len(getattr(self, name))} entries "
                          f"for {len(self.tags)} tags")
-    for name in ("base_bytes", "full_cost", "tag_bytes", "tag_gain", "tag_relief", "input_bytes"):
+    for name in ("base_bytes", "full_cost", "tag_bytes", "tag_gain", "tag_relief", "input_bytes",
+                 "fixed_cost"):
       value = getattr(self, name)
       for v in (value if isinstance(value, tuple) else (value,)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
@@ -124,10 +130,12 @@ class LayerProfile:
                        f"{list(self.tags)}")
 
   def cost(self, keep: Sequence[Sequence[str]]) -> float:
-    """Predicted recompute cost of keeping ``keep[l]`` in layer l (additive model)."""
+    """Predicted recompute cost of keeping ``keep[l]`` in layer l (additive model), plus
+    ``fixed_cost``."""
     self._check_keep(keep)
     gain = dict(zip(self.tags, self.tag_gain))
-    return float(sum(max(self.full_cost - sum(gain[t] for t in k), 0.0) for k in keep))
+    return float(sum(max(self.full_cost - sum(gain[t] for t in k), 0.0) for k in keep)
+                 + self.fixed_cost)
 
   def peak(self, keep: Sequence[Sequence[str]]) -> int:
     """Predicted peak of keeping ``keep[l]`` in layer l: the largest phase of the backward

@@ -69,20 +69,33 @@ _OLD_FIELDS = {"activation_impl": "activation_mode", "norm_impl": "norm_mode",
 def configuration(name: str) -> dict[str, Any]:
   """The overrides of configuration ``name`` (old names accepted with a DeprecationWarning).
 
-  ``"<name>+<implementation>"`` adds ``implementation`` (e.g. ``"inverted-all+pallas"``:
-  the same memory modes, the invact_jax ops run as Pallas kernels).
+  Suffixes, each after a ``+``: an implementation (e.g. ``"inverted-all+pallas"``: the same
+  memory modes, the invact_jax ops run as Pallas kernels) and operator variants
+  ``head=<mode>`` (the text models' LM head, :data:`HEAD_MODES`; e.g.
+  ``"inverted+head=standard"``, as the planner names the variants it chooses among).
   """
-  name, plus, impl = name.partition("+")
+  full = name
+  name, *extras = name.split("+")
   if name in _OLD_CONFIGURATIONS:
     new = _OLD_CONFIGURATIONS[name]
     warnings.warn(f"configuration {name!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
     name = new
   if name not in CONFIGURATIONS:
     raise ValueError(f"unknown configuration {name!r}; choose from {tuple(CONFIGURATIONS)}")
-  if plus and impl not in IMPLEMENTATIONS[1:]:
-    raise ValueError(f"configuration {name + plus + impl!r}: unknown implementation {impl!r}; "
-                     f"choose from {IMPLEMENTATIONS[1:]}")
-  return {**CONFIGURATIONS[name], **({"implementation": impl} if plus else {})}
+  out = dict(CONFIGURATIONS[name])
+  for extra in extras:
+    key, eq, value = extra.partition("=")
+    if eq:
+      if key != "head" or value not in HEAD_MODES:
+        raise ValueError(f"configuration {full!r}: unknown operator variant {extra!r}; choose "
+                         f"from {[f'head={m}' for m in HEAD_MODES]}")
+      out["head_mode"] = value
+    elif extra in IMPLEMENTATIONS[1:]:
+      out["implementation"] = extra
+    else:
+      raise ValueError(f"configuration {full!r}: unknown implementation {extra!r}; "
+                       f"choose from {IMPLEMENTATIONS[1:]}")
+  return out
 
 
 def canonical_configuration(name: str) -> str:

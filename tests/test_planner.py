@@ -438,3 +438,52 @@ def test_huge_budgets_and_unknown_tags_are_clear():
   with pytest.raises(ValueError, match="`base_bytes` must hold finite numbers"):
     dataclasses.replace(PROFILE, base_bytes=float("inf"))
   assert dataclasses.replace(PROFILE, base_bytes=2**70).base_bytes == 2**70
+
+
+def test_a_configurations_fixed_cost_decides_between_operator_variants():
+  """Two LM-head variants: the chunked one needs less memory and recomputes its logits
+  (fixed_cost); the planner takes the standard head where it fits and the chunked one where
+  only it does."""
+  standard = dataclasses.replace(PROFILE, configuration="inverted+head=standard", base_bytes=1500)
+  chunked = dataclasses.replace(PROFILE, configuration="inverted+head=chunked", fixed_cost=7.0)
+  loose = planner.solve([chunked, standard], budget=10_000)
+  assert loose.configuration == "inverted+head=standard" and loose.predicted_cost == 0.0
+  tight = planner.solve([chunked, standard], budget=1_400)
+  assert tight.configuration == "inverted+head=chunked"
+  assert tight.predicted_cost == chunked.cost(tight.keep) >= 7.0
+  with pytest.raises(ValueError, match="`fixed_cost` must hold finite numbers >= 0"):
+    dataclasses.replace(PROFILE, fixed_cost=-1.0)
+
+
+def test_configuration_names_carry_the_head_variant():
+  assert options.configuration("inverted+head=standard")["head_mode"] == "standard"
+  both = options.configuration("inverted-all+pallas+head=chunked")
+  assert both["head_mode"] == "chunked" and both["implementation"] == "pallas"
+  with pytest.raises(ValueError, match="unknown operator variant 'head=full'"):
+    options.configuration("inverted+head=full")
+  with pytest.raises(ValueError, match="unknown operator variant 'mlp=x'"):
+    options.configuration("inverted+mlp=x")
+
+
+def test_text_profiles_per_head_variant_carry_its_recompute():
+  cfg = benchmark.model_config("gpt2", hidden=32, depth=2, heads=4, mlp_dim=64, vocab=512,
+                               max_len=16)
+  profiles = planning.profile(cfg, 2, seq_len=16, configurations=("inverted",),
+                              tags=("mlp_pre",), head_modes=("standard", "chunked"))
+  by = {p.configuration: p for p in profiles}
+  assert set(by) == {"inverted+head=standard", "inverted+head=chunked"}
+  assert by["inverted+head=standard"].fixed_cost == 0.0
+  assert by["inverted+head=chunked"].fixed_cost == 2.0 * 2 * 16 * 32 * 512
+  # the chunked head never holds the [tokens, vocab] logits and their gradient
+  assert by["inverted+head=chunked"].base_bytes < by["inverted+head=standard"].base_bytes
+  with pytest.raises(ValueError, match="argument `head_modes`: only the text models"):
+    planning.profile(benchmark.model_config("vit-ti16"), 2, head_modes=("chunked",))
+  with pytest.raises(ValueError, match="argument `head_modes`: expected some of"):
+    planning.profile(cfg, 2, head_modes=("fused",))
+
+
+def test_plan_memory_rejects_bad_head_modes_in_one_line(capsys):
+  script = load_script("plan_memory")
+  assert script.main(["--head-modes", "standard,fused", "--models", "gpt2"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: --head-modes:"), err

@@ -47,6 +47,8 @@ ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "max", "min", "neg", "squar
 _KEEPS_INPUTS = frozenset({"mul", "div", "max", "min", "square", "integer_pow", "abs", "exp",
                            "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "sqrt",
                            "rsqrt", "erf", "select_n"})
+#: Primitives that make a constant from literals alone (recomputed rather than kept).
+_CONSTANT = FREE | ELEMENTWISE | {"broadcast_in_dim", "iota"}
 _DOT = "dot_general"
 # Custom-derivative calls whose outputs an attention kernel's backward typically keeps.
 _CUSTOM_CALLS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"})
@@ -242,8 +244,8 @@ def _norm_dense_unit(g, rule, unit: Unit, found, taken: set, owner: dict, outvar
 class _Walk:
   """The elementwise region a matmul's operands are computed in, back to its leaves."""
 
-  def __init__(self, g: _graph.Graph, dot: int, taken: set):
-    self.g, self.taken = g, taken
+  def __init__(self, g: _graph.Graph, dot: int, taken: set, through_narrowing: bool = False):
+    self.g, self.taken, self.through_narrowing = g, taken, through_narrowing
     self.nodes = {dot}
     self.leaves: list = []
 
@@ -270,14 +272,18 @@ class _Walk:
     n = g.nodes[i]
     name = n.prim.name
     ins = [r for r in n.ins if not isinstance(r, Lit)]
+    if len(n.outs) == 1 and not ins and name in _CONSTANT:
+      self.nodes.add(i)  # a constant spread over the operand (where(m, p, 0.0)'s zeros)
+      return
     if len(n.outs) != 1 or not ins:
       self.leaf(v)
       return
     if name == "convert_element_type":
       src = ins[0]
-      if not _is_float(g, src) or _itemsize(g, src) > _itemsize(g, v):
-        self.leaf(v)  # a narrowing cast: the narrow value is the cheaper one to keep
-        return
+      if not _is_float(g, src) or (_itemsize(g, src) > _itemsize(g, v)
+                                   and not self.through_narrowing):
+        self.leaf(v)  # a narrowing cast: the narrow value is the cheaper one to keep...
+        return        # ...unless the wide one is kept anyway (the second walk)
     if name in FREE or name in ELEMENTWISE:
       self.nodes.add(i)
       for r in ins:
@@ -321,6 +327,61 @@ def _recompute_unit(g: _graph.Graph, walk: _Walk, dot: int) -> Unit:
   return Unit(frozenset(walk.nodes), inputs, outputs, f)
 
 
+# ------------------------------------------------------------- broadcast masks
+def _mask_unit(g: _graph.Graph, b: int, taken: set, outvars: set) -> Unit | None:
+  """The selects that read a broadcast boolean (or integer) mask as one unit that keeps the
+  mask before its broadcast: a select's backward needs only its predicate, and autodiff
+  would keep the broadcast one (an attention mask spread over batch and heads)."""
+  n = g.nodes[b]
+  pred = n.outs[0]
+  src = n.ins[0]
+  if (isinstance(src, Lit) or _is_float(g, pred) or _nbytes(g, src) >= _nbytes(g, pred)
+      and src in g.producer) or pred in outvars:
+    return None
+  readers = g.consumers.get(pred, [])
+  if not readers or any(
+      r in taken or g.nodes[r].prim.name != "select_n" or g.nodes[r].ins[0] is not pred
+      or any(x is pred for x in g.nodes[r].ins[1:]) for r in readers):
+    return None
+  selects = sorted(set(readers))
+  cases = [[x for x in g.nodes[r].ins[1:]] for r in selects]
+  inputs = [src] + list(dict.fromkeys(x for c in cases for x in c if not isinstance(x, Lit)))
+  outputs = [g.nodes[r].outs[0] for r in selects]
+  region = _graph.region(g, [b, *selects], inputs, outputs)
+  spread = _graph.region(g, [b], [src], [pred])
+
+  @jax.custom_vjp
+  def f(*vals):
+    return region(*vals)
+
+  def fwd(*vals):
+    return region(*vals), (vals[0], tuple(jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                          for v in vals[1:]))
+
+  def bwd(res, cts):
+    m, structs = res
+    (p,) = spread(m)
+    grads = {x: None for x in inputs[1:]}
+    for case_refs, ct in zip(cases, cts):
+      for i, x in enumerate(case_refs):
+        if isinstance(x, Lit):
+          continue
+        which = (p == i) if p.dtype != np.bool_ else (p if i == 1 else ~p)
+        part = jax.numpy.where(which, ct, jax.numpy.zeros_like(ct))
+        grads[x] = part if grads[x] is None else grads[x] + part
+    out = [np.zeros(m.shape, jax.dtypes.float0)]
+    for x, st in zip(inputs[1:], structs):
+      if not jax.numpy.issubdtype(st.dtype, jax.numpy.inexact):
+        out.append(np.zeros(st.shape, jax.dtypes.float0))
+      else:
+        out.append(grads[x].astype(st.dtype) if grads[x] is not None
+                   else jax.numpy.zeros(st.shape, st.dtype))
+    return tuple(out)
+
+  f.defvjp(fwd, bwd)
+  return Unit(frozenset([b, *selects]), inputs, outputs, f)
+
+
 def fuse(g: _graph.Graph, units: list, norm_units: list, kept: set, outvars: set) -> list:
   """``units`` with the norms that feed matmuls fused with them, and units for the matmuls
   whose operands are cheaper to recompute than to keep.
@@ -354,20 +415,36 @@ def fuse(g: _graph.Graph, units: list, norm_units: list, kept: set, outvars: set
   for d, n in enumerate(g.nodes):
     if n.prim.name != _DOT or d in taken:
       continue
-    walk = _Walk(g, d, taken)
-    for r in n.ins:
-      if not isinstance(r, Lit):
-        walk.walk(r)
-    walk.settle()
-    if walk.nodes == {d}:
+    # Two walks: stopping at narrowing casts, and through them (a bfloat16 copy of a float32
+    # value kept anyway, e.g. a softmax's probabilities cast for the P.V matmul); the one that
+    # keeps fewer bytes, if fewer than the unconverted program keeps.
+    best = None
+    for through in (False, True):
+      walk = _Walk(g, d, taken, through)
+      for r in n.ins:
+        if not isinstance(r, Lit):
+          walk.walk(r)
+      walk.settle()
+      if walk.nodes == {d}:
+        continue
+      before = sum(_nbytes(g, r) for r in _kept_by_program(g, walk.nodes, d) - anyway)
+      after = sum(_nbytes(g, r) for r in set(walk.leaves) - anyway)
+      if after < before and _convex(g, walk.nodes, owner) and (best is None or after < best[0]):
+        best = (after, walk)
+    if best is None:
       continue
-    before = sum(_nbytes(g, r) for r in _kept_by_program(g, walk.nodes, d) - anyway)
-    after = sum(_nbytes(g, r) for r in set(walk.leaves) - anyway)
-    if after >= before or not _convex(g, walk.nodes, owner):
-      continue
+    walk = best[1]
     unit = _recompute_unit(g, walk, d)
     units.append(unit)
     for i in unit.nodes:
       owner[i] = unit
     taken |= unit.nodes
+  for b, n in enumerate(g.nodes):
+    if n.prim.name == "broadcast_in_dim" and b not in taken:
+      unit = _mask_unit(g, b, taken, outvars)
+      if unit is not None and _convex(g, set(unit.nodes), owner):
+        units.append(unit)
+        for i in unit.nodes:
+          owner[i] = unit
+        taken |= unit.nodes
   return units

@@ -33,6 +33,7 @@ def main(argv=None) -> int:
   from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
   from models.experiments import cli  # pylint: disable=import-outside-toplevel
   from models.experiments.cli import positive_int  # pylint: disable=import-outside-toplevel
+  from models import options  # pylint: disable=import-outside-toplevel
   p = cli.parser(__doc__)
   p.add_argument("--models", default="vit-b16,gpt2")
   p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -46,6 +47,10 @@ def main(argv=None) -> int:
                  help="configurations the planner may choose "
                       "(models.experiments.plan_profiles.PLANNED_CONFIGURATIONS; --variants: the "
                       "old name)")
+  p.add_argument("--head-modes", default=None,
+                 help="text models: also choose the LM head's variant, comma list of "
+                      "standard,chunked (each configuration profiled with each, named "
+                      "'<configuration>+head=<mode>')")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "plan_memory")
   p.add_argument("--replot", type=pathlib.Path, default=None,
                   help="redraw the table and PNG from a JSON this script wrote (no compiling)")
@@ -93,6 +98,17 @@ def main(argv=None) -> int:
     print(f"error: unknown configurations {bad}; choose from "
           f"{list(planning.PLANNED_CONFIGURATIONS)}", file=sys.stderr)
     return 2
+  head_modes = args.head_modes.split(",") if args.head_modes else None
+  if head_modes is not None and (not head_modes or any(h not in options.HEAD_MODES
+                                                       for h in head_modes)):
+    print(f"error: --head-modes: expected some of {','.join(options.HEAD_MODES)}, got "
+          f"{args.head_modes!r}", file=sys.stderr)
+    return 2
+
+  def names(m):  # the profiles' configuration names of model m
+    if head_modes is None or benchmark.MODELS[m][0] != "text":
+      return configurations
+    return [f"{v}+head={h}" for v in configurations for h in head_modes]
   if args.points < 2:
     print("error: --points must be at least 2", file=sys.stderr)
     return 2
@@ -101,7 +117,7 @@ def main(argv=None) -> int:
   saved = None
   if args.profiles is not None:
     try:
-      saved = _saved_profiles(args.profiles, models, configurations, args, overrides)
+      saved = _saved_profiles(args.profiles, models, names, args, overrides)
     except ValueError as e:
       print(f"error: --profiles: {e}", file=sys.stderr)
       return 2
@@ -120,8 +136,10 @@ def main(argv=None) -> int:
       print(f"error: model {m}: {e}", file=sys.stderr)
       return 2
     if saved is None:
-      profiles = planning.profile(cfg, args.batch, seq_len=args.seq_len,
-                                  configurations=configurations, progress=progress)
+      profiles = planning.profile(
+          cfg, args.batch, seq_len=args.seq_len, configurations=configurations,
+          head_modes=head_modes if benchmark.MODELS[m][0] == "text" else None,
+          progress=progress)
     else:
       profiles = [planning.with_input_bytes(cfg, args.batch, q, seq_len=args.seq_len)
                   for q in saved[m]]
@@ -141,7 +159,7 @@ def main(argv=None) -> int:
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv), "dtype": args.dtype, "batch": args.batch,
-          "seq_len": args.seq_len, "configurations": configurations, "overrides": overrides,
+          "seq_len": args.seq_len, "configurations": configurations, "head_modes": head_modes, "overrides": overrides,
           "profiles_from": None if args.profiles is None else str(args.profiles)}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results},
@@ -152,7 +170,7 @@ def main(argv=None) -> int:
   return 0
 
 
-def _saved_profiles(path, models, configurations, args, overrides):
+def _saved_profiles(path, models, names, args, overrides):
   """{model: [LayerProfile]} from a JSON this script wrote, checked against this run."""
   from invact_jax import planner  # pylint: disable=import-outside-toplevel
   if not path.is_file():
@@ -176,6 +194,7 @@ def _saved_profiles(path, models, configurations, args, overrides):
       if "variant" in q:  # written before 0.3
         q["configuration"] = q.pop("variant")
       got[q["configuration"]] = q
+    configurations = names(m)
     missing = [v for v in configurations if v not in got]
     if missing:
       raise ValueError(f"{str(path)!r} has no profile of model {m!r}, configurations {missing}")

@@ -60,44 +60,74 @@ def _step(cfg, batch: int, seq_len: int):
   return jax.value_and_grad(loss), (params, x, y), loss
 
 
+def head_recompute_flops(cfg, batch: int, seq_len: int) -> float:
+  """FLOPs the chunked LM head (``invact_jax.linear_cross_entropy``) adds to a step: its
+  backward recomputes the logits, one [tokens, hidden] x [hidden, vocab] matmul (analytic:
+  XLA's cost analysis counts a loop's body once, not per chunk); 0 for other heads and for
+  models without one."""
+  if getattr(cfg, "head_mode", None) != "chunked" or not hasattr(cfg, "vocab"):
+    return 0.0
+  return 2.0 * batch * seq_len * cfg.hidden * cfg.vocab
+
+
 def profile(cfg, batch: int, *, seq_len: int = 128, configurations: Sequence[str] = tuple(PLANNED_CONFIGURATIONS),
-            tags: Sequence[str] = options.TAGS,
+            tags: Sequence[str] = options.TAGS, head_modes: Sequence[str] | None = None,
             progress: Callable[[str], None] | None = None) -> list[planner.LayerProfile]:
-  """One :class:`invact_jax.planner.LayerProfile` per configuration (see module doc)."""
+  """One :class:`invact_jax.planner.LayerProfile` per configuration (see module doc); with
+  ``head_modes`` (text models), one per configuration and LM head variant, named
+  ``"<configuration>+head=<mode>"``, each with the head's recompute FLOPs as its
+  ``fixed_cost`` (:func:`head_recompute_flops`)."""
+  if head_modes is not None:
+    if not hasattr(cfg, "vocab"):
+      raise ValueError("argument `head_modes`: only the text models have LM head variants")
+    bad = [h for h in head_modes if h not in options.HEAD_MODES]
+    if bad or not head_modes:
+      raise ValueError(f"argument `head_modes`: expected some of {options.HEAD_MODES}, got "
+                       f"{list(head_modes)}")
   out = []
-  for v in configurations:
+  for name in configurations:
+    v = name.split("+")[0]
     if v not in PLANNED_CONFIGURATIONS:
       raise ValueError(f"argument `configurations`: unknown configuration {v!r}; choose from {sorted(PLANNED_CONFIGURATIONS)}")
-    c = cfg.replace(**options.CONFIGURATIONS[v])
-    if progress:
-      progress(f"{v}: base (depth {c.depth}, keep nothing)")
-    one = c.replace(depth=1, scan_layers=False)
-
-    def temp(keep, depth):
-      return compiled_temp(cfg.replace(depth=depth), batch, v, (tuple(keep),), seq_len=seq_len)
-
-    base, base2 = temp((), c.depth), temp((), 2)
-
-    def flops(keep):
-      step1, args1, _ = _step(one.replace(save_names=(tuple(keep),)), batch, seq_len)
-      return _flops(step1, *args1)
-
-    f0 = flops(())
-    tag_bytes, tag_gain, tag_relief = [], [], []
-    for t in tags:
-      if progress:
-        progress(f"{v}: tag {t}")
-      at_depth, at_2 = temp((t,), c.depth) - base, temp((t,), 2) - base2
-      slope = max((at_depth - at_2) // max(c.depth - 2, 1), 0) if c.depth > 2 else max(at_depth // 2, 0)
-      tag_bytes.append(int(slope))
-      tag_relief.append(int(max(c.depth * slope - at_depth, 0)))
-      tag_gain.append(max(f0 - flops((t,)), 0.0))
-    full_cost = max(f0 - flops(tuple(tags)), 0.0)
-    out.append(planner.LayerProfile(configuration=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
-                                    tag_bytes=tuple(tag_bytes), tag_gain=tuple(tag_gain),
-                                    full_cost=full_cost, tag_relief=tuple(tag_relief),
-                                    input_bytes=_slope(base, base2, c.depth)))
+    for h in (head_modes or (None,)):
+      out.append(_profile_one(cfg, batch, name if h is None else f"{name}+head={h}",
+                              seq_len=seq_len, tags=tags, progress=progress))
   return out
+
+
+def _profile_one(cfg, batch: int, v: str, *, seq_len: int, tags: Sequence[str],
+                 progress: Callable[[str], None] | None) -> planner.LayerProfile:
+  """The :class:`invact_jax.planner.LayerProfile` of configuration name ``v``."""
+  c = cfg.replace(**options.configuration(v))
+  if progress:
+    progress(f"{v}: base (depth {c.depth}, keep nothing)")
+  one = c.replace(depth=1, scan_layers=False)
+
+  def temp(keep, depth):
+    return compiled_temp(cfg.replace(depth=depth), batch, v, (tuple(keep),), seq_len=seq_len)
+
+  base, base2 = temp((), c.depth), temp((), 2)
+
+  def flops(keep):
+    step1, args1, _ = _step(one.replace(save_names=(tuple(keep),)), batch, seq_len)
+    return _flops(step1, *args1)
+
+  f0 = flops(())
+  tag_bytes, tag_gain, tag_relief = [], [], []
+  for t in tags:
+    if progress:
+      progress(f"{v}: tag {t}")
+    at_depth, at_2 = temp((t,), c.depth) - base, temp((t,), 2) - base2
+    slope = max((at_depth - at_2) // max(c.depth - 2, 1), 0) if c.depth > 2 else max(at_depth // 2, 0)
+    tag_bytes.append(int(slope))
+    tag_relief.append(int(max(c.depth * slope - at_depth, 0)))
+    tag_gain.append(max(f0 - flops((t,)), 0.0))
+  full_cost = max(f0 - flops(tuple(tags)), 0.0)
+  return planner.LayerProfile(configuration=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
+                              tag_bytes=tuple(tag_bytes), tag_gain=tuple(tag_gain),
+                              full_cost=full_cost, tag_relief=tuple(tag_relief),
+                              input_bytes=_slope(base, base2, c.depth),
+                              fixed_cost=head_recompute_flops(c, batch, seq_len))
 
 
 def _slope(base: int, base2: int, depth: int) -> int:
@@ -123,7 +153,7 @@ class Measured:
 def _planned(cfg, configuration: str, keep: Sequence[Sequence[str]]):
   """``cfg`` with ``configuration`` and a per-layer plan (one entry = every layer), layers scanned."""
   keep = tuple(tuple(k) for k in keep)
-  return cfg.replace(**options.CONFIGURATIONS[configuration], save_names=keep if len(set(keep)) > 1 else keep[:1],
+  return cfg.replace(**options.configuration(configuration), save_names=keep if len(set(keep)) > 1 else keep[:1],
                      scan_layers=True)
 
 
@@ -234,6 +264,7 @@ def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
     plan, m = plan_for_budget(cfg, batch, b, profiles, seq_len=seq_len, uniform=uniform)
   except planner.InfeasibleBudget as e:
     return {"budget": int(b), "per_layer": not uniform, "infeasible": str(e)}
+  fixed_cost = next(p.fixed_cost for p in profiles if p.configuration == plan.configuration)
   fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
   best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
   # A per-layer request that fell back to the uniform plan is reported as uniform.
@@ -242,7 +273,7 @@ def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
           "predicted_bytes": plan.predicted_bytes,
           "compiled_temp_bytes": m.compiled_temp_bytes,
           "prediction_error": plan.predicted_bytes / m.compiled_temp_bytes - 1.0,
-          "recompute_flops": m.flops - ref[plan.configuration],
+          "recompute_flops": m.flops - ref[plan.configuration] + fixed_cost,
           "solve_seconds": plan.solve_seconds,
           "best_fixed": None if best is None else f"{best['policy']} ({best['configuration']})",
           "best_fixed_recompute_flops": None if best is None else best["recompute_flops"]}
@@ -253,7 +284,8 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
              progress: Callable[[str], None] | None = None) -> dict:
   """Plans and fixed policies, each compiled: memory, recompute FLOPs, prediction error.
 
-  Recompute FLOPs are measured: the step's FLOPs minus the keep-every-tag step's.  With
+  Recompute FLOPs are measured: the step's FLOPs minus the keep-every-tag step's, plus the
+  configuration's ``fixed_cost`` (a chunked LM head's second logits matmul).  With
   ``per_layer``, each budget where the per-layer solution differs between layers adds a row
   (``"per_layer": True``) compiled the same way; where no per-layer plan compiles within the
   budget, the uniform row gets ``"per_layer_fell_back": True`` instead.
@@ -271,7 +303,7 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
       fixed.append({"policy": name, "configuration": p.configuration, "keep": list(keep),
                     "compiled_temp_bytes": m.compiled_temp_bytes,
                     "predicted_bytes": planner.evaluate(p, keep)[0],
-                    "recompute_flops": m.flops - ref[p.configuration]})
+                    "recompute_flops": m.flops - ref[p.configuration] + p.fixed_cost})
   plans = []
   for b in budgets:
     if progress:

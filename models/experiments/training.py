@@ -302,7 +302,7 @@ def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
                                        uniform=None)
   except planner.InfeasibleBudget as e:
     raise ConfigError(f"--memory-budget: {e}") from None
-  return cfg.replace(save_names=plan.save_names(), **options.CONFIGURATIONS[plan.configuration]), plan
+  return cfg.replace(save_names=plan.save_names(), **options.configuration(plan.configuration)), plan
 
 
 @dataclasses.dataclass

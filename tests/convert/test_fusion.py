@@ -142,6 +142,57 @@ def test_a_bfloat16_value_cast_for_a_float32_matmul_is_kept_narrow():
   assert ((ROWS, FF), "float32") in _kept(invact_jax.invert(loss, floor=False), p, x)
 
 
+def test_float32_probabilities_narrowed_for_the_pv_matmul_are_kept_once():
+  """Keras's attention: float32 logits masked before and after the softmax, the
+  probabilities cast to bfloat16 for P.V; the softmax keeps its float32 output anyway, so the
+  matmul recomputes its bfloat16 operand from it (and the mask; the zeros are a constant)."""
+  b, t, d = 2, 16, 8
+  q, k, v = (jax.random.normal(jax.random.key(i), (b, t, d)).astype(jnp.bfloat16)
+             for i in range(3))
+  mask = jnp.tril(jnp.ones((t, t), bool))[None]
+
+  def loss(q, k, v, mask):
+    s = jnp.einsum("bqd,bkd->bqk", q, k).astype(jnp.float32) / 8.0
+    p = jnp.where(mask, jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1), 0.0)
+    return jnp.sum(jnp.einsum("bqk,bkd->bqd", p.astype(jnp.bfloat16), v).astype(jnp.float32) ** 2)
+  inv = invact_jax.invert(loss)
+  args = (q, k, v, mask)
+  np.testing.assert_array_equal(np.asarray(jit(inv)(*args)), np.asarray(jit(loss)(*args)))
+  for a, r in zip(jax.jit(jax.grad(inv, (0, 1, 2)))(*args),
+                  jax.jit(jax.grad(loss, (0, 1, 2)))(*args)):  # the same VJPs, recomputed
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32))
+  kept, unfused = _kept(inv, *args), _kept(invact_jax.invert(loss, floor=False), *args)
+  assert ((b, t, t), "bfloat16") not in kept and ((b, t, t), "bfloat16") in unfused
+  # the masks are kept before their broadcast (arguments here): what stays is the float32
+  # probabilities and the loss's own square
+  assert kept == [((b, t, d), "float32"), ((b, t, t), "float32")], kept
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_select_keeps_its_mask_before_the_broadcast(dtype):
+  """A boolean or integer predicate broadcast over batch and heads: the selects' backward
+  needs only the predicate, kept in its small shape (here computed, not an argument)."""
+  b, h, t = 3, 4, 16
+  x = jax.random.normal(jax.random.key(0), (b, h, t, t)).astype(dtype)
+
+  def loss(x):
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]   # [t, t] bool
+    band = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :]) // 4  # [t, t] int
+    y = jnp.where(causal, jnp.sin(x), -1e4)
+    z = jax.lax.select_n(jnp.broadcast_to(jnp.clip(band, 0, 2), (b, h, t, t)),
+                         y, 2 * y, jnp.cos(y))
+    return jnp.sum(z.astype(jnp.float32) ** 2)
+  inv = invact_jax.invert(loss)
+  np.testing.assert_array_equal(np.asarray(jit(inv)(x), np.float32),
+                                np.asarray(jit(loss)(x), np.float32))
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(inv))(x), np.float32),
+                                np.asarray(jax.jit(jax.grad(loss))(x), np.float32))
+  kept, plain = _kept(inv, x), _kept(loss, x)
+  for small in ("bool", "int32"):
+    assert ((b, h, t, t), small) in plain and ((b, h, t, t), small) not in kept, (kept, plain)
+    assert ((t, t), small) in kept, kept
+
+
 def test_a_post_norm_output_read_by_matmuls_and_the_residual_stream():
   """BERT's post-LN: the norm's output feeds the next projections and the residual add; the
   fused unit returns it too."""
