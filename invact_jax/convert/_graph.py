@@ -13,6 +13,7 @@ interpreters"); the names that moved between JAX 0.10 and 0.12 are looked up by 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -183,14 +184,22 @@ def params_equal(a: dict, b: dict) -> bool:
   return True
 
 
+def _source(eqn):
+  """The user's source location of ``eqn`` as the context of what re-binding it produces (so
+  residual tables and the floor audit name the user's line, not this module's)."""
+  info = getattr(eqn, "source_info", None)
+  if info is None:
+    return contextlib.nullcontext()
+  from jax._src import source_info_util  # pylint: disable=import-outside-toplevel
+  return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+
+
 def bind(node: Node, invals: list) -> list:
-  """Evaluate one node as JAX's ``eval_jaxpr`` does (with the equation's context)."""
+  """Evaluate one node as JAX's ``eval_jaxpr`` does (with the equation's context and source
+  location)."""
   params = node.prim.get_bind_params(node.params)
   ctx = getattr(node.eqn, "ctx", None)
-  if ctx is not None:
-    with ctx.manager:
-      out = node.prim.bind(*invals, **params)
-  else:
+  with _source(node.eqn), (ctx.manager if ctx is not None else contextlib.nullcontext()):
     out = node.prim.bind(*invals, **params)
   return list(out) if node.prim.multiple_results else [out]
 
@@ -270,7 +279,10 @@ def evaluate(graph: Graph, args, *, units=(), nested: Callable | None = None) ->
   value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
   for item in schedule(graph, units):
     if isinstance(item, Unit):
-      for k, v in zip(item.outputs, item.fn(*(value(r) for r in item.inputs))):
+      root = graph.producer.get(item.outputs[0]) if item.outputs else None
+      with _source(graph.nodes[root[0]].eqn if root else None):  # what it keeps: the user's line
+        outs = item.fn(*(value(r) for r in item.inputs))
+      for k, v in zip(item.outputs, outs):
         env[k] = v
       continue
     n = graph.nodes[item]

@@ -550,3 +550,15 @@ def test_fallback_under_vmap_scan_and_shard_map(monkeypatch):
   chex.assert_trees_all_close(jax.jit(jax.grad(sharded(inv)))(w, x), want, rtol=1e-5)
   assert inv.last_report.replaced == {"gelu": 2}
   assert any("shard_map" in why for _, _, why in inv.last_report.left_alone)
+
+
+def test_residuals_of_a_converted_program_name_the_users_lines():
+  """What the converted program keeps is attributed to the line that computed it in ``fn``
+  (the conversion re-binds the program's equations in their source context)."""
+  def loss(w, x):
+    h = jnp.sin(x @ w)  # kept for the sine's derivative
+    return jnp.sum(jax.nn.gelu(h @ w))
+  args = (jnp.ones((8, 8)) / 8, jnp.ones((4, 8)))
+  sources = [r.source for r in memory.residuals(invact_jax.invert(loss), *args)
+             if not r.is_argument]
+  assert sources and all(__file__ in s for s in sources), sources
