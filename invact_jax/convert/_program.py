@@ -802,8 +802,8 @@ def _gradient_temp(closed, positions, opts: _Options | None) -> int:
     outs, pull = jax.vjp(f, *[a[i] for i in positions])
     return outs, pull([jnp.ones_like(o) for o in outs])
   # Measured as one device's program, outside the mesh the caller may be tracing under
-  # (a shard_map body, explicit shardings): the shardings are not part of the structs, and
-  # the equations re-derive them from their inputs.
+  # (explicit shardings): the shardings are not part of the structs, and the equations
+  # re-derive them from their inputs.
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
     analysis = jax.jit(step).lower(*structs).compile().memory_analysis()
   return int(analysis.temp_size_in_bytes) if analysis is not None else 0
