@@ -29,6 +29,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _graph
@@ -336,7 +337,7 @@ def _mask_unit(g: _graph.Graph, b: int, taken: set, outvars: set) -> Unit | None
   pred = n.outs[0]
   src = n.ins[0]
   if (isinstance(src, Lit) or _is_float(g, pred) or _nbytes(g, src) >= _nbytes(g, pred)
-      and src in g.producer) or pred in outvars:
+      or pred in outvars):  # (an argument costs nothing to keep: 0 bytes)
     return None
   readers = g.consumers.get(pred, [])
   if not readers or any(
@@ -344,39 +345,37 @@ def _mask_unit(g: _graph.Graph, b: int, taken: set, outvars: set) -> Unit | None
       or any(x is pred for x in g.nodes[r].ins[1:]) for r in readers):
     return None
   selects = sorted(set(readers))
-  cases = [[x for x in g.nodes[r].ins[1:]] for r in selects]
+  cases = [g.nodes[r].ins[1:] for r in selects]
   inputs = [src] + list(dict.fromkeys(x for c in cases for x in c if not isinstance(x, Lit)))
   outputs = [g.nodes[r].outs[0] for r in selects]
   region = _graph.region(g, [b, *selects], inputs, outputs)
   spread = _graph.region(g, [b], [src], [pred])
+  avals = [g.avals[x] for x in inputs]  # the unit runs at the program's shapes
+
+  def zero(aval):  # the cotangent of an input no case of a select reads
+    if not jnp.issubdtype(aval.dtype, jnp.inexact):
+      return np.zeros(aval.shape, jax.dtypes.float0)
+    return jnp.zeros(aval.shape, aval.dtype)
 
   @jax.custom_vjp
   def f(*vals):
     return region(*vals)
 
   def fwd(*vals):
-    return region(*vals), (vals[0], tuple(jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                          for v in vals[1:]))
+    return region(*vals), vals[0]
 
-  def bwd(res, cts):
-    m, structs = res
+  def bwd(m, cts):
     (p,) = spread(m)
-    grads = {x: None for x in inputs[1:]}
+    grads = dict.fromkeys(inputs[1:])
     for case_refs, ct in zip(cases, cts):
       for i, x in enumerate(case_refs):
         if isinstance(x, Lit):
           continue
         which = (p == i) if p.dtype != np.bool_ else (p if i == 1 else ~p)
-        part = jax.numpy.where(which, ct, jax.numpy.zeros_like(ct))
+        part = jnp.where(which, ct, jnp.zeros_like(ct))
         grads[x] = part if grads[x] is None else grads[x] + part
-    out = [np.zeros(m.shape, jax.dtypes.float0)]
-    for x, st in zip(inputs[1:], structs):
-      if not jax.numpy.issubdtype(st.dtype, jax.numpy.inexact):
-        out.append(np.zeros(st.shape, jax.dtypes.float0))
-      else:
-        out.append(grads[x].astype(st.dtype) if grads[x] is not None
-                   else jax.numpy.zeros(st.shape, st.dtype))
-    return tuple(out)
+    return tuple(zero(a) if k == 0 or grads[x] is None or not jnp.issubdtype(a.dtype, jnp.inexact)
+                 else grads[x].astype(a.dtype) for k, (x, a) in enumerate(zip(inputs, avals)))
 
   f.defvjp(fwd, bwd)
   return Unit(frozenset([b, *selects]), inputs, outputs, f)

@@ -785,12 +785,11 @@ def _is_array(leaf) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def _gradient_temp(closed, positions, opts: _Options | None) -> int:
-  """Compiled temp bytes of the pullback of ``closed`` (converted with ``opts``; None: as it
-  is) with respect to its inputs at ``positions``, ones as the floating outputs' cotangents."""
-  structs = _graph.shape_structs(closed.in_avals)
-  graph = _graph.flatten(closed)
-
+def _gradient_temp(closed, graph: _graph.Graph, structs: list, positions,
+                   opts: _Options | None) -> int:
+  """Compiled temp bytes of the pullback of ``closed`` (``graph``, its flattened form,
+  converted with ``opts``; None: as it is) at ``structs`` with respect to its inputs at
+  ``positions``, ones as the floating outputs' cotangents."""
   def step(*a):
     def f(*d):
       full = list(a)
@@ -813,17 +812,22 @@ def _temp_fallback(closed, positions, make_opts: Callable[[frozenset], _Options]
   """The sites to leave alone so that the gradient's compiled temp is at most the
   unconverted program's: none if converting all of them already is; else sites in the order
   of the temp that leaving each alone saves (measured one at a time), until it is."""
-  original = _gradient_temp(closed, positions, None)
-  opts = make_opts(frozenset())
-  if _gradient_temp(closed, positions, opts) <= original:
+  graph, structs = _graph.flatten(closed), _graph.shape_structs(closed.in_avals)
+
+  def temp(skip: frozenset | None, opts: _Options | None = None) -> int:
+    if skip is not None and opts is None:
+      opts = make_opts(skip)
+    return _gradient_temp(closed, graph, structs, positions, opts)
+  original = temp(None)
+  everything = make_opts(frozenset())
+  if temp(frozenset(), everything) <= original:
     return frozenset()
-  saved = {i: -_gradient_temp(closed, positions, make_opts(frozenset({i})))
-           for i in range(opts.sites)}
+  saved = {i: -temp(frozenset({i})) for i in range(everything.sites)}  # sites: counted above
   skip: set = set()
   for i in sorted(saved, key=lambda i: (-saved[i], i)):
     skip.add(i)
-    if _gradient_temp(closed, positions, make_opts(frozenset(skip))) <= original:
-      return frozenset(skip)
+    if temp(frozenset(skip)) <= original:
+      break
   return frozenset(skip)
 
 

@@ -82,6 +82,9 @@ PLAN_BUDGETS = (0.25, 0.5, 0.75)
 _PROJECTIONS = ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj", "mlpwi_0",
                 "mlpwi_1", "mlpwi", "mlpwo")
 _QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
+#: MaxText's presets (and ``full``): the ``checkpoint_name`` s each saves.
+_SAVED = {"full": (), "minimal": _PROJECTIONS, "save_qkv_proj": _QKV,
+          "save_dot_except_mlp": (*_QKV, "out_proj"), "save_out_proj": ("out_proj",)}
 
 
 def _offloaded():
@@ -96,10 +99,8 @@ POLICIES: dict[str, Any] = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "minimal": jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
-    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names(*_QKV),
-    "save_dot_except_mlp": jax.checkpoint_policies.save_only_these_names(*_QKV, "out_proj"),
-    "save_out_proj": jax.checkpoint_policies.save_only_these_names("out_proj"),
+    **{name: jax.checkpoint_policies.save_only_these_names(*saved)
+       for name, saved in _SAVED.items() if saved},
     "minimal_offloaded": _offloaded,
 }
 
@@ -306,7 +307,7 @@ def profile_from_rows(rs: list[dict], stack: str, invact: bool) -> planner.Layer
   nbytes = dict.fromkeys(widths, 0.0)
   gain = dict.fromkeys(widths, 0.0)
   for with_, without in _GROUPS:
-    group = [t for t in widths if _keeps(with_, t) and not _keeps(without, t)]
+    group = [t for t in widths if t in _SAVED[with_] and t not in _SAVED[without]]
     b = max(by[with_]["activation_bytes"] - by[without]["activation_bytes"], 0) / layers
     ms = max(by[without]["step_ms"] - by[with_]["step_ms"], 0.0) / layers
     for t in group:
@@ -318,13 +319,6 @@ def profile_from_rows(rs: list[dict], stack: str, invact: bool) -> planner.Layer
       base_bytes=int(by["full"]["activation_bytes"]), tags=tuple(widths),
       tag_bytes=tuple(int(round(nbytes[t])) for t in widths),
       tag_gain=tuple(float(gain[t]) for t in widths), full_cost=float(full_cost))
-
-
-def _keeps(policy: str, tag: str) -> bool:
-  """Whether the MaxText-style ``policy`` keeps ``tag`` (by the names it saves)."""
-  names = {"full": (), "save_qkv_proj": _QKV, "save_out_proj": ("out_proj",),
-           "save_dot_except_mlp": (*_QKV, "out_proj"), "minimal": _PROJECTIONS}[policy]
-  return tag in names
 
 
 def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,

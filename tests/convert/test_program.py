@@ -472,7 +472,7 @@ def test_fallback_leaves_alone_the_sites_that_save_most_until_the_temp_is_not_ab
   cost = {0: 5, 1: 30, 2: -10}  # what converting each site adds to an original temp of 100
   calls = []
 
-  def fake_temp(closed, positions, opts):
+  def fake_temp(closed, graph, structs, positions, opts):
     calls.append(None if opts is None else opts.skip)
     if opts is None:
       return 100
@@ -517,7 +517,7 @@ def test_fallback_under_vmap_scan_and_shard_map(monkeypatch):
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   from invact_jax.convert import _program
 
-  def fake_temp(closed, positions, opts):
+  def fake_temp(closed, graph, structs, positions, opts):
     if opts is None:
       return 100
     opts.sites = 2
