@@ -3,6 +3,11 @@ the plain code and tokamax (where installed), memory and time side by side in on
 
   python scripts/bench_lm_head.py --json bench/lm_head_cpu_2026-11-25.json
   python scripts/bench_lm_head.py --tokens 256 --vocab 4096 --repeats 2     # seconds
+  python scripts/bench_lm_head.py --tokens 8192 --d 4096 --vocab 128256 --dtypes bfloat16  # GPU
+  python scripts/bench_lm_head.py ... --tiles 1024x1024 8192x2048     # a tile sweep
+
+Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
+(on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
 
 See models/experiments/lm_head.py.
 """
@@ -10,12 +15,22 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 
-import jax
+# PyTorch's rows (where torch is importable) run in child processes on the same device.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import jax  # pylint: disable=wrong-import-position
 
-from models.experiments import cli
-from models.experiments import lm_head
+from models.experiments import cli  # pylint: disable=wrong-import-position
+from models.experiments import lm_head  # pylint: disable=wrong-import-position
+
+
+def tile(text: str) -> tuple[int, int]:
+  parts = text.lower().split("x")
+  if len(parts) != 2:
+    raise ValueError(text)  # argparse: "invalid tile value"
+  return cli.positive_int(parts[0]), cli.positive_int(parts[1])
 
 
 def main(argv=None) -> int:
@@ -26,9 +41,11 @@ def main(argv=None) -> int:
   p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                  choices=("float32", "bfloat16"))
   p.add_argument("--repeats", type=cli.positive_int, default=7)
+  p.add_argument("--tiles", nargs="+", type=tile, default=[], metavar="TOKENSxVOCAB",
+                 help="also invact_jax with these tiles (e.g. 1024x1024 8192x2048)")
   p.add_argument("--json", help="also write the rows here")
   a = p.parse_args(argv)
-  rows = lm_head.rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats)
+  rows = lm_head.rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats, tiles=a.tiles)
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "tokens": a.tokens, "d": a.d, "vocab": a.vocab, "repeats": a.repeats,
           "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],

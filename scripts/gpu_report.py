@@ -5,6 +5,7 @@ PyTorch + Liger; one command on one NVIDIA GPU (issues 18, 42).
 
   python scripts/gpu_report.py                         # everything, ~8 min on an H100
   python scripts/gpu_report.py --sections kernels,tests
+  python scripts/gpu_report.py --sections frontier --stacks llama    # one stack's frontier
   python scripts/gpu_report.py --dry-run               # CPU, tiny sizes (the test suite runs this)
   python scripts/gpu_report.py --docs bench/gpu_*.json     # docs/gpu-report.md's block (newest per device)
 
@@ -39,7 +40,7 @@ def write_docs(paths, doc_path: pathlib.Path) -> int:
       print(f"error: --docs: no such file {str(p)!r}", file=sys.stderr)
       return 2
   parts = [gpu_report.markdown(json.loads(p.read_text()))
-           for p in gpu_report.newest_per_device(paths)]
+           for p in gpu_report.newest_per_section(paths)]
   text = doc_path.read_text()
   if BEGIN not in text or END not in text:
     print(f"error: {doc_path} has no {BEGIN} ... {END} block", file=sys.stderr)
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
   from models.experiments import cli  # pylint: disable=import-outside-toplevel
   p = cli.parser(__doc__)
   p.add_argument("--sections", default=None, help="comma list (default: all)")
+  p.add_argument("--stacks", default=None,
+                 help="frontier: comma list of stacks (default: llama,llama-7b,gpt2-medium,vit-l16)")
   p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise every path")
   p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget, seconds")
   p.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench")
@@ -74,6 +77,12 @@ def main(argv=None) -> int:
   if bad:
     print(f"error: --sections: unknown {bad}; choose from {list(gpu_report.SECTIONS)}",
           file=sys.stderr)
+    return 2
+  from models.experiments import frontier  # pylint: disable=import-outside-toplevel
+  args.stacks = args.stacks.split(",") if args.stacks else None
+  if args.stacks and any(s not in frontier.STACKS for s in args.stacks):
+    print(f"error: --stacks: unknown {[s for s in args.stacks if s not in frontier.STACKS]}; "
+          f"choose from {list(frontier.STACKS)}", file=sys.stderr)
     return 2
   if args.budget_s <= 0:
     print("error: --budget-s must be positive", file=sys.stderr)
@@ -189,7 +198,8 @@ def _frontier(report, args, dry, on_gpu, progress, section_deadline, deadline):
   del on_gpu, deadline
   env = report["environment"]
   report["frontier"] = frontier.run(args.out_dir, device=env["device"], date=env["date"],
-                                    dry=dry, deadline=section_deadline(1.0), progress=progress)
+                                    dry=dry, deadline=section_deadline(1.0), stacks=args.stacks,
+                                    progress=progress)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import math
+import subprocess
+import sys
 import types
 import typing
 from typing import Any, Callable, Sequence
 
 __all__ = ["ArgumentParser", "parser", "option", "flag", "add_arguments", "from_args", "check",
-           "positive_int", "nonnegative_int"]
+           "positive_int", "nonnegative_int", "run_child"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -151,3 +155,28 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
   """An argparse ``type``: an integer >= 0."""
   return _int_at_least(text, 0)
+
+
+def run_child(module: str, spec: dict, timeout_s: float, env=None) -> dict:
+  """Run ``python -m module SPEC_JSON`` and return the JSON row it prints last.
+
+  Args:
+    module: the module to run (its ``__main__`` prints one JSON object as its last line).
+    spec: the row's specification, passed as the only argument, JSON-encoded.
+    timeout_s: seconds before the child is killed (``math.inf``: no limit).
+    env: the child's environment (``None``: this process's).
+
+  Returns:
+    The child's row, or ``{"error": ...}`` naming a timeout or the child's last stderr line.
+  """
+  cmd = [sys.executable, "-m", module, json.dumps(spec)]
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                         timeout=None if math.isinf(timeout_s) else max(timeout_s, 1.0))
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout_s:.0f} s"}
+  lines = out.stdout.strip().splitlines()
+  try:
+    return json.loads(lines[-1])
+  except (IndexError, ValueError):
+    return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:300]}

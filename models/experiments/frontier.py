@@ -27,7 +27,6 @@ import itertools
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -38,10 +37,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
 from invact_jax import memory, planner
+from models.experiments import cli
 from models.experiments import floor
 
 __all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "Shape", "build", "measure", "child",
-           "rows", "profile_from_rows", "plan_specs", "layers_that_fit", "pareto", "markdown",
+           "rows", "profile_from_rows", "plan_specs", "layers_that_fit", "pareto",
+           "per_token_layer", "markdown",
            "headline_rows", "plot"]
 
 
@@ -252,20 +253,6 @@ def child(spec: dict) -> dict:
     return {**_key(spec), "error": f"{type(e).__name__}: {text[0][:200] if text else ''}"}
 
 
-def _in_child(module: str, spec: dict, timeout_s: float, env=None) -> dict:
-  cmd = [sys.executable, "-m", module, json.dumps(spec)]
-  try:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
-                         timeout=None if math.isinf(timeout_s) else max(timeout_s, 1.0))
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {timeout_s:.0f} s"}
-  lines = out.stdout.strip().splitlines()
-  try:
-    return json.loads(lines[-1])
-  except (IndexError, ValueError):
-    return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-
-
 # --------------------------------------------------------------- the planner's rows
 # Which measured policies give which tags' figures: (policy with the group kept, policy
 # without it) -- the group's tags are those the first keeps and the second does not.
@@ -390,33 +377,45 @@ def layers_that_fit(stack: str, dtype: str, *, limit_bytes: int | None = None,
 def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
          in_process: bool = False, torch_variants=None, deadline: float = math.inf,
          plans: bool = True, progress: Callable[[str], None] = lambda _: None) -> list[dict]:
-  """Every (stack, policy, invact) row, the planner's plans (with ``plans``, where the
-  policies it is calibrated on were measured), then the torch rows where torch is
-  importable.  Stacks in :data:`FIT` have as many layers as fit (on a GPU)."""
+  """Per stack: the torch rows where torch is importable (the baselines first: a deadline
+  cuts the JAX rows, not the comparison), every (policy, invact) row, then the planner's plans
+  (with ``plans``, where the policies it is calibrated on were measured).
+  Stacks in :data:`FIT` have as many layers as fit (on a GPU)."""
+  from models.experiments import frontier_torch  # pylint: disable=import-outside-toplevel
   policies = [p for p in (policies or POLICIES) if p != "minimal_offloaded" or has_memory_kinds()]
-  layers = {name: (layers_that_fit(name, dtype) if name in FIT else STACKS[name].layers)
-            for name in stacks}
   out = []
 
   def one(spec):
     return (child(spec) if in_process else
-            {**_key(spec), **_in_child("models.experiments.frontier", spec,
-                                       deadline - time.time())})
+            {**_key(spec), **cli.run_child("models.experiments.frontier", spec,
+                                           deadline - time.time())})
   for name in stacks:
+    layers = layers_that_fit(name, dtype) if name in FIT else STACKS[name].layers
+    for variant in ((frontier_torch.VARIANTS if torch_variants is None else torch_variants)
+                    if frontier_torch.importable() else ()):
+      if time.time() > deadline:
+        progress("frontier: out of time")
+        return out
+      progress(f"frontier {name} torch {variant}")
+      spec = {"stack": name, "variant": variant, "dtype": dtype, "repeats": repeats,
+              "shape": dataclasses.asdict(dataclasses.replace(STACKS[name], layers=layers))}
+      res = cli.run_child("models.experiments.frontier_torch", spec, deadline - time.time())
+      out.append({"model": name, "framework": "torch", "configuration": variant,
+                  "invact": False, "dtype": dtype, "layers": layers, **res})
     for policy in policies:
       for invact in (False, True):
         if time.time() > deadline:
           progress("frontier: out of time")
           return out
         spec = {"stack": name, "policy": policy, "invact": invact, "dtype": dtype,
-                "repeats": repeats, "layers": layers[name]}
+                "repeats": repeats, "layers": layers}
         progress(f"frontier {name} {policy}{' +invact' if invact else ''}")
         out.append(one(spec))
     if plans and set(_PLAN_POLICIES) | {"none"} <= set(policies):
       for spec in plan_specs(out, name, dtype=dtype, repeats=repeats):
         if "error" in spec or time.time() > deadline:
-          out.append({**_key(spec), **{k: spec[k] for k in ("budget_bytes", "error")
-                                       if k in spec}})
+          out.append({**_key(spec), "error": spec.get("error", "out of time"),
+                      **({"budget_bytes": spec["budget_bytes"]} if "budget_bytes" in spec else {})})
           continue
         progress(f"frontier {name} {spec['configuration']}")
         row = one(spec)
@@ -425,19 +424,6 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
         if "error" not in row:
           row["prediction_error"] = row["activation_bytes"] / spec["predicted_bytes"] - 1
         out.append(row)
-  from models.experiments import frontier_torch  # pylint: disable=import-outside-toplevel
-  if frontier_torch.importable():
-    for name in stacks:
-      for variant in (frontier_torch.VARIANTS if torch_variants is None else torch_variants):
-        if time.time() > deadline:
-          return out
-        progress(f"frontier {name} torch {variant}")
-        spec = {"stack": name, "variant": variant, "dtype": dtype, "repeats": repeats,
-                "shape": dataclasses.asdict(dataclasses.replace(STACKS[name],
-                                                                layers=layers[name]))}
-        res = _in_child("models.experiments.frontier_torch", spec, deadline - time.time())
-        out.append({"model": name, "framework": "torch", "configuration": variant,
-                    "invact": False, "dtype": dtype, **res})
   return out
 
 
@@ -469,18 +455,29 @@ def _plan_note(r: dict) -> str:
   return note
 
 
+def per_token_layer(r: dict) -> float:
+  """A row's activation bytes per token and layer, in units of ``d`` elements of its dtype
+  (issue 39's unit: the floor of a pre-norm Llama layer is about 6 d + 2 ff)."""
+  s = STACKS[r["model"]]
+  layers = r.get("layers") or s.layers
+  itemsize = jnp.dtype(r.get("dtype", "bfloat16")).itemsize
+  return r["activation_bytes"] / (s.batch * s.seq * layers * s.d * itemsize)
+
+
 def markdown(rs: list[dict]) -> str:
-  """The rows as a markdown table (``front``: on the model's Pareto front)."""
-  lines = ["| model | framework | configuration | invact | activations MiB | step ms | front | "
-           "plan |", "|---|---|---|---|---:|---:|---|---|"]
+  """The rows as a markdown table (``front``: on the model's Pareto front; ``d per
+  token-layer``: :func:`per_token_layer`)."""
+  lines = ["| model | framework | configuration | invact | activations MiB | d per token-layer | "
+           "step ms | front | plan |", "|---|---|---|---|---:|---:|---:|---|---|"]
   for r in rs:
     if "error" in r:
       lines.append(f"| {r['model']} | {r['framework']} | {r['configuration']} | "
-                   f"{'yes' if r['invact'] else 'no'} | — | — | {r['error']} | |")
+                   f"{'yes' if r['invact'] else 'no'} | — | — | — | {r['error']} | |")
       continue
     lines.append(f"| {r['model']} | {r['framework']} | {r['configuration']} | "
                  f"{'yes' if r['invact'] else 'no'} | {r['activation_bytes'] / 2**20:,.1f} | "
-                 f"{r['step_ms']:.1f} | {'*' if r.get('pareto') else ''} | {_plan_note(r)} |")
+                 f"{per_token_layer(r):.1f} | {r['step_ms']:.1f} | "
+                 f"{'*' if r.get('pareto') else ''} | {_plan_note(r)} |")
   return "\n".join(lines)
 
 
@@ -502,7 +499,8 @@ def headline_rows(data: dict, path: str) -> list[str]:
     liger = next((r for r in mine if r["framework"] == "torch" and r["configuration"] == "liger"),
                  None)
     if liger is not None:
-      budgets.append((f"PyTorch + Liger's ({liger['step_ms']:.1f} ms)", liger["activation_bytes"]))
+      budgets.append((f"PyTorch + Liger's ({liger['activation_bytes'] / 2**30:.2f} GiB, "
+                      f"{liger['step_ms']:.1f} ms)", liger["activation_bytes"]))
 
     def best(invact, budget):
       fits = [r for r in mine if r["framework"] == "jax" and r["invact"] == invact
@@ -549,13 +547,13 @@ def plot(rs: list[dict], path) -> None:
 
 
 def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.inf,
-        progress: Callable[[str], None] = lambda _: None) -> dict:
+        stacks=None, progress: Callable[[str], None] = lambda _: None) -> dict:
   """The frontier section: rows for issue 42's stacks (``dry``: one tiny stack, two policies,
   in this process), their Pareto front, ``frontier_<device>_<date>.json`` (``device``,
   ``rows``), ``.md`` and ``.png`` in ``out_dir``."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import re  # pylint: disable=import-outside-toplevel
-  stacks = ["dry-llama"] if dry else ["llama", "llama-7b", "gpt2-medium", "vit-l16"]
+  stacks = stacks or (["dry-llama"] if dry else ["llama", "llama-7b", "gpt2-medium", "vit-l16"])
   rs = pareto(rows(stacks, dtype="float32" if dry else "bfloat16",
                    policies=["none", "full"] if dry else None, repeats=2 if dry else 7,
                    in_process=dry, torch_variants=("eager", "checkpoint") if dry else None,

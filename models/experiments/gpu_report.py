@@ -44,8 +44,8 @@ CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all", "inver
 CHILD_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
              "PYTHONUNBUFFERED": "1"}
 
-__all__ = ["SECTIONS", "environment", "kernels", "tests", "models", "max_batch", "planner",
-           "child", "markdown"]
+__all__ = ["SECTIONS", "newest_per_device", "newest_per_section", "environment", "kernels",
+           "tests", "models", "max_batch", "planner", "child", "markdown"]
 
 
 def _versions() -> dict:
@@ -274,6 +274,25 @@ def newest_per_device(paths) -> list:
   for p in sorted(paths):
     latest[p.stem.rsplit("_", 1)[0]] = p
   return sorted(latest.values())
+
+
+def newest_per_section(paths) -> list:
+  """Of report files ``gpu_<device>_<date>.json``, per device the newest, then each older one
+  that holds a section no newer one of the device holds (a report may have run only some
+  sections); newest first per device, devices sorted."""
+  import json  # pylint: disable=import-outside-toplevel
+  by_device = {}
+  for p in sorted(paths):
+    by_device.setdefault(p.stem.rsplit("_", 1)[0], []).append(p)
+  out = []
+  for device in sorted(by_device):
+    covered = set()
+    for i, p in enumerate(reversed(by_device[device])):
+      have = {s for s in SECTIONS if json.loads(p.read_text()).get(s)}
+      if i == 0 or have - covered:
+        out.append(p)
+      covered |= have
+  return out
 
 
 def _largest(r: dict) -> str:

@@ -51,7 +51,11 @@ def markdown(root: pathlib.Path = ROOT) -> str:
   bench = root / "bench"
   lines = ["| figure | JAX default (`standard`) | invact_jax (`inverted-all`) | measured on | "
            "source |", "|---|---:|---:|---|---|"]
-  for p in gpu_report.newest_per_device(bench.glob("gpu_*_????-??-??.json")):
+  # A report may hold only some sections (the frontier alone, say): the model rows come from
+  # the newest report per device that measured the models.
+  with_models = [p for p in bench.glob("gpu_*_????-??-??.json")
+                 if json.loads(p.read_text()).get("models")]
+  for p in gpu_report.newest_per_device(with_models):
     lines += _gpu_rows(json.loads(p.read_text()), f"bench/{p.name}")
   for p in gpu_report.newest_per_device(bench.glob("frontier_*_????-??-??.json")):
     data = json.loads(p.read_text())

@@ -14,6 +14,7 @@ fused linear cross-entropy runs on a GPU in its own process (``torch_rows``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import re
 import statistics
@@ -27,7 +28,7 @@ import optax
 
 import invact_jax
 
-__all__ = ["Head", "VARIANTS", "make_head", "measure", "rows"]
+__all__ = ["Head", "VARIANTS", "make_head", "measure", "rows", "torch_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +73,14 @@ def _tokamax(implementation: str) -> Callable | None:
   return loss
 
 
-def variants() -> dict[str, Callable]:
-  """name -> loss(x, w, labels), those that can run here."""
+def variants(tiles=()) -> dict[str, Callable]:
+  """name -> loss(x, w, labels), those that can run here; per ``(tokens, vocabulary entries)``
+  in ``tiles``, ``invact_jax`` with that tile (``"invact_jax tile TxV"``: the sweep that picks
+  a device's default)."""
   out = {"plain": plain, "invact_jax": ours, "invact_jax.invert(plain)": invact_jax.invert(plain)}
+  for t, v in tiles:
+    out[f"invact_jax tile {t}x{v}"] = functools.partial(
+        invact_jax.linear_cross_entropy, chunk_size=t, vocab_chunk_size=v)
   for impl in ("chunked_xla", "xla"):
     fn = _tokamax(impl)
     if fn is not None:
@@ -128,39 +134,82 @@ def reference_grads(head: Head):
     return [np.asarray(a, np.float64) for a in g]
 
 
+def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
+               variants=None) -> list[dict]:
+  """PyTorch's rows on the same head (:mod:`models.experiments.lm_head_torch`), one process
+  each; ``[]`` where torch is not importable.
+
+  Args:
+    head: the head the JAX rows measured (saved once to a temporary ``.npz``).
+    dtype: "float32" or "bfloat16".
+    repeats: timed steps per row (the median is reported).
+    timeout_s: seconds each row may take.
+    variants: names from ``lm_head_torch.VARIANTS`` (``None``: all).
+
+  Returns:
+    One row per variant (``framework`` "torch"), or one with ``error``.
+  """
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  from models.experiments import lm_head_torch  # pylint: disable=import-outside-toplevel
+  if not lm_head_torch.importable():
+    return []
+  n, d, v = head.shape
+  out = []
+  with tempfile.TemporaryDirectory() as tmp:
+    path = f"{tmp}/head.npz"
+    np.savez(path, x=np.asarray(head.x, np.float32), w=np.asarray(head.w, np.float32),
+             labels=np.asarray(head.labels))
+    for name in variants or lm_head_torch.VARIANTS:
+      spec = {"path": path, "variant": name, "dtype": dtype, "repeats": repeats}
+      row = cli.run_child("models.experiments.lm_head_torch", spec, timeout_s)
+      out.append({"dtype": dtype, "tokens": n, "d": d, "vocab": v, "framework": "torch",
+                  **row, "variant": name})
+  return out
+
+
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
-         names=None) -> list[dict]:
-  """Every variant on one head per dtype."""
+         names=None, torch: bool = True, tiles=()) -> list[dict]:
+  """Every variant on one head per dtype (``tiles``: see :func:`variants`); with ``torch``,
+  PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
+  ``time_vs_plain`` are against the plain head of the same framework and dtype."""
   out = []
   for dtype in dtypes:
     head = make_head(tokens, d, vocab, jnp.dtype(dtype))
+    if torch:  # first, while this process holds little of the device's memory
+      out += torch_rows(head, jnp.dtype(dtype).name, repeats)
     g64 = reference_grads(head)
-    for name, loss in variants().items():
-      if names is not None and name not in names:
+    for name, loss in variants(tiles).items():
+      if names is not None and name not in names and not name.startswith("invact_jax tile"):
         continue
       row = measure(name, loss, head, repeats, g64)
       out.append({"dtype": jnp.dtype(dtype).name, "tokens": tokens, "d": d, "vocab": vocab,
                   "framework": "jax", **row})
-  for dtype in dtypes:
-    base = next((r for r in out if r["dtype"] == jnp.dtype(dtype).name
-                 and r["variant"] == "plain"), None)
-    for r in out:
-      if base is not None and r["dtype"] == base["dtype"] and "temp_bytes" in r:
-        r["temp_vs_plain"] = r["temp_bytes"] / base["temp_bytes"]
-        r["time_vs_plain"] = r["time_s"] / base["time_s"]
+    del g64
+  for r in out:
+    base = next((b for b in out if b["dtype"] == r["dtype"] and b["framework"] == r["framework"]
+                 and b["variant"].endswith("plain") and "error" not in b), None)
+    if base is not None and "temp_bytes" in r and "temp_bytes" in base:
+      r["temp_vs_plain"] = r["temp_bytes"] / base["temp_bytes"]
+    if base is not None and "time_s" in r:
+      r["time_vs_plain"] = r["time_s"] / base["time_s"]
   return out
 
 
 def table(rs: list[dict]) -> str:
+  """The rows as a Markdown table ("vs plain": against the same framework's plain head; temp:
+  XLA's compiled temp for JAX, the allocator's peak over the resident inputs and gradients for
+  torch on a GPU)."""
   lines = ["| dtype | variant | temp MiB | vs plain | [N, V] buffer | time (s) | vs plain | "
            "grad error vs float64 |", "|---|---|---:|---:|---|---:|---:|---:|"]
+  nan = float("nan")
   for r in rs:
     if "error" in r:
       lines.append(f"| {r['dtype']} | {r['variant']} | — | — | — | — | — | {r['error']} |")
       continue
+    temp = (f"{r['temp_bytes'] / 2**20:.1f} | {100 * r.get('temp_vs_plain', nan):.1f} % | "
+            f"{'yes' if r['logits_buffer'] else 'no'}" if "temp_bytes" in r else "— | — | —")
     lines.append(
-        f"| {r['dtype']} | {r['variant']} | {r['temp_bytes'] / 2**20:.1f} | "
-        f"{100 * r.get('temp_vs_plain', float('nan')):.1f} % | "
-        f"{'yes' if r['logits_buffer'] else 'no'} | {r['time_s']:.3f} | "
-        f"{r.get('time_vs_plain', float('nan')):.2f} | {r.get('grad_error', float('nan')):.1e} |")
+        f"| {r['dtype']} | {r['variant']} | {temp} | {r['time_s']:.3f} | "
+        f"{r.get('time_vs_plain', nan):.2f} | {r.get('grad_error', nan):.1e} |")
   return "\n".join(lines)

@@ -154,4 +154,30 @@ def test_headline_rows_name_the_fastest_within_each_budget(tmp_path):
   # 50 % (1.75 GiB): JAX-only save_dot_except_mlp (1.40 GiB, 12 ms); invact minimal (1.80) does
   # not fit, its save_dot_except_mlp (1.26 GiB) does
   assert "save_dot_except_mlp: 12.0 ms, 1.40 GiB | save_dot_except_mlp: 12.0 ms, 1.26 GiB (1.00×)" in lines[1]
-  assert "PyTorch + Liger's (5.0 ms)" in lines[2] and "GPU X, JAX 0.11.2, 2026-11-25" in lines[2]
+  assert "PyTorch + Liger's (1.50 GiB, 5.0 ms)" in lines[2] and "GPU X, JAX 0.11.2, 2026-11-25" in lines[2]
+
+
+def test_a_deadline_leaves_error_rows_that_the_front_and_table_skip(monkeypatch):
+  """Plans not run for lack of time are rows with an error (on the H100 they had none, and the
+  Pareto front raised KeyError on them, losing the whole section's JSON)."""
+  import time  # pylint: disable=import-outside-toplevel
+  synthetic = {(r["configuration"], r["invact"]): r for r in _synthetic(scale=1e4)}
+  policies = ["none", *frontier._PLAN_POLICIES]
+  now = [0.0]
+  monkeypatch.setattr(time, "time", lambda: now[0])
+
+  def measure(spec):  # the clock passes the deadline with the last policy's row
+    if (spec["policy"], spec["invact"]) == (policies[-1], True):
+      now[0] = 100.0
+    return dict(synthetic[("default" if spec["policy"] == "none" else spec["policy"],
+                           spec["invact"])])
+  monkeypatch.setattr(frontier, "measure", measure)
+  rs = frontier.rows(["dry-llama"], dtype="float32", repeats=1, in_process=True,
+                     torch_variants=(), policies=policies, deadline=50.0)
+  assert len(rs) == 2 * len(policies) + 3
+  plans = [r for r in rs if r["configuration"].startswith("plan")]
+  errors = [r.get("error") for r in plans]  # 25 %: below what any plan keeps (its own error)
+  assert "infeasible" in errors[0] and errors[1:] == ["out of time"] * 2, errors
+  front = frontier.pareto(rs)
+  assert not any(r["pareto"] for r in plans) and any(r["pareto"] for r in front)
+  assert "out of time" in frontier.markdown(front)

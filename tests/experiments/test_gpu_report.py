@@ -97,13 +97,28 @@ def test_resume_keeps_measured_figures():
 
 
 def test_docs_block_is_generated_from_the_committed_report():
-  reports = gpu_report.newest_per_device((ROOT / "bench").glob("gpu_*_????-??-??.json"))
+  reports = gpu_report.newest_per_section((ROOT / "bench").glob("gpu_*_????-??-??.json"))
   if not reports:
     pytest.skip("no GPU report committed")
   md = "\n".join(gpu_report.markdown(json.loads(p.read_text())) for p in reports)
   readme = (ROOT / "docs" / "gpu-report.md").read_text()
   block = readme.split("<!-- gpu-report:begin -->\n", 1)[1].split("<!-- gpu-report:end -->", 1)[0]
   assert block.strip() == md.strip()
+
+
+def test_docs_take_each_section_from_the_newest_report_that_has_it(tmp_path):
+  def report(name, *sections):
+    p = tmp_path / f"gpu_{name}.json"
+    p.write_text(json.dumps({s: {"x": 1} for s in sections}))
+    return p
+  a1 = report("dev-a_2026-11-22", "kernels", "tests", "models")
+  a2 = report("dev-a_2026-11-23", "kernels", "models")  # tests: older one still newest
+  a3 = report("dev-a_2026-11-25", "frontier")
+  b1 = report("dev-b_2026-11-20", "kernels")
+  b2 = report("dev-b_2026-11-21", "kernels", "tests")  # covers all of b1
+  got = gpu_report.newest_per_section([a1, a2, a3, b1, b2])
+  assert got == [a3, a2, a1, b2], got
+  assert gpu_report.newest_per_device([a1, a2, a3, b1, b2]) == [a3, b2]
 
 
 def test_without_a_gpu_it_says_so():
