@@ -42,7 +42,7 @@ from models.experiments import floor
 
 __all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "Shape", "build", "measure", "child",
            "rows", "profile_from_rows", "plan_specs", "layers_that_fit", "pareto",
-           "per_token_layer", "markdown",
+           "per_token_layer", "markdown", "newest_per_model",
            "headline_rows", "plot"]
 
 
@@ -479,6 +479,29 @@ def markdown(rs: list[dict]) -> str:
                  f"{per_token_layer(r):.1f} | {r['step_ms']:.1f} | "
                  f"{'*' if r.get('pareto') else ''} | {_plan_note(r)} |")
   return "\n".join(lines)
+
+
+def newest_per_model(paths) -> list:
+  """Of frontier JSONs ``frontier_<device>_<date>.json`` (dry runs skipped), per device and
+  model the rows of the newest file that measured the model (rows of one model are never
+  mixed across runs: their step times compare only within a run).  Returns ``[(path,
+  data)]``, ``data`` holding only the models taken from that file; newest first per device."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  by_device: dict = {}
+  for p in sorted(map(pathlib.Path, paths)):
+    by_device.setdefault(p.stem.rsplit("_", 1)[0], []).append(p)
+  out = []
+  for device in sorted(by_device):
+    taken: set = set()
+    for p in reversed(by_device[device]):
+      data = json.loads(p.read_text())
+      if data.get("dry"):
+        continue
+      models = {r["model"] for r in data["rows"] if "error" not in r} - taken
+      if models:
+        out.append((p, {**data, "rows": [r for r in data["rows"] if r["model"] in models]}))
+        taken |= models
+  return out
 
 
 def headline_rows(data: dict, path: str) -> list[str]:

@@ -278,17 +278,21 @@ def newest_per_device(paths) -> list:
 
 def newest_per_section(paths) -> list:
   """Of report files ``gpu_<device>_<date>.json``, per device the newest, then each older one
-  that holds a section no newer one of the device holds (a report may have run only some
-  sections); newest first per device, devices sorted."""
+  that holds a section (the frontier: a model's rows) no newer one of the device holds (a
+  report may have run only some sections); newest first per device, devices sorted."""
   import json  # pylint: disable=import-outside-toplevel
   by_device = {}
   for p in sorted(paths):
     by_device.setdefault(p.stem.rsplit("_", 1)[0], []).append(p)
   out = []
+  def held(report: dict) -> set:  # the frontier counts per model (a run may hold some stacks)
+    out = {s for s in SECTIONS if s != "frontier" and report.get(s)}
+    return out | {f"frontier {r.get('model')}" for r in (report.get("frontier") or {}).get(
+        "rows", ()) if "error" not in r}
   for device in sorted(by_device):
     covered = set()
     for i, p in enumerate(reversed(by_device[device])):
-      have = {s for s in SECTIONS if json.loads(p.read_text()).get(s)}
+      have = held(json.loads(p.read_text()))
       if i == 0 or have - covered:
         out.append(p)
       covered |= have

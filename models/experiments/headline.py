@@ -57,10 +57,8 @@ def markdown(root: pathlib.Path = ROOT) -> str:
                  if json.loads(p.read_text()).get("models")]
   for p in gpu_report.newest_per_device(with_models):
     lines += _gpu_rows(json.loads(p.read_text()), f"bench/{p.name}")
-  for p in gpu_report.newest_per_device(bench.glob("frontier_*_????-??-??.json")):
-    data = json.loads(p.read_text())
-    if not data.get("dry"):
-      lines += frontier.headline_rows(data, f"bench/{p.name}")
+  for p, data in frontier.newest_per_model(bench.glob("frontier_*_????-??-??.json")):
+    lines += frontier.headline_rows(data, f"bench/{p.name}")
   parity = json.loads((bench / "parity.json").read_text())
   meta = parity["meta"]
   for task in sorted({r["task"] for r in parity["summary"]}):

@@ -181,3 +181,26 @@ def test_a_deadline_leaves_error_rows_that_the_front_and_table_skip(monkeypatch)
   front = frontier.pareto(rs)
   assert not any(r["pareto"] for r in plans) and any(r["pareto"] for r in front)
   assert "out of time" in frontier.markdown(front)
+
+
+def test_newest_per_model_never_mixes_a_models_rows_across_runs(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+
+  def run(name, rows, dry=False):
+    p = tmp_path / f"frontier_{name}.json"
+    p.write_text(json.dumps({"device": "X", "date": name[-10:], "dry": dry, "rows": rows}))
+    return p
+
+  def row(model, ms, **kw):
+    return {"model": model, "framework": "jax", "configuration": "default", "invact": False,
+            "activation_bytes": 1, "step_ms": ms, **kw}
+  old = run("gpu-x_2026-11-25", [row("llama", 1.0), row("gpt2-medium", 2.0)])
+  new = run("gpu-x_2026-11-26", [row("llama-7b", 3.0), row("llama", 4.0, error="oom")])
+  dry = run("gpu-x_2026-11-27", [row("dry-llama", 5.0)], dry=True)
+  other = run("gpu-y_2026-11-20", [row("llama", 6.0)])
+  got = frontier.newest_per_model([old, new, dry, other])
+  # the newest run's llama failed: llama comes from the newest run that measured it, and
+  # only from it (the failed row is not carried along)
+  assert [(p, sorted({r["model"] for r in d["rows"]})) for p, d in got] == [
+      (new, ["llama-7b"]), (old, ["gpt2-medium", "llama"]), (other, ["llama"])], got
+  assert [r["step_ms"] for r in got[1][1]["rows"]] == [1.0, 2.0]

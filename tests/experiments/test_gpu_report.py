@@ -118,6 +118,13 @@ def test_docs_take_each_section_from_the_newest_report_that_has_it(tmp_path):
   b2 = report("dev-b_2026-11-21", "kernels", "tests")  # covers all of b1
   got = gpu_report.newest_per_section([a1, a2, a3, b1, b2])
   assert got == [a3, a2, a1, b2], got
+  # the frontier counts per model: a newer run of other stacks keeps the older one's table
+  rows = lambda *ms: {"frontier": {"rows": [{"model": m} for m in ms]}}  # noqa: E731
+  c1, c2, c3 = (tmp_path / f"gpu_dev-c_2026-11-2{i}.json" for i in (1, 2, 3))
+  c1.write_text(json.dumps(rows("llama", "vit-l16")))
+  c2.write_text(json.dumps(rows("llama")))
+  c3.write_text(json.dumps(rows("llama-7b")))
+  assert gpu_report.newest_per_section([c1, c2, c3]) == [c3, c2, c1]
   assert gpu_report.newest_per_device([a1, a2, a3, b1, b2]) == [a3, b2]
 
 
