@@ -3,7 +3,8 @@
 ``python -m models.experiments.frontier_torch SPEC_JSON`` builds the stack of
 ``spec["shape"]`` (:class:`models.experiments.frontier.Shape`'s fields) and measures one
 variant: ``eager``; ``checkpoint`` (``torch.utils.checkpoint`` per layer); ``liger`` (Liger-
-Kernel's fused RMSNorm / LayerNorm and SwiGLU, on a CUDA GPU with liger-kernel importable);
+Kernel's fused RMSNorm / LayerNorm, SwiGLU and RoPE — what its Llama patch replaces in a
+decoder layer — on a CUDA GPU with liger-kernel importable);
 ``liger+checkpoint``; ``compile`` (``torch.compile``).  Attention is
 ``scaled_dot_product_attention`` (flash on a GPU).  The activation bytes are, on a GPU, the
 allocator's peak during a step minus what was resident before it and the gradients; on a CPU,
@@ -34,14 +35,27 @@ def _model(shape: dict, variant: str, dtype, device):
   if liger:
     from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm  # pylint: disable=import-outside-toplevel
     from liger_kernel.transformers import LigerSwiGLUMLP  # pylint: disable=import-outside-toplevel
+    from liger_kernel.transformers import liger_rotary_pos_emb  # pylint: disable=import-outside-toplevel
 
-  def rope(x):
+  def tables(x):
+    """cos, sin [T, dh / 2] of the rotary embedding, in ``x``'s dtype."""
     t, dh = x.shape[2], x.shape[3]
     inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, device=x.device).float() / dh))
     ang = torch.arange(t, device=x.device).float()[:, None] * inv[None]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+
+  def rope(q, k):
+    """The rotary embedding of q and k [B, heads, T, dh] (halves rotated, as the JAX stack's;
+    with Liger, its fused kernel on the same tables, doubled as Hugging Face's are)."""
+    cos, sin = tables(q)
+    if liger:
+      return liger_rotary_pos_emb(q, k, torch.cat([cos, cos], -1)[None],
+                                  torch.cat([sin, sin], -1)[None])
+
+    def one(x):
+      x1, x2 = x.chunk(2, dim=-1)
+      return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return one(q), one(k)
 
   class SwiGLU(nn.Module):
     def __init__(self):
@@ -75,7 +89,7 @@ def _model(shape: dict, variant: str, dtype, device):
       b, t, _ = x.shape
       q, k, v = self.qkv(self.n1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
       if kind == "llama":
-        q, k = rope(q), rope(k)
+        q, k = rope(q, k)
       o = F.scaled_dot_product_attention(q, k, v, is_causal=kind != "vit")
       x = x + self.out(o.transpose(1, 2).reshape(b, t, d))
       return x + self.mlp(self.n2(x))
