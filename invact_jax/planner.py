@@ -25,6 +25,13 @@ one-trip scan and schedules its recompute freely; docs/planner.md has the measur
 runs have at least ``MIN_RUN`` layers, at most ``MAX_RUNS`` runs (each run is a compile of
 its own).  ``uniform=True`` gives one set for all layers.
 
+Where the device has host memory (``pinned_host``; a GPU, not XLA:CPU) and the profile gives
+``tag_offload_cost``, a tag can also be *offloaded* (MaxText's third choice): copied to host
+memory in the forward and back in the backward, so a layer neither keeps its bytes on the
+device nor recomputes it, and pays the transfer time not hidden behind compute instead.  An
+offloaded tag is on the device again only for the layer being differentiated: its bytes
+count once in its run's phase (with its relief, like a kept tag's).
+
 Configurations change ``base`` (the whole model's activations), so the program is solved once
 per configuration and the cheapest feasible plan wins; among equally cheap plans (also within a
 configuration), the one that uses less memory, then the one with fewer runs.
@@ -77,6 +84,9 @@ class LayerProfile:
       variants add, once per step (e.g. a chunked LM head recomputes its logits in the
       backward); part of every plan's cost, so configurations compete on it (MONeT's
       operator variants).
+    tag_offload_cost: per tag, the cost one layer pays when it offloads the tag to host
+      memory (the transfers' time not hidden behind compute, measured); empty: offloading
+      is not a choice (a device without host memory kinds).
   """
   configuration: str
   depth: int
@@ -88,9 +98,10 @@ class LayerProfile:
   tag_relief: tuple[int, ...] = ()
   input_bytes: int = 0
   fixed_cost: float = 0.0
+  tag_offload_cost: tuple[float, ...] = ()
 
   def __post_init__(self):
-    for name in ("tags", "tag_bytes", "tag_gain", "tag_relief"):
+    for name in ("tags", "tag_bytes", "tag_gain", "tag_relief", "tag_offload_cost"):
       value = getattr(self, name)
       if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"LayerProfile argument `{name}` must be a sequence, got {value!r}")
@@ -104,12 +115,13 @@ class LayerProfile:
     dup = sorted({t for t in self.tags if self.tags.count(t) > 1})
     if dup:
       raise ValueError(f"LayerProfile argument `tags` names {dup} more than once")
-    for name in ("tag_bytes", "tag_gain") + (("tag_relief",) if self.tag_relief else ()):
+    for name in ("tag_bytes", "tag_gain") + tuple(
+        n for n in ("tag_relief", "tag_offload_cost") if getattr(self, n)):
       if len(getattr(self, name)) != len(self.tags):
         raise ValueError(f"LayerProfile argument `{name}` has {len(getattr(self, name))} entries "
                          f"for {len(self.tags)} tags")
     for name in ("base_bytes", "full_cost", "tag_bytes", "tag_gain", "tag_relief", "input_bytes",
-                 "fixed_cost"):
+                 "fixed_cost", "tag_offload_cost"):
       value = getattr(self, name)
       for v in (value if isinstance(value, tuple) else (value,)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
@@ -120,34 +132,53 @@ class LayerProfile:
   def relief(self, t: str) -> int:
     return dict(zip(self.tags, self.tag_relief)).get(t, 0) if self.tag_relief else 0
 
-  def _check_keep(self, keep: Sequence[Sequence[str]]) -> None:
-    if isinstance(keep, str) or any(isinstance(k, str) for k in keep):
-      raise TypeError("argument `keep` must hold one sequence of tags per layer, got "
-                      f"{keep!r}")
-    unknown = sorted({t for k in keep for t in k} - set(self.tags))
-    if unknown:
-      raise ValueError(f"argument `keep`: unknown tags {unknown}; this profile has "
-                       f"{list(self.tags)}")
+  def _check_keep(self, keep: Sequence[Sequence[str]], offload=None):
+    """``offload`` as one (possibly empty) set per layer, after checking both arguments."""
+    for name, value in (("keep", keep), ("offload", offload)):
+      if value is None:
+        continue
+      if isinstance(value, str) or any(isinstance(k, str) for k in value):
+        raise TypeError(f"argument `{name}` must hold one sequence of tags per layer, got "
+                        f"{value!r}")
+      unknown = sorted({t for k in value for t in k} - set(self.tags))
+      if unknown:
+        raise ValueError(f"argument `{name}`: unknown tags {unknown}; this profile has "
+                         f"{list(self.tags)}")
+    if offload is None:
+      return ((),) * len(keep)
+    if len(offload) != len(keep):
+      raise ValueError(f"argument `offload` has {len(offload)} layers, `keep` {len(keep)}")
+    if any(offload) and not self.tag_offload_cost:
+      raise ValueError("argument `offload`: this profile has no `tag_offload_cost` (offloading "
+                       "is not a choice on its device)")
+    both = sorted({t for k, o in zip(keep, offload) for t in set(k) & set(o)})
+    if both:
+      raise ValueError(f"tags {both} are both kept and offloaded in a layer")
+    return tuple(tuple(o) for o in offload)
 
-  def cost(self, keep: Sequence[Sequence[str]]) -> float:
-    """Predicted recompute cost of keeping ``keep[l]`` in layer l (additive model), plus
-    ``fixed_cost``."""
-    self._check_keep(keep)
+  def cost(self, keep: Sequence[Sequence[str]], offload=None) -> float:
+    """Predicted cost of keeping ``keep[l]`` and offloading ``offload[l]`` (None: nothing)
+    in layer l (additive model: what is neither is recomputed), plus ``fixed_cost``."""
+    offload = self._check_keep(keep, offload)
     gain = dict(zip(self.tags, self.tag_gain))
-    return float(sum(max(self.full_cost - sum(gain[t] for t in k), 0.0) for k in keep)
+    moved = dict(zip(self.tags, self.tag_offload_cost))
+    return float(sum(max(self.full_cost - sum(gain[t] for t in (*k, *o)), 0.0)
+                     + sum(moved[t] for t in o) for k, o in zip(keep, offload))
                  + self.fixed_cost)
 
-  def peak(self, keep: Sequence[Sequence[str]]) -> int:
-    """Predicted peak of keeping ``keep[l]`` in layer l: the largest phase of the backward
-    (see module doc; ``keep`` in forward order, equal neighbours form one run)."""
-    self._check_keep(keep)
+  def peak(self, keep: Sequence[Sequence[str]], offload=None) -> int:
+    """Predicted peak of keeping ``keep[l]`` and offloading ``offload[l]`` in layer l: the
+    largest phase of the backward (see module doc; forward order, equal neighbours form one
+    run)."""
+    offload = self._check_keep(keep, offload)
     nbytes = dict(zip(self.tags, self.tag_bytes))
     kept, layers, phases = 0, 0, []
-    for k, n in _runs(keep):
+    for (k, o), n in _runs(list(zip(keep, offload))):
       kept += n * sum(nbytes[t] for t in k)
       layers += n
-      relief = max((self.relief(t) for t in k), default=0)
-      phases.append(kept - relief - self.input_bytes * (len(keep) - layers))
+      relief = max((self.relief(t) for t in (*k, *o)), default=0)
+      back = sum(nbytes[t] for t in o)  # the differentiated layer's, brought back
+      phases.append(kept + back - relief - self.input_bytes * (len(keep) - layers))
     return int(self.base_bytes + max(phases, default=0))
 
   @property
@@ -159,25 +190,33 @@ class LayerProfile:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Per layer, the tags to keep, and the configuration; with the model's predictions."""
+  """Per layer, the tags to keep (and to offload), and the configuration; with the model's
+  predictions.  ``offload`` is empty when nothing is offloaded, else one set per layer."""
   configuration: str
   keep: tuple[tuple[str, ...], ...]
   predicted_bytes: int
   predicted_cost: float
   budget: int
   solve_seconds: float
+  offload: tuple[tuple[str, ...], ...] = ()
 
   @property
   def uniform(self) -> bool:
-    return len(set(self.keep)) <= 1
+    return len(set(zip(self.keep, self.offload or ((),) * len(self.keep)))) <= 1
 
   def save_names(self) -> tuple[tuple[str, ...], ...]:
     """The ``save_names`` model-config value (one entry when every layer is the same)."""
     return (self.keep[0],) if self.uniform else self.keep
 
   def policy(self, layer: int = 0):
-    """The ``jax.checkpoint`` policy of ``layer``."""
+    """The ``jax.checkpoint`` policy of ``layer`` (offloading to ``pinned_host`` where the
+    plan offloads)."""
     import jax  # pylint: disable=import-outside-toplevel
+    if self.offload and self.offload[layer]:
+      return jax.checkpoint_policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=list(self.keep[layer]),
+          names_which_can_be_offloaded=list(self.offload[layer]),
+          offload_src="device", offload_dst="pinned_host")
     return jax.checkpoint_policies.save_only_these_names(*self.keep[layer])
 
 
@@ -199,21 +238,25 @@ def _program(p: LayerProfile, uniform: bool):
   """The integer program over runs of layers (see module doc), as scipy.optimize.milp input.
 
   Variables, run r = 0..K-1 in forward order: n[r] layers, a[r] (run used), y[r, t] (run keeps
-  t), w[r, t] = n[r] * y[r, t], v[r, t] (t's relief is the one counted in run r's phase), and
-  the peak P over base.  Unused runs come first.  Bytes are scaled to O(1).
+  t), w[r, t] = n[r] * y[r, t], v[r, t] (t's relief is the one counted in run r's phase),
+  where offloading is a choice o[r, t] (run offloads t) and u[r, t] = n[r] * o[r, t], and the
+  peak P over base.  Unused runs come first.  Bytes are scaled to O(1).
   """
   L, T = p.depth, len(p.tags)
   K = 1 if uniform or L < 2 * MIN_RUN else min(MAX_RUNS, L // MIN_RUN)
   lo = L if K == 1 else MIN_RUN
+  off = bool(p.tag_offload_cost)
   scale = float(max(max(p.tag_bytes, default=0), max(p.tag_relief, default=0), p.input_bytes, 1))
   b = np.asarray(p.tag_bytes, float) / scale
   tau = np.asarray([p.relief(t) for t in p.tags], float) / scale
   u = p.input_bytes / scale
-  big = L * b.sum() + 2 * u * L + 2 * tau.max(initial=0.0) + 1.0
+  big = (L + 1) * b.sum() + 2 * u * L + 2 * tau.max(initial=0.0) + 1.0
   # Variable layout.
   n0, a0, y0 = 0, K, 2 * K
   w0, v0 = y0 + K * T, y0 + 2 * K * T
-  iP = y0 + 3 * K * T
+  o0 = y0 + 3 * K * T
+  u0 = o0 + (K * T if off else 0)
+  iP = u0 + (K * T if off else 0)
   nv = iP + 1
   rows, lo_b, hi_b = [], [], []
 
@@ -228,6 +271,8 @@ def _program(p: LayerProfile, uniform: bool):
   Y = lambda r, t: y0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
   W = lambda r, t: w0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
   V = lambda r, t: v0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
+  O = lambda r, t: o0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
+  U = lambda r, t: u0 + r * T + t  # pylint: disable=unnecessary-lambda-assignment
   row([(n0 + r, 1.0) for r in range(K)], L, L)
   for r in range(K):
     row([(n0 + r, 1.0), (a0 + r, -L)], -np.inf, 0.0)        # n <= L a
@@ -236,14 +281,22 @@ def _program(p: LayerProfile, uniform: bool):
       row([(a0 + r, 1.0), (a0 + r + 1, -1.0)], -np.inf, 0.0)  # used runs last
     row([(V(r, t), 1.0) for t in range(T)], -np.inf, 1.0)   # one relief per phase
     for t in range(T):
-      row([(Y(r, t), 1.0), (a0 + r, -1.0)], -np.inf, 0.0)
+      row([(Y(r, t), 1.0), (a0 + r, -1.0)] + ([(O(r, t), 1.0)] if off else []),
+          -np.inf, 0.0)                                      # keep or offload, not both
       row([(W(r, t), 1.0), (Y(r, t), -L)], -np.inf, 0.0)     # w = n y, linearized
       row([(W(r, t), 1.0), (n0 + r, -1.0)], -np.inf, 0.0)
       row([(W(r, t), -1.0), (n0 + r, 1.0), (Y(r, t), L)], -np.inf, L)
-      row([(V(r, t), 1.0), (Y(r, t), -1.0)], -np.inf, 0.0)
-    # Phase r (when used): kept bytes of runs <= r, minus its relief, minus the inputs of
-    # the later layers, is at most P.
+      row([(V(r, t), 1.0), (Y(r, t), -1.0)] + ([(O(r, t), -1.0)] if off else []),
+          -np.inf, 0.0)
+      if off:
+        row([(U(r, t), 1.0), (O(r, t), -L)], -np.inf, 0.0)   # u = n o, linearized
+        row([(U(r, t), 1.0), (n0 + r, -1.0)], -np.inf, 0.0)
+        row([(U(r, t), -1.0), (n0 + r, 1.0), (O(r, t), L)], -np.inf, L)
+    # Phase r (when used): kept bytes of runs <= r, plus its offloaded tags brought back for
+    # the differentiated layer, minus its relief, minus the inputs of the later layers, is
+    # at most P.
     coef = [(W(s, t), b[t]) for s in range(r + 1) for t in range(T)]
+    coef += [(O(r, t), b[t]) for t in range(T)] if off else []
     coef += [(V(r, t), -tau[t]) for t in range(T)]
     coef += [(n0 + s, u) for s in range(r + 1)] + [(iP, -1.0), (a0 + r, big)]
     row(coef, -np.inf, u * L + big)
@@ -251,6 +304,7 @@ def _program(p: LayerProfile, uniform: bool):
   upper = np.ones(nv)
   upper[n0:n0 + K] = L
   upper[w0:w0 + K * T] = L
+  upper[u0:iP] = L
   lower[iP], upper[iP] = -(tau.max(initial=0.0) + u * L) - 1.0, big
   integrality = np.ones(nv)
   integrality[iP] = 0
@@ -258,9 +312,11 @@ def _program(p: LayerProfile, uniform: bool):
   for r in range(K):
     for t in range(T):
       gain[W(r, t)] = p.tag_gain[t]
+      if off:  # the recompute it saves, less the transfers it costs
+        gain[U(r, t)] = p.tag_gain[t] - p.tag_offload_cost[t]
   return dict(A=np.asarray(rows), lo=np.asarray(lo_b), hi=np.asarray(hi_b), lower=lower,
               upper=upper, integrality=integrality, gain=gain, scale=scale, K=K, iP=iP,
-              n0=n0, a0=a0, Y=Y)
+              n0=n0, a0=a0, Y=Y, O=O if off else None)
 
 
 def _milp(prog, objective, extra=(), p_upper=None):
@@ -279,19 +335,22 @@ def _milp(prog, objective, extra=(), p_upper=None):
   return res if res.x is not None else None
 
 
-def _decode(p: LayerProfile, prog, x) -> tuple[tuple[str, ...], ...]:
-  keep = []
+def _decode(p: LayerProfile, prog, x):
+  """``(keep, offload)``: per layer, the tags kept and those offloaded."""
+  keep, offload = [], []
   for r in range(prog["K"]):
     if x[prog["a0"] + r] > 0.5:
-      tags = tuple(t for i, t in enumerate(p.tags) if x[prog["Y"](r, i)] > 0.5)
-      keep += [tags] * int(round(x[prog["n0"] + r]))
-  return tuple(keep)
+      n = int(round(x[prog["n0"] + r]))
+      keep += [tuple(t for i, t in enumerate(p.tags) if x[prog["Y"](r, i)] > 0.5)] * n
+      offload += [tuple(t for i, t in enumerate(p.tags)
+                        if prog["O"] is not None and x[prog["O"](r, i)] > 0.5)] * n
+  return tuple(keep), tuple(offload)
 
 
 def _best(p: LayerProfile, prog, p_upper):
   """Least cost; among those the least peak; among those the fewest runs."""
   iP, a0, K = prog["iP"], prog["a0"], prog["K"]
-  g = prog["gain"] / max(float(prog["gain"].max(initial=0.0)), 1.0)
+  g = prog["gain"] / max(float(np.abs(prog["gain"]).max(initial=0.0)), 1.0)
   res = _milp(prog, -g, p_upper=p_upper)
   if res is None:
     return None
@@ -311,15 +370,16 @@ def _best(p: LayerProfile, prog, p_upper):
 
 
 def _solve_one(p: LayerProfile, budget: int, uniform: bool):
+  """``(keep, offload)`` of the cheapest plan of ``p`` within ``budget``, or None."""
   if not p.tags:  # nothing to choose: every layer recomputes everything
-    return ((),) * p.depth if p.base_bytes <= budget else None
+    return (((),) * p.depth,) * 2 if p.base_bytes <= budget else None
   prog = _program(p, uniform)
   room = (budget - p.base_bytes) / prog["scale"]
   for _ in range(3):  # the solver's tolerance can admit a plan a few bytes over
-    keep = _best(p, prog, room)
-    if keep is None or p.peak(keep) <= budget:
-      return keep
-    room -= (p.peak(keep) - budget) / prog["scale"] + 1e-6
+    got = _best(p, prog, room)
+    if got is None or p.peak(*got) <= budget:
+      return got
+    room -= (p.peak(*got) - budget) / prog["scale"] + 1e-6
   return None
 
 
@@ -332,7 +392,7 @@ def _minimum(p: LayerProfile, uniform: bool) -> int:
   objective = np.zeros(len(prog["gain"]))
   objective[prog["iP"]] = 1.0
   res = _milp(prog, objective)
-  return min(p.base_bytes, p.peak(_decode(p, prog, res.x))) if res is not None else p.base_bytes
+  return min(p.base_bytes, p.peak(*_decode(p, prog, res.x))) if res is not None else p.base_bytes
 
 
 def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False) -> Plan:
@@ -355,17 +415,18 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   t0 = time.perf_counter()
   best = None
   for p in profiles:
-    keep = _solve_one(p, budget, uniform)
-    if keep is None:
+    got = _solve_one(p, budget, uniform)
+    if got is None:
       continue
-    cand = (p.cost(keep), p.peak(keep), p, keep)
+    cand = (p.cost(*got), p.peak(*got), p, got)
     if best is None or cand[:2] < best[:2]:
       best = cand
   if best is None:
     raise InfeasibleBudget(budget, min(_minimum(p, uniform) for p in profiles))
-  cost, peak, p, keep = best
-  return Plan(configuration=p.configuration, keep=tuple(keep), predicted_bytes=peak, predicted_cost=cost,
-              budget=budget, solve_seconds=time.perf_counter() - t0)
+  cost, peak, p, (keep, offload) = best
+  return Plan(configuration=p.configuration, keep=tuple(keep), predicted_bytes=peak,
+              predicted_cost=cost, budget=budget, solve_seconds=time.perf_counter() - t0,
+              offload=tuple(offload) if any(offload) else ())
 
 
 def evaluate(profile: LayerProfile, keep_per_layer: Sequence[str]) -> tuple[int, float]:

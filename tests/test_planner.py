@@ -487,3 +487,89 @@ def test_plan_memory_rejects_bad_head_modes_in_one_line(capsys):
   assert script.main(["--head-modes", "standard,fused", "--models", "gpt2"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: --head-modes:"), err
+
+
+# Offloading (a third choice where the device has host memory): "mlp" is cheap to move, "q"
+# costs more to move than to recompute.
+OFFLOAD = dataclasses.replace(PROFILE, depth=6, input_bytes=50, tag_relief=(0, 150, 420),
+                              tag_bytes=(100, 60, 300), tag_gain=(5.0, 4.0, 20.0),
+                              tag_offload_cost=(6.0, 1.0, 2.0))
+
+
+def _choices(p):
+  """Every (keep, offload) pair of disjoint tag sets of ``p``."""
+  out = []
+  for assign in itertools.product((None, "keep", "offload"), repeat=len(p.tags)):
+    out.append((tuple(t for t, a in zip(p.tags, assign) if a == "keep"),
+                tuple(t for t, a in zip(p.tags, assign) if a == "offload")))
+  return out
+
+
+def test_offloading_is_costed_by_its_transfers_and_counted_once_on_the_device():
+  p = OFFLOAD
+  keep, off = ((),) * 6, (("mlp",),) * 6
+  # Each layer pays the transfer instead of the recompute; one layer's "mlp" is back on the
+  # device (with its relief) in the phase, every layer's input kept.
+  assert p.cost(keep, off) == pytest.approx(6 * (30.0 - 20.0 + 2.0))
+  assert p.peak(keep, off) == 1000 + 300 - 420
+  assert p.peak(keep) == p.peak(keep, ((),) * 6) and p.cost(keep) == p.cost(keep, ((),) * 6)
+  with pytest.raises(ValueError, match=r"tags \['mlp'\] are both kept and offloaded"):
+    p.peak((("mlp",),) * 6, off)
+  with pytest.raises(ValueError, match="`offload` has 2 layers, `keep` 6"):
+    p.cost(keep, (("mlp",),) * 2)
+  with pytest.raises(ValueError, match="no `tag_offload_cost`"):
+    PROFILE.peak(((),) * 4, (("mlp",),) * 4)
+  with pytest.raises(ValueError, match="`tag_offload_cost` has 1 entries for 3 tags"):
+    dataclasses.replace(PROFILE, tag_offload_cost=(1.0,))
+
+
+def test_plans_with_offloading_match_brute_force_over_run_shapes():
+  p = OFFLOAD
+  plans = [(tuple(c[0] for c, n in zip(choice, comp) for _ in range(n)),
+            tuple(c[1] for c, n in zip(choice, comp) for _ in range(n)))
+           for comp in _compositions(p.depth)
+           for choice in itertools.product(_choices(p), repeat=len(comp))]
+  offloaded = 0
+  for budget in range(700, 3200, 230):
+    fits = [(round(p.cost(*k), 9), p.peak(*k)) for k in plans if p.peak(*k) <= budget]
+    if not fits:
+      with pytest.raises(planner.InfeasibleBudget):
+        planner.solve([p], budget)
+      continue
+    plan = planner.solve([p], budget)
+    got = (plan.keep, plan.offload or ((),) * p.depth)
+    assert (round(plan.predicted_cost, 9), plan.predicted_bytes) == min(fits), budget
+    assert (p.cost(*got), p.peak(*got)) == pytest.approx(
+        (plan.predicted_cost, plan.predicted_bytes))
+    assert "q" not in {t for o in got[1] for t in o}  # moving it costs more than recomputing
+    offloaded += any(got[1])
+  assert offloaded  # some budgets are met best by offloading
+
+
+def test_without_host_memory_nothing_is_offloaded_and_plans_are_unchanged():
+  p = dataclasses.replace(OFFLOAD, tag_offload_cost=())
+  for budget in (1200, 1800, 2600):
+    plan = planner.solve([p], budget)
+    assert plan.offload == ()
+    assert plan.keep == planner.solve([dataclasses.replace(OFFLOAD, tag_offload_cost=())],
+                                      budget).keep
+
+
+def test_an_offloading_plans_policy_offloads_to_pinned_host():
+  plan = planner.solve([OFFLOAD], 1200)
+  assert plan.offload
+  layer = next(i for i, o in enumerate(plan.offload) if o)
+  names = set(plan.offload[layer])
+  policy = plan.policy(layer)
+  x = jnp.ones((4, 4))
+
+  def f(x):
+    from jax.ad_checkpoint import checkpoint_name  # pylint: disable=import-outside-toplevel
+    return jnp.sum(jnp.sin(checkpoint_name(jnp.sin(x), sorted(names)[0])))
+  # the named value goes to host memory in the forward and comes back in the backward
+  jaxpr = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy)))(x))
+  assert "MemorySpace.Host" in jaxpr and "MemorySpace.Device" in jaxpr, jaxpr
+  kept_only = plan.keep.index(plan.keep[layer])  # any layer's keep set alone: nothing moved
+  plain = planner.Plan("v", plan.keep, 0, 0.0, 0, 0.0)
+  assert "MemorySpace" not in str(jax.make_jaxpr(jax.grad(jax.checkpoint(
+      f, policy=plain.policy(kept_only))))(x))

@@ -168,9 +168,10 @@ def build(s: Shape, policy: str, invact: bool, dtype,
           runs: list | None = None) -> tuple[Callable, tuple]:
   """``(loss(params, x), (params, x))``: the stack under ``lax.scan``, each layer under
   ``jax.checkpoint(policy)``, invact_jax's ``invert`` of the layer inside it.  ``runs``
-  (a plan; ``policy`` is then ignored): ``[[layers, [tags kept]], ...]`` in forward order,
-  each run a ``lax.scan`` of its own over its slice of the parameters, its layers under
-  ``save_only_these_names(*tags)``."""
+  (a plan; ``policy`` is then ignored): ``[[layers, [tags kept], [tags offloaded]], ...]``
+  in forward order (the third entry optional), each run a ``lax.scan`` of its own over its
+  slice of the parameters, its layers under ``save_only_these_names(*kept)`` or, where it
+  offloads, ``save_and_offload_only_these_names`` to ``pinned_host``."""
   kind = "llama" if s.kind == "llama" else "gpt2"
   keys = jax.random.split(jax.random.key(0), s.layers)
   layers = [floor.init_layer(kind, s.d, s.ff, dtype, k) for k in keys]
@@ -187,10 +188,12 @@ def build(s: Shape, policy: str, invact: bool, dtype,
   if runs is None:
     plan = [(s.layers, remat(POLICIES[policy], none=policy == "none"))]
   else:
-    if sum(n for n, _ in runs) != s.layers:
-      raise ValueError(f"argument `runs`: {sum(n for n, _ in runs)} layers for a stack of "
+    if sum(r[0] for r in runs) != s.layers:
+      raise ValueError(f"argument `runs`: {sum(r[0] for r in runs)} layers for a stack of "
                        f"{s.layers}")
-    plan = [(n, remat(jax.checkpoint_policies.save_only_these_names(*kept))) for n, kept in runs]
+    plan = [(r[0], remat(planner.Plan("run", (tuple(r[1]),), 0, 0.0, 0, 0.0,
+                                      offload=(tuple(r[2]),) if len(r) > 2 else ()).policy()))
+            for r in runs]
 
   def loss(params, x):
     h, start = x, 0
@@ -279,7 +282,10 @@ def profile_from_rows(rs: list[dict], stack: str, invact: bool) -> planner.Layer
     activation bytes per layer it adds and the step milliseconds per layer keeping it saves,
     shared among the group's tags in proportion to their tensors' sizes (bytes) and their
     matmuls' multiply-adds (time);
-  * ``full_cost``: ``full``'s step minus ``minimal``'s, per layer (at least the gains' sum).
+  * ``full_cost``: ``full``'s step minus ``minimal``'s, per layer (at least the gains' sum);
+  * where ``minimal_offloaded`` was measured (a device with host memory), ``tag_offload_cost``:
+    its step minus ``minimal``'s per layer (the transfers of every projection not hidden
+    behind compute), shared among the projections in proportion to their tensors' sizes.
 
   Costs are milliseconds, so the planner minimizes the predicted step time.  None when a
   row it needs is missing or failed."""
@@ -301,11 +307,17 @@ def profile_from_rows(rs: list[dict], stack: str, invact: bool) -> planner.Layer
       nbytes[t] = b * widths[t][0] / sum(widths[u][0] for u in group)
       gain[t] = ms * widths[t][1] / sum(widths[u][1] for u in group)
   full_cost = max((by["full"]["step_ms"] - by["minimal"]["step_ms"]) / layers, sum(gain.values()))
+  moved = ()
+  if "minimal_offloaded" in by:
+    ms = max(by["minimal_offloaded"]["step_ms"] - by["minimal"]["step_ms"], 0.0) / layers
+    size = sum(widths[t][0] for t in widths)
+    moved = tuple(float(ms * widths[t][0] / size) for t in widths)
   return planner.LayerProfile(
       configuration="inverted" if invact else "standard", depth=layers,
       base_bytes=int(by["full"]["activation_bytes"]), tags=tuple(widths),
       tag_bytes=tuple(int(round(nbytes[t])) for t in widths),
-      tag_gain=tuple(float(gain[t]) for t in widths), full_cost=float(full_cost))
+      tag_gain=tuple(float(gain[t]) for t in widths), full_cost=float(full_cost),
+      tag_offload_cost=moved)
 
 
 def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
@@ -331,7 +343,9 @@ def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
     except planner.InfeasibleBudget as e:
       out.append({**spec, "budget_bytes": budget, "error": str(e)})
       continue
-    runs = [[len(list(g)), list(k)] for k, g in itertools.groupby(plan.keep)]
+    offload = plan.offload or ((),) * len(plan.keep)
+    runs = [[len(list(g)), list(k)] + ([list(o)] if o else [])
+            for (k, o), g in itertools.groupby(zip(plan.keep, offload))]
     invact = plan.configuration == "inverted"
     minimal = next(r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
                    and r.get("configuration") == "minimal" and r.get("invact") == invact)
@@ -446,7 +460,9 @@ def _plan_note(r: dict) -> str:
   """A plan row's runs and its prediction (empty for other rows)."""
   if "runs" not in r:
     return ""
-  runs = " + ".join(f"{n}×[{', '.join(k) or 'nothing'}]" for n, k in r["runs"])
+  runs = " + ".join(f"{run[0]}×[{', '.join(run[1]) or 'nothing'}"
+                    + (f"; offload {', '.join(run[2])}" if len(run) > 2 else "") + "]"
+                    for run in r["runs"])
   note = f"{runs}; predicted {r['predicted_bytes'] / 2**20:,.1f} MiB"
   if "prediction_error" in r:
     note += f" ({r['prediction_error']:+.1%})"

@@ -204,3 +204,30 @@ def test_newest_per_model_never_mixes_a_models_rows_across_runs(tmp_path):
   assert [(p, sorted({r["model"] for r in d["rows"]})) for p, d in got] == [
       (new, ["llama-7b"]), (old, ["gpt2-medium", "llama"]), (other, ["llama"])], got
   assert [r["step_ms"] for r in got[1][1]["rows"]] == [1.0, 2.0]
+
+
+def test_offloading_rows_make_offloading_a_planner_choice_and_a_run():
+  """Where ``minimal_offloaded`` was measured (a GPU), its step over ``minimal``'s is the
+  transfers' cost per layer, shared by tensor size; the plans may offload; a run that does
+  moves its tags to host memory and back."""
+  rs = _synthetic() + [
+      {"model": "dry-llama", "framework": "jax", "invact": invact,
+       "configuration": "minimal_offloaded", "activation_bytes": 110, "step_ms": 4.4,
+       "layers": 2} for invact in (False, True)]
+  p = frontier.profile_from_rows(rs, "dry-llama", False)
+  assert abs(sum(p.tag_offload_cost) - 0.2) < 1e-9  # (4.4 - 4.0) / 2 layers
+  cost = dict(zip(p.tags, p.tag_offload_cost))
+  assert cost["mlpwi_0"] > cost["query_proj"] > 0
+  assert frontier.profile_from_rows(_synthetic(), "dry-llama", False).tag_offload_cost == ()
+  # 150 bytes (43 % of default's 350): the invact side keeps its projections and offloads the
+  # MLP's (cheaper to move than to recompute; keeping everything would be 174)
+  (spec,) = frontier.plan_specs(rs, "dry-llama", dtype="float32", repeats=1, budgets=(0.43,))
+  assert spec["invact"] and spec["runs"] == [[2, ["query_proj", "key_proj", "value_proj",
+                                                   "out_proj"], ["mlpwi_0", "mlpwi_1", "mlpwo"]]]
+  offloading = [spec]
+  assert "offload" in frontier._plan_note({**offloading[0], "predicted_bytes": 1})
+  s = frontier.STACKS["dry-llama"]
+  loss, args = frontier.build(s, "plan", False, np.float32,
+                              runs=[[2, ["query_proj"], ["mlpwi_0", "mlpwi_1"]]])
+  text = str(jax.make_jaxpr(jax.grad(loss))(*args))
+  assert "MemorySpace.Host" in text and "MemorySpace.Device" in text
