@@ -529,9 +529,10 @@ def test_plans_with_offloading_match_brute_force_over_run_shapes():
             tuple(c[1] for c, n in zip(choice, comp) for _ in range(n)))
            for comp in _compositions(p.depth)
            for choice in itertools.product(_choices(p), repeat=len(comp))]
+  figures = [(round(p.cost(*k), 9), p.peak(*k)) for k in plans]
   offloaded = 0
   for budget in range(700, 3200, 230):
-    fits = [(round(p.cost(*k), 9), p.peak(*k)) for k in plans if p.peak(*k) <= budget]
+    fits = [f for f in figures if f[1] <= budget]
     if not fits:
       with pytest.raises(planner.InfeasibleBudget):
         planner.solve([p], budget)
