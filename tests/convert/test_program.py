@@ -562,3 +562,67 @@ def test_residuals_of_a_converted_program_name_the_users_lines():
   sources = [r.source for r in memory.residuals(invact_jax.invert(loss), *args)
              if not r.is_argument]
   assert sources and all(__file__ in s for s in sources), sources
+
+
+def _ln_gelu_block(p, x):
+  """Two unscanned pre-norm GELU-MLP layers: XLA:CPU's case for storing outputs whole."""
+  for i in range(2):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    h = (x - m) * jax.lax.rsqrt(v + 1e-6) * p["g"][i] + p["b"][i]
+    x = x + jax.nn.gelu(h @ p["w1"][i]) @ p["w2"][i]
+  return jnp.sum(x ** 2)
+
+
+def test_converted_outputs_stored_whole_keep_the_temp_below_the_original(monkeypatch):
+  """XLA:CPU fuses GELU's last multiply into the next matmul and the inverted backward and
+  keeps its pieces; the output stored whole (``materialized``) keeps y alone."""
+  from invact_jax.ops import _common  # pylint: disable=import-outside-toplevel
+  k = jax.random.split(jax.random.key(0), 3)
+  p = {"g": jnp.ones((2, 128)), "b": jnp.zeros((2, 128)),
+       "w1": jax.random.normal(k[0], (2, 128, 512)) * 0.05,
+       "w2": jax.random.normal(k[1], (2, 512, 128)) * 0.05}
+  x = jax.random.normal(k[2], (2, 64, 128))
+
+  def temp(f):
+    return memory.compiled(jax.grad(f, argnums=(0, 1)), p, x).temp
+  inv = invact_jax.invert(_ln_gelu_block, only="gelu")
+  assert temp(inv) < temp(_ln_gelu_block)
+  np.testing.assert_array_equal(np.asarray(jax.jit(inv)(p, x)),
+                                np.asarray(jax.jit(_ln_gelu_block)(p, x)))
+  if jax.default_backend() == "cpu":  # the fusion this avoids is XLA:CPU's
+    monkeypatch.setattr(_common, "materialized", lambda y, x: y)
+    assert temp(invact_jax.invert(_ln_gelu_block, only="gelu")) > temp(_ln_gelu_block)
+
+
+def test_materialized_is_the_identity_bit_for_bit():
+  """On values the program computes (XLA:CPU flushes subnormal results of any arithmetic,
+  so the same computation without it flushes them too)."""
+  from invact_jax.ops import _common  # pylint: disable=import-outside-toplevel
+  x = jnp.asarray([0.0, -0.0, 1.5, -2.0, np.inf, -np.inf, np.nan, 2e-38, -3e38], jnp.float32)
+
+  def bits(a):
+    a = np.asarray(a)
+    return np.where(np.isnan(a), np.uint32(0x7FC00000), a.view(np.uint32))
+  for f in (lambda v: v * 0.5, jnp.tanh, jax.nn.silu):
+    want = jax.jit(f)(x)
+    got = jax.jit(lambda v, f=f: _common.materialized(f(v), v))(x)
+    np.testing.assert_array_equal(bits(got), bits(want))
+  half = x.astype(jnp.bfloat16)
+  assert _common.materialized(half, half) is half  # 16-bit: left as it is
+
+
+@pytest.mark.parametrize("name", ["gelu_erf", "gelu_tanh", "silu", "softmax"])
+def test_forward_stays_bit_identical_where_outputs_are_stored_whole(name):
+  """Inside value_and_grad too, at shapes where XLA:CPU's fusions differ (exact GELU's erf
+  is not stored whole: its last bits depend on the fusion it lands in)."""
+  fn = {"gelu_erf": lambda v: jax.nn.gelu(v, approximate=False), "gelu_tanh": jax.nn.gelu,
+        "silu": jax.nn.silu, "softmax": lambda v: jax.nn.softmax(v, axis=-1)}[name]
+
+  def loss(v):
+    return jnp.sum(jnp.sin(fn(v)))
+  for shape in ((3, 13), (2, 3, 16)):
+    x = jax.random.normal(jax.random.key(1), shape) * 3
+    want = jax.jit(jax.value_and_grad(loss))(x)[0]
+    got = jax.jit(jax.value_and_grad(invact_jax.invert(loss)))(x)[0]
+    assert float(got) == float(want), (shape, float(got) - float(want))
