@@ -677,8 +677,7 @@ def _plan(target: _graph.Graph, opts: _Options) -> list:
     region = _region(target, m)
     kind = m.pattern.form.kind
     out = found.output(target, m)
-    whole = _keeps_whole(target, out) and not (
-        kind == "activation" and m.pattern.form.entry.name in _FUSION_DEPENDENT)
+    whole = _keeps_whole(target, out)
     if kind == "activation":
       fn = _activation_fn(m, region, opts.activation, whole)
     elif kind == "scaled_silu":
@@ -693,12 +692,6 @@ def _plan(target: _graph.Graph, opts: _Options) -> list:
     units = _fusion.fuse(target, units, norm_units, kept,
                          {r for r in target.outvars if not isinstance(r, Lit)})
   return units
-
-
-# Activations whose compiled forward depends on the fusion it lands in: XLA:CPU's erf gives
-# other last bits in another fusion (e.g. a (3, 13) exact GELU inside value_and_grad), so
-# storing the output whole, which moves the fusions, could change the forward.
-_FUSION_DEPENDENT = frozenset({"gelu_erf"})
 
 
 def _keeps_whole(target: _graph.Graph, out) -> bool:

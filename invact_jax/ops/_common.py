@@ -104,9 +104,7 @@ def materialized(y, x):
   ``y / (1 + 0 * clip(x, -1, 1))``: the divisor is exactly 1 for every ``x`` but NaN (where
   an elementwise ``f`` gives NaN anyway), so the value is unchanged, and XLA can neither fold
   it (``0 * v`` is not 0 for a NaN ``v``) nor duplicate the division into ``y``'s consumers
-  (a division is "expensive" to its fusion passes).  A subnormal ``y`` stays as the program
-  computed it: XLA:CPU flushes subnormals in every arithmetic operation (the ``y`` it computes
-  is never subnormal), a GPU's exact division keeps them.  Without it XLA:CPU fuses the last,
+  (a division is "expensive" to its fusion passes).  Without it XLA:CPU fuses the last,
   cheap operation of ``y`` (GELU's ``x * t``) into every consumer -- the next matmul and the
   inverted backward -- and keeps the pieces (``x`` and ``t``) alive instead of ``y``: the
   kept output then costs more memory than the input it replaced.  ``y`` is returned as it is
