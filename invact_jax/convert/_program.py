@@ -308,20 +308,17 @@ def _region_of(target: _graph.Graph, node_ids, ins, out) -> Callable[..., Any]:
   return lambda *vals: run(*vals)[0]
 
 
-def _activation_fn(match: _Match, region, implementation, whole: bool):
-  """The activation as a ``custom_vjp`` keeping y and its bits (``whole``: y stored whole,
-  see :func:`_keeps_whole`)."""
-  keep = _common.materialized if whole else (lambda y, x: y)
+def _activation_fn(match: _Match, region, implementation):
   entry = match.pattern.form.entry
   params = tuple((k, float(match.caught[k])) for k, _ in entry.params)
   op = _act_base.Op(entry, params)
 
   @jax.custom_vjp
   def f(x):
-    return keep(region(x), x)
+    return region(x)
 
   def fwd(x):
-    y = keep(region(x), x)  # kept once, not as its pieces
+    y = region(x)
     return y, (y, _act_base.packed_bits(op, x))
 
   def bwd(res, dy):
@@ -331,19 +328,18 @@ def _activation_fn(match: _Match, region, implementation, whole: bool):
   return f
 
 
-def _scaled_silu_fn(match: _Match, region, implementation, whole: bool):
+def _scaled_silu_fn(match: _Match, region, implementation):
   """``y = x * sigmoid(c x) = silu(c x) / c``: keeps y and SiLU's bit of ``c x``; the backward
   is ``dy * silu'(c x)`` from ``silu(c x) = c y`` (rounded to y's dtype, as SiLU stores it)."""
   c = float(match.caught["c"])
   op = _act_base.Op(registry.get("silu"), ())
-  keep = _common.materialized if whole else (lambda y, x: y)
 
   @jax.custom_vjp
   def f(x):
-    return keep(region(x), x)
+    return region(x)
 
   def fwd(x):
-    y = keep(region(x), x)
+    y = region(x)
     return y, (y, _act_base.packed_bits(op, x.astype(_common.compute_dtype(x.dtype)) * c))
 
   def bwd(res, dy):
@@ -478,21 +474,17 @@ def _head_fn(m: _cross_entropy.HeadMatch, target):
   return fn
 
 
-def _algebra_softmax_fn(m: _algebra.SoftmaxMatch, region, target, whole: bool):
+def _algebra_softmax_fn(m: _algebra.SoftmaxMatch, region, target):
   """A softmax found by its algebra: keeps the probabilities; the shift ``k`` (a max) gets a
   zero cotangent, as softmax does not depend on it."""
   x_dtype = _aval(target, m.inputs[0]).dtype
 
-  def out(vals):  # the probabilities kept once, not as their pieces (see materialized)
-    p = region(*vals)
-    return _common.materialized(p, vals[0]) if whole and vals[0].shape == p.shape else p
-
   @jax.custom_vjp
   def f(*vals):
-    return out(vals)
+    return region(*vals)
 
   def fwd(*vals):
-    p = out(vals)
+    p = region(*vals)
     return p, p
 
   def bwd(p, dp):
@@ -502,16 +494,15 @@ def _algebra_softmax_fn(m: _algebra.SoftmaxMatch, region, target, whole: bool):
   return f
 
 
-def _softmax_fn(match: _Match, region, target, whole: bool):
+def _softmax_fn(match: _Match, region, target):
   x_dtype = _aval(target, match.inputs[0]).dtype
-  keep = _common.materialized if whole else (lambda y, x: y)
 
   @jax.custom_vjp
   def f(x):
-    return keep(region(x), x)
+    return region(x)
 
   def fwd(x):
-    p = keep(region(x), x)  # kept once, not as its pieces
+    p = region(x)
     return p, p
 
   def bwd(p, dp):
@@ -669,21 +660,20 @@ def _plan(target: _graph.Graph, opts: _Options) -> list:
   for m in found.softmaxes:
     out = found.output(target, m)
     region = _region_of(target, m.nodes, m.inputs, out)
-    units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [out], _single(
-        _algebra_softmax_fn(m, region, target, _keeps_whole(target, out)))))
+    units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [out],
+                             _single(_algebra_softmax_fn(m, region, target))))
     kept.add(out)
     opts.report.converted.append((m.public, m.name, target.nodes[m.root].where))
   for m in found.forms:
     region = _region(target, m)
     kind = m.pattern.form.kind
-    out = found.output(target, m)
-    whole = _keeps_whole(target, out)
     if kind == "activation":
-      fn = _activation_fn(m, region, opts.activation, whole)
+      fn = _activation_fn(m, region, opts.activation)
     elif kind == "scaled_silu":
-      fn = _scaled_silu_fn(m, region, opts.activation, whole)
+      fn = _scaled_silu_fn(m, region, opts.activation)
     else:
-      fn = _softmax_fn(m, region, target, whole)
+      fn = _softmax_fn(m, region, target)
+    out = found.output(target, m)
     units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [out], _single(fn)))
     kept.add(out)
     opts.report.converted.append((m.pattern.form.public, m.pattern.form.name,
@@ -692,19 +682,6 @@ def _plan(target: _graph.Graph, opts: _Options) -> list:
     units = _fusion.fuse(target, units, norm_units, kept,
                          {r for r in target.outvars if not isinstance(r, Lit)})
   return units
-
-
-def _keeps_whole(target: _graph.Graph, out) -> bool:
-  """Whether a converted op's output ``out`` is stored whole (:func:`_common.materialized`):
-  yes unless a reader narrows it (a float32 softmax cast to bfloat16 for its matmul), where
-  XLA may elide the rounding round trip (excess precision) and a stored value would move
-  it, changing the forward."""
-  for c in target.consumers.get(out, ()):
-    node = target.nodes[c]
-    if node.prim.name == "convert_element_type" and (
-        jnp.dtype(node.params["new_dtype"]).itemsize < jnp.dtype(target.avals[out].dtype).itemsize):
-      return False
-  return True
 
 
 def _single(fn):

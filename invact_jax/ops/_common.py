@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = ["FLOAT_DTYPES", "float_array", "float_dtype", "static_scalar", "static_axis",
            "compute_dtype", "first_order_only", "first_order_message", "cotangent_like",
-           "varying_like", "explicit_sharding", "materialized"]
+           "varying_like", "explicit_sharding"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _FLOATS_TEXT = "float16, bfloat16, float32 or float64"
@@ -96,25 +96,6 @@ def static_axis(fn: str, arg: str, axis, ndim: int) -> int:
 def compute_dtype(dtype) -> np.dtype:
   """The dtype the backward math runs in: float64 for float64 data, float32 otherwise."""
   return np.dtype(np.float64) if jnp.dtype(dtype) == jnp.float64 else np.dtype(np.float32)
-
-
-def materialized(y, x):
-  """``y = f(x)`` bit for bit, in a form XLA stores once instead of recomputing in its users.
-
-  ``y / (1 + 0 * clip(x, -1, 1))``: the divisor is exactly 1 for every ``x`` but NaN (where
-  an elementwise ``f`` gives NaN anyway), so the value is unchanged, and XLA can neither fold
-  it (``0 * v`` is not 0 for a NaN ``v``) nor duplicate the division into ``y``'s consumers
-  (a division is "expensive" to its fusion passes).  Without it XLA:CPU fuses the last,
-  cheap operation of ``y`` (GELU's ``x * t``) into every consumer -- the next matmul and the
-  inverted backward -- and keeps the pieces (``x`` and ``t``) alive instead of ``y``: the
-  kept output then costs more memory than the input it replaced.  ``y`` is returned as it is
-  where it or ``x`` is 16-bit: XLA may carry such values in float32 inside a fusion (excess
-  precision), and a division would move where they are rounded, changing the forward.
-  """
-  if jnp.dtype(y.dtype).itemsize < 4 or jnp.dtype(x.dtype) != jnp.dtype(y.dtype):
-    return y
-  one = 1.0 + 0.0 * jnp.clip(x, -1.0, 1.0).astype(y.dtype)
-  return y / one
 
 
 def first_order_message(name: str) -> str:
