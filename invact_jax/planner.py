@@ -57,7 +57,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["LayerProfile", "Plan", "InfeasibleBudget", "solve", "evaluate"]
+__all__ = ["LayerProfile", "Plan", "InfeasibleBudget", "solve", "evaluate", "policy"]
 
 MIN_RUN = 2   # layers per run in a plan of several runs (a lone layer compiles off the model)
 MAX_RUNS = 3  # runs per plan (each is a lax.scan of its own)
@@ -209,15 +209,28 @@ class Plan:
     return (self.keep[0],) if self.uniform else self.keep
 
   def policy(self, layer: int = 0):
-    """The ``jax.checkpoint`` policy of ``layer`` (offloading to ``pinned_host`` where the
-    plan offloads)."""
-    import jax  # pylint: disable=import-outside-toplevel
-    if self.offload and self.offload[layer]:
-      return jax.checkpoint_policies.save_and_offload_only_these_names(
-          names_which_can_be_saved=list(self.keep[layer]),
-          names_which_can_be_offloaded=list(self.offload[layer]),
-          offload_src="device", offload_dst="pinned_host")
-    return jax.checkpoint_policies.save_only_these_names(*self.keep[layer])
+    """The ``jax.checkpoint`` policy of ``layer`` (:func:`policy`)."""
+    return policy(self.keep[layer], self.offload[layer] if self.offload else ())
+
+
+def policy(keep: Sequence[str], offload: Sequence[str] = ()):
+  """The ``jax.checkpoint`` policy that saves the names in ``keep`` and offloads those in
+  ``offload`` to ``pinned_host``.
+
+  Args:
+    keep: ``checkpoint_name`` tags kept on the device.
+    offload: tags copied to host memory in the forward and back in the backward.
+
+  Returns:
+    ``save_only_these_names(*keep)``, or ``save_and_offload_only_these_names`` where
+    ``offload`` is not empty.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  if offload:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(keep), names_which_can_be_offloaded=list(offload),
+        offload_src="device", offload_dst="pinned_host")
+  return jax.checkpoint_policies.save_only_these_names(*keep)
 
 
 class InfeasibleBudget(ValueError):

@@ -24,7 +24,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 __all__ = ["ArgumentParser", "parser", "option", "flag", "add_arguments", "from_args", "check",
-           "positive_int", "nonnegative_int", "run_child"]
+           "positive_int", "nonnegative_int", "run_child", "error_row", "child_main"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -155,6 +155,38 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
   """An argparse ``type``: an integer >= 0."""
   return _int_at_least(text, 0)
+
+
+def error_row(e: BaseException, **fields) -> dict:
+  """A row saying why it was not measured: ``fields`` and ``"error"``, the exception's type
+  and first line (out of memory, an unsupported configuration, ...).
+
+  Args:
+    e: the exception.
+    **fields: the row's identifying fields.
+
+  Returns:
+    ``{**fields, "error": "Type: first line"}``.
+  """
+  text = str(e).strip().splitlines()
+  return {**fields, "error": f"{type(e).__name__}: {text[0][:200] if text else ''}"}
+
+
+def child_main(measure: Callable[[dict], dict],
+               key: Callable[[dict], dict] = lambda spec: {}) -> None:
+  """The ``__main__`` of a module :func:`run_child` runs: ``measure`` the JSON spec in
+  ``sys.argv[1]`` and print its row as the last line, or :func:`error_row` with ``key(spec)``.
+
+  Args:
+    measure: spec -> row.
+    key: spec -> the fields an error row keeps.
+  """
+  spec = json.loads(sys.argv[1])
+  try:
+    row = measure(spec)
+  except Exception as e:  # pylint: disable=broad-except  # out of memory, no compiler, ...
+    row = error_row(e, **key(spec))
+  print(json.dumps(row))
 
 
 def run_child(module: str, spec: dict, timeout_s: float, env=None) -> dict:

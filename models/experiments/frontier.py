@@ -191,9 +191,7 @@ def build(s: Shape, policy: str, invact: bool, dtype,
     if sum(r[0] for r in runs) != s.layers:
       raise ValueError(f"argument `runs`: {sum(r[0] for r in runs)} layers for a stack of "
                        f"{s.layers}")
-    plan = [(r[0], remat(planner.Plan("run", (tuple(r[1]),), 0, 0.0, 0, 0.0,
-                                      offload=(tuple(r[2]),) if len(r) > 2 else ()).policy()))
-            for r in runs]
+    plan = [(r[0], remat(planner.policy(r[1], r[2] if len(r) > 2 else ()))) for r in runs]
 
   def loss(params, x):
     h, start = x, 0
@@ -252,8 +250,7 @@ def child(spec: dict) -> dict:
   try:
     return measure(spec)
   except Exception as e:  # pylint: disable=broad-except  # out of memory, unsupported, ...
-    text = str(e).strip().splitlines()
-    return {**_key(spec), "error": f"{type(e).__name__}: {text[0][:200] if text else ''}"}
+    return cli.error_row(e, **_key(spec))
 
 
 # --------------------------------------------------------------- the planner's rows

@@ -14,9 +14,7 @@ row is the last line printed.  Only this module imports torch.
 from __future__ import annotations
 
 import importlib.util
-import json
 import statistics
-import sys
 import time
 
 VARIANTS = ("eager", "checkpoint", "liger", "liger+checkpoint", "compile")
@@ -166,15 +164,6 @@ def measure(spec: dict) -> dict:
           "memory": how, "torch": torch.__version__}
 
 
-def main() -> None:
-  spec = json.loads(sys.argv[1])
-  try:
-    row = measure(spec)
-  except Exception as e:  # pylint: disable=broad-except  # out of memory, no compiler, ...
-    text = str(e).strip().splitlines()
-    row = {"error": f"{type(e).__name__}: {text[0][:200] if text else ''}"}
-  print(json.dumps(row))
-
-
 if __name__ == "__main__":
-  main()
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  cli.child_main(measure)

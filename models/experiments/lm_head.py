@@ -28,7 +28,7 @@ import optax
 
 import invact_jax
 
-__all__ = ["Head", "VARIANTS", "make_head", "measure", "rows", "torch_rows"]
+__all__ = ["Head", "VARIANTS", "make_head", "measure", "rows", "torch_rows", "tile_variants"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +73,17 @@ def _tokamax(implementation: str) -> Callable | None:
   return loss
 
 
-def variants(tiles=()) -> dict[str, Callable]:
-  """name -> loss(x, w, labels), those that can run here; per ``(tokens, vocabulary entries)``
-  in ``tiles``, ``invact_jax`` with that tile (``"invact_jax tile TxV"``: the sweep that picks
-  a device's default)."""
+def tile_variants(tiles) -> dict[str, Callable]:
+  """Per ``(tokens, vocabulary entries)`` in ``tiles``, ``"invact_jax tile TxV"``:
+  :func:`invact_jax.linear_cross_entropy` with that tile (the sweep that picks a device's
+  default)."""
+  return {f"invact_jax tile {t}x{v}": functools.partial(
+      invact_jax.linear_cross_entropy, chunk_size=t, vocab_chunk_size=v) for t, v in tiles}
+
+
+def variants() -> dict[str, Callable]:
+  """name -> loss(x, w, labels), those that can run here."""
   out = {"plain": plain, "invact_jax": ours, "invact_jax.invert(plain)": invact_jax.invert(plain)}
-  for t, v in tiles:
-    out[f"invact_jax tile {t}x{v}"] = functools.partial(
-        invact_jax.linear_cross_entropy, chunk_size=t, vocab_chunk_size=v)
   for impl in ("chunked_xla", "xla"):
     fn = _tokamax(impl)
     if fn is not None:
@@ -170,7 +173,8 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
 
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
          names=None, torch: bool = True, tiles=()) -> list[dict]:
-  """Every variant on one head per dtype (``tiles``: see :func:`variants`); with ``torch``,
+  """Every variant in ``names`` (None: all) and every tile of ``tiles``
+  (:func:`tile_variants`) on one head per dtype; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
   ``time_vs_plain`` are against the plain head of the same framework and dtype."""
   out = []
@@ -179,9 +183,8 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     if torch:  # first, while this process holds little of the device's memory
       out += torch_rows(head, jnp.dtype(dtype).name, repeats)
     g64 = reference_grads(head)
-    for name, loss in variants(tiles).items():
-      if names is not None and name not in names and not name.startswith("invact_jax tile"):
-        continue
+    losses = {k: f for k, f in variants().items() if names is None or k in names}
+    for name, loss in {**losses, **tile_variants(tiles)}.items():
       row = measure(name, loss, head, repeats, g64)
       out.append({"dtype": jnp.dtype(dtype).name, "tokens": tokens, "d": d, "vocab": vocab,
                   "framework": "jax", **row})

@@ -17,9 +17,7 @@ torch.
 from __future__ import annotations
 
 import importlib.util
-import json
 import statistics
-import sys
 import time
 
 VARIANTS = ("torch plain", "torch Liger")
@@ -107,16 +105,6 @@ def measure(spec: dict) -> dict:
   return row
 
 
-def main() -> None:
-  spec = json.loads(sys.argv[1])
-  try:
-    row = measure(spec)
-  except Exception as e:  # pylint: disable=broad-except  # out of memory, no compiler, ...
-    text = str(e).strip().splitlines()
-    row = {"variant": spec.get("variant"),
-           "error": f"{type(e).__name__}: {text[0][:200] if text else ''}"}
-  print(json.dumps(row))
-
-
 if __name__ == "__main__":
-  main()
+  from models.experiments import cli  # pylint: disable=import-outside-toplevel
+  cli.child_main(measure, key=lambda spec: {"variant": spec.get("variant")})
