@@ -15,6 +15,7 @@ Models whose package is not installed are skipped with a line saying so (keras-h
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
@@ -34,11 +35,18 @@ def _pct(a: int, b: int) -> str:
   return f"{100.0 * (a / b - 1):+.1f} %"
 
 
+def _counts(entries) -> str:
+  """``gelu x2, ...`` for report entries ``(name, where, why)``; ``0`` for none."""
+  counts = collections.Counter(e[0] for e in entries)
+  return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "0"
+
+
 def table(rows) -> str:
   """Markdown table of :func:`third_party.compare` rows."""
   head = ("| model | forward | grad error vs wider: unconverted / `invert` | kept vs "
-          "unconverted | temp unconverted | `invert` | by hand | converted | left alone |")
-  lines = [head, "|" + "---|" * 9]
+          "unconverted | temp unconverted | `invert` | by hand | converted | recomputed | "
+          "left alone |")
+  lines = [head, "|" + "---|" * 10]
   for r in rows:
     hand = _pct(r["temp_hand"], r["temp_unconverted"]) if "temp_hand" in r else "—"
     lines.append(
@@ -48,7 +56,7 @@ def table(rows) -> str:
         f"{r['temp_unconverted'] / 2**20:.2f} MiB | "
         f"{_pct(r['temp_invert'], r['temp_unconverted'])} | {hand} | "
         + ", ".join(f"{k} x{v}" for k, v in sorted(r["converted"].items()))
-        + f" | {len(r['left_alone'])} |")
+        + f" | {_counts(r.get('recomputed', []))} | {len(r['left_alone'])} |")
   return "\n".join(lines)
 
 

@@ -43,11 +43,11 @@ FREE = frozenset({"reshape", "transpose", "copy", "copy_p", "squeeze", "expand_d
 #: Elementwise primitives recomputed in the backward (cheap next to a matmul).
 ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "max", "min", "neg", "square",
                          "integer_pow", "abs", "sign", "exp", "log", "log1p", "expm1", "tanh",
-                         "logistic", "sin", "cos", "sqrt", "rsqrt", "erf", "select_n"})
+                         "logistic", "sin", "cos", "sqrt", "rsqrt", "erf", "erfc", "select_n"})
 # Elementwise primitives whose own backward keeps their (non-constant) inputs.
 _KEEPS_INPUTS = frozenset({"mul", "div", "max", "min", "square", "integer_pow", "abs", "exp",
                            "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "sqrt",
-                           "rsqrt", "erf", "select_n"})
+                           "rsqrt", "erf", "erfc", "select_n"})
 #: Primitives that make a constant from literals alone (recomputed rather than kept).
 _CONSTANT = FREE | ELEMENTWISE | {"broadcast_in_dim", "iota"}
 _DOT = "dot_general"

@@ -55,6 +55,8 @@ _COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
 _CANDIDATES = {"erf": "activation", "erfc": "activation", "logistic": "activation",
                "tanh": "activation", "rsqrt": "norm", "sqrt": "norm", "exp": "softmax"}
 _KINDS = ("layer_norm", "rms_norm", "softmax", "linear_cross_entropy")
+# Form kinds fallback="temp" may recompute from their input instead of leaving them alone.
+_RECOMPUTABLE = frozenset({"activation", "scaled_silu"})
 
 
 @dataclasses.dataclass
@@ -65,9 +67,13 @@ class ProgramReport:
     converted: ``(public name, form, where)`` per converted op, ``where`` the source line of
       the equation that produced its output.
     left_alone: ``(what, where, why)`` per candidate that was not converted.
+    recomputed: ``(public name, where, why)`` per activation that ``fallback="temp"`` runs as
+      ``jax.checkpoint`` of its own equations instead of inverting it: it keeps its input and
+      recomputes its derivative in the backward.
   """
   converted: list = dataclasses.field(default_factory=list)
   left_alone: list = dataclasses.field(default_factory=list)
+  recomputed: list = dataclasses.field(default_factory=list)
 
   @property
   def replaced(self) -> dict[str, int]:
@@ -85,9 +91,11 @@ class ProgramReport:
     else:
       text = "invact_jax.invert converted: " + ", ".join(
           f"{k} x{v}" for k, v in sorted(self.replaced.items()))
-    if self.left_alone:
-      groups = collections.Counter((w, y) for w, _, y in self.left_alone)
-      text += "; left alone: " + "; ".join(f"{w} x{n} ({y})" for (w, y), n in groups.items())
+    for title, entries in (("recomputed from its input", self.recomputed),
+                           ("left alone", self.left_alone)):
+      if entries:
+        groups = collections.Counter((w, y) for w, _, y in entries)
+        text += f"; {title}: " + "; ".join(f"{w} x{n} ({y})" for (w, y), n in groups.items())
     return text
 
 
@@ -521,17 +529,24 @@ class _Options:
   report: ProgramReport
   floor: bool = True  # fuse the matmuls that read recomputable values (the floor pass)
   skip: frozenset = frozenset()  # sites (numbered in the order they are found) left alone
+  recompute: frozenset = frozenset()  # activation sites run as jax.checkpoint of themselves
   sites: int = 0  # sites numbered so far
+  recomputable: list = dataclasses.field(default_factory=list)  # per site: an activation?
 
-  def site(self, public: str, where: str) -> bool:
-    """Number the next converted site; False if it is to be left alone (``skip``)."""
+  def site(self, public: str, where: str, recomputable: bool = False) -> str | None:
+    """Number the next site: None if it is to be left alone (``skip``), ``"recompute"`` for
+    an activation in ``recompute``, else ``"invert"``."""
     number, self.sites = self.sites, self.sites + 1
+    self.recomputable.append(recomputable)
+    why = "inverting it raised the gradient's compiled temp above the unconverted program's " \
+          "(fallback='temp')"
     if number in self.skip:
-      self.report.left_alone.append(
-          (public, where, "converting it raised the gradient's compiled temp above the "
-           "unconverted program's (fallback='temp')"))
-      return False
-    return True
+      self.report.left_alone.append((public, where, why))
+      return None
+    if recomputable and number in self.recompute:
+      self.report.recomputed.append((public, where, why))
+      return "recompute"
+    return "invert"
 
 
 def options_for_analysis() -> _Options:
@@ -639,8 +654,10 @@ def _plan(target: _graph.Graph, opts: _Options) -> list:
                  if opts.site(m.public, target.nodes[m.root].where)]
   found.softmaxes = [m for m in found.softmaxes
                      if opts.site(m.public, target.nodes[m.root].where)]
-  found.forms = [m for m in found.forms
-                 if opts.site(m.pattern.form.public, target.nodes[m.root].where)]
+  modes = [(m, opts.site(m.pattern.form.public, target.nodes[m.root].where,
+                         m.pattern.form.kind in _RECOMPUTABLE)) for m in found.forms]
+  found.forms = [m for m, mode in modes if mode == "invert"]
+  recomputed = [m for m, mode in modes if mode == "recompute"]
   units: list = []
   norm_units: list = []  # (rule, unit) for the fusion with the matmuls that read the norm
   kept: set = set()      # outputs of converted ops that their own backward keeps
@@ -678,6 +695,9 @@ def _plan(target: _graph.Graph, opts: _Options) -> list:
     kept.add(out)
     opts.report.converted.append((m.pattern.form.public, m.pattern.form.name,
                                   target.nodes[m.root].where))
+  for m in recomputed:  # keeps its input; XLA fuses the recomputed derivative into the backward
+    units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [found.output(target, m)],
+                             _single(jax.checkpoint(_region(target, m)))))
   if opts.floor:
     units = _fusion.fuse(target, units, norm_units, kept,
                          {r for r in target.outvars if not isinstance(r, Lit)})
@@ -799,7 +819,7 @@ def _gradient_temp(closed, graph: _graph.Graph, structs: list, positions,
               else _run(graph, full, opts))
       return [o for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
     outs, pull = jax.vjp(f, *[a[i] for i in positions])
-    return outs, pull([jnp.ones_like(o) for o in outs])
+    return pull([jnp.ones_like(o) for o in outs])  # the gradients alone, as jax.grad's
   # Measured as one device's program, outside the mesh the caller may be tracing under
   # (explicit shardings): the shardings are not part of the structs, and the equations
   # re-derive them from their inputs.
@@ -808,27 +828,49 @@ def _gradient_temp(closed, graph: _graph.Graph, structs: list, positions,
   return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
 
-def _temp_fallback(closed, positions, make_opts: Callable[[frozenset], _Options]) -> frozenset:
-  """The sites to leave alone so that the gradient's compiled temp is at most the
-  unconverted program's: none if converting all of them already is; else sites in the order
-  of the temp that leaving each alone saves (measured one at a time), until it is."""
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+  """What ``fallback="temp"`` decided: sites left alone, activation sites recomputed from
+  their input (``jax.checkpoint`` of their own equations), and whether the floor pass runs."""
+  skip: frozenset = frozenset()
+  recompute: frozenset = frozenset()
+  floor: bool = True
+
+
+def _temp_fallback(closed, positions, make_opts: Callable[[_Choice], _Options]) -> _Choice:
+  """The sites to change so that the gradient's compiled temp is at most the unconverted
+  program's: none if inverting all of them already is; else each site's alternative (an
+  activation recomputed from its input, another op left alone), in the order of the temp it
+  gives when taken alone, until it is; then the recomputed activations left alone too, in the
+  same order; at worst the program as it is (every site left alone, no floor pass)."""
   graph, structs = _graph.flatten(closed), _graph.shape_structs(closed.in_avals)
 
-  def temp(skip: frozenset | None, opts: _Options | None = None) -> int:
-    if skip is not None and opts is None:
-      opts = make_opts(skip)
+  def temp(choice: _Choice | None, opts: _Options | None = None) -> int:
+    if choice is not None and opts is None:
+      opts = make_opts(choice)
     return _gradient_temp(closed, graph, structs, positions, opts)
   original = temp(None)
-  everything = make_opts(frozenset())
-  if temp(frozenset(), everything) <= original:
-    return frozenset()
-  saved = {i: -temp(frozenset({i})) for i in range(everything.sites)}  # sites: counted above
-  skip: set = set()
-  for i in sorted(saved, key=lambda i: (-saved[i], i)):
-    skip.add(i)
-    if temp(frozenset(skip)) <= original:
-      break
-  return frozenset(skip)
+  everything = make_opts(_Choice())
+  if temp(_Choice(), everything) <= original:
+    return _Choice()
+  recomputable = list(everything.recomputable)  # per site, counted by the measurement above
+
+  def alternative(choice: _Choice, i: int) -> _Choice:
+    if recomputable[i]:
+      return dataclasses.replace(choice, recompute=choice.recompute | {i})
+    return dataclasses.replace(choice, skip=choice.skip | {i})
+  alone = {i: temp(alternative(_Choice(), i)) for i in range(len(recomputable))}
+  order = sorted(alone, key=lambda i: (alone[i], i))
+  choice = _Choice()
+  for i in order:
+    choice = alternative(choice, i)
+    if temp(choice) <= original:
+      return choice
+  for i in (i for i in order if recomputable[i]):
+    choice = _Choice(choice.skip | {i}, choice.recompute - {i})
+    if temp(choice) <= original:
+      return choice
+  return _Choice(frozenset(range(len(recomputable))), frozenset(), floor=False)
 
 
 def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
@@ -858,16 +900,19 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
       ``xhat`` and ``rstd`` for both; a matmul whose operand is an elementwise function of
       values kept anyway (a GLU's product, a reshaped attention output, a bfloat16 value
       cast to float32) keeps those values instead.  False converts the ops alone.
-    fallback: None (default) converts every site found; ``"temp"`` leaves alone, site by
-      site, the conversions that make the gradient's compiled temp larger than the
-      unconverted program's (XLA can fuse a converted program worse, e.g. XLA:CPU with exact
-      GELU): at each new trace signature it compiles the pullback with respect to
-      ``argnums`` of the unconverted and the converted program (as one device's program),
-      and if the converted one needs more, leaves alone the sites that save the most temp
-      (each measured alone) until it does not.  Costs one compilation per site and
-      signature; the report names each site left alone.  Inside a ``shard_map`` body it
-      measures nothing and converts every site (the report says so): apply ``invert``
-      outside the ``shard_map`` there.
+    fallback: None (default) converts every site found; ``"temp"`` changes, site by site,
+      the conversions that make the gradient's compiled temp larger than the unconverted
+      program's (XLA can fuse a converted program worse, e.g. XLA:CPU with exact GELU): at
+      each new trace signature it compiles the gradient with respect to ``argnums`` of the
+      unconverted and the converted program (as one device's program), and while the
+      converted one needs more, changes the sites whose change gives the least temp (each
+      measured alone): an activation is recomputed from its input (``jax.checkpoint`` of
+      its own equations: it keeps its input, as many bytes as inverting it keeps), a norm
+      or softmax is left alone; then recomputed activations are left alone too; at worst
+      the floor pass is dropped (the program as it is).  Costs up to two compilations per
+      site and signature; the report names each site recomputed or left alone.  Inside a
+      ``shard_map`` body it measures nothing and converts every site (the report says so):
+      apply ``invert`` outside the ``shard_map`` there.
     argnums: the positional arguments the gradient is taken with respect to (their floating
       leaves), for ``fallback="temp"``.
 
@@ -920,7 +965,7 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
 
     vals = [leaves[i] for i in dyn]
     closed = jax.make_jaxpr(flat)(*vals)
-    skip, report = frozenset(), ProgramReport()
+    choice, report = _Choice(), ProgramReport()
     if fallback == "temp":
       if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
         # A shard_map body's program is not one that compiles on its own (its values vary
@@ -928,9 +973,12 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
         report.left_alone.append(("fallback", "", "fallback='temp' does not measure inside a "
                                   "shard_map body: every site converted"))
       else:
-        skip = _fallback_sites(closed, args, leaves, dyn)
-    outs = _run(_graph.flatten(closed), vals,
-                _Options(names, act_impl, norm_impl, report, bool(floor), skip))
+        choice = _fallback_sites(closed, args, leaves, dyn)
+        if floor and not choice.floor:
+          report.left_alone.append(("floor pass", "", "its matmul fusions raised the gradient's "
+                                    "compiled temp above the unconverted program's even with "
+                                    "every site left alone (fallback='temp')"))
+    outs = _run(_graph.flatten(closed), vals, options(report, choice))
     wrapped.last_report = report
     out_leaves = list(out_structure["leaves"])
     for i, v in zip(out_structure["arrays"], outs):
@@ -939,7 +987,11 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
 
   cache: dict = {}
 
-  def _fallback_sites(closed, args, leaves, dyn) -> frozenset:
+  def options(report: ProgramReport, choice: _Choice) -> _Options:
+    return _Options(names, act_impl, norm_impl, report, bool(floor) and choice.floor,
+                    choice.skip, choice.recompute)
+
+  def _fallback_sites(closed, args, leaves, dyn) -> _Choice:
     if max(argnums) >= len(args):
       raise ValueError(f"invact_jax.invert: argument `argnums`: {max(argnums)} is out of range "
                        f"for {len(args)} positional arguments")
@@ -949,8 +1001,9 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
         closed.in_avals[p].dtype, jnp.inexact)]
     key = (str(closed), tuple(positions))
     if key not in cache:
-      cache[key] = _temp_fallback(closed, positions, lambda skip: _Options(
-          names, act_impl, norm_impl, ProgramReport(), bool(floor), skip)) if positions else frozenset()
+      cache[key] = _temp_fallback(
+          closed, positions, lambda choice: options(ProgramReport(), choice)) \
+          if positions else _Choice()
     return cache[key]
 
   wrapped.last_report = None

@@ -367,6 +367,7 @@ def compare(name: str, size: str = "test", dtype=jnp.float32, *,
     row["grad_rel_l2_hand"] = rel(gh)
   row["converted"] = inv.last_report.replaced
   row["left_alone"] = [list(x) for x in inv.last_report.left_alone]
+  row["recomputed"] = [list(x) for x in inv.last_report.recomputed]
   return row
 
 
