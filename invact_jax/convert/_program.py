@@ -907,10 +907,11 @@ def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
       unconverted and the converted program (as one device's program), and while the
       converted one needs more, changes the sites whose change gives the least temp (each
       measured alone): an activation is recomputed from its input (``jax.checkpoint`` of
-      its own equations: it keeps its input, as many bytes as inverting it keeps), a norm
-      or softmax is left alone; then recomputed activations are left alone too; at worst
-      the floor pass is dropped (the program as it is).  Costs up to two compilations per
-      site and signature; the report names each site recomputed or left alone.  Inside a
+      its own equations: it keeps its input where inverting keeps its output and a bit per
+      element), a norm or softmax is left alone; then recomputed activations are left
+      alone too; at worst the floor pass is dropped (the program as it is).  Costs two
+      compilations and up to three more per site, once per signature; the report names
+      each site recomputed or left alone.  Inside a
       ``shard_map`` body it measures nothing and converts every site (the report says so):
       apply ``invert`` outside the ``shard_map`` there.
     argnums: the positional arguments the gradient is taken with respect to (their floating
