@@ -35,9 +35,8 @@ def _pct(a: int, b: int) -> str:
   return f"{100.0 * (a / b - 1):+.1f} %"
 
 
-def _counts(entries) -> str:
-  """``gelu x2, ...`` for report entries ``(name, where, why)``; ``0`` for none."""
-  counts = collections.Counter(e[0] for e in entries)
+def _listed(counts: dict) -> str:
+  """``gelu x2, layer_norm x5`` for ``{name: count}``; ``0`` for none."""
   return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "0"
 
 
@@ -55,8 +54,9 @@ def table(rows) -> str:
         f"{100 * r['kept_invert'] / r['kept_unconverted']:.0f} % | "
         f"{r['temp_unconverted'] / 2**20:.2f} MiB | "
         f"{_pct(r['temp_invert'], r['temp_unconverted'])} | {hand} | "
-        + ", ".join(f"{k} x{v}" for k, v in sorted(r["converted"].items()))
-        + f" | {_counts(r.get('recomputed', []))} | {len(r['left_alone'])} |")
+        + _listed(r["converted"]) + " | "
+        + _listed(collections.Counter(e[0] for e in r.get("recomputed", [])))
+        + f" | {len(r['left_alone'])} |")
   return "\n".join(lines)
 
 

@@ -57,6 +57,8 @@ _CANDIDATES = {"erf": "activation", "erfc": "activation", "logistic": "activatio
 _KINDS = ("layer_norm", "rms_norm", "softmax", "linear_cross_entropy")
 # Form kinds fallback="temp" may recompute from their input instead of leaving them alone.
 _RECOMPUTABLE = frozenset({"activation", "scaled_silu"})
+_FELL_BACK = ("inverting it raised the gradient's compiled temp above the unconverted "
+              "program's (fallback='temp')")
 
 
 @dataclasses.dataclass
@@ -530,21 +532,19 @@ class _Options:
   floor: bool = True  # fuse the matmuls that read recomputable values (the floor pass)
   skip: frozenset = frozenset()  # sites (numbered in the order they are found) left alone
   recompute: frozenset = frozenset()  # activation sites run as jax.checkpoint of themselves
-  sites: int = 0  # sites numbered so far
-  recomputable: list = dataclasses.field(default_factory=list)  # per site: an activation?
+  # Per site numbered so far (its number is its index): whether it can be recomputed.
+  recomputable: list = dataclasses.field(default_factory=list)
 
   def site(self, public: str, where: str, recomputable: bool = False) -> str | None:
     """Number the next site: None if it is to be left alone (``skip``), ``"recompute"`` for
     an activation in ``recompute``, else ``"invert"``."""
-    number, self.sites = self.sites, self.sites + 1
+    number = len(self.recomputable)
     self.recomputable.append(recomputable)
-    why = "inverting it raised the gradient's compiled temp above the unconverted program's " \
-          "(fallback='temp')"
     if number in self.skip:
-      self.report.left_alone.append((public, where, why))
+      self.report.left_alone.append((public, where, _FELL_BACK))
       return None
     if recomputable and number in self.recompute:
-      self.report.recomputed.append((public, where, why))
+      self.report.recomputed.append((public, where, _FELL_BACK))
       return "recompute"
     return "invert"
 
@@ -867,7 +867,7 @@ def _temp_fallback(closed, positions, make_opts: Callable[[_Choice], _Options]) 
     if temp(choice) <= original:
       return choice
   for i in (i for i in order if recomputable[i]):
-    choice = _Choice(choice.skip | {i}, choice.recompute - {i})
+    choice = dataclasses.replace(choice, skip=choice.skip | {i}, recompute=choice.recompute - {i})
     if temp(choice) <= original:
       return choice
   return _Choice(frozenset(range(len(recomputable))), frozenset(), floor=False)

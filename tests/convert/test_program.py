@@ -521,7 +521,7 @@ def test_fallback_recomputes_then_leaves_alone_until_the_temp_is_not_above(monke
       calls.append(None)
       return 100
     calls.append((opts.skip, opts.recompute, opts.floor))
-    opts.sites, opts.recomputable = 3, [True] * 3
+    opts.recomputable = [True] * 3
     return 100 + floor_cost[0] * opts.floor + sum(
         0 if i in opts.skip else recompute_cost[i] if i in opts.recompute else invert_cost[i]
         for i in range(3))
@@ -569,7 +569,7 @@ def test_a_recomputed_activation_inside_scan_keeps_its_input(monkeypatch):
   def fake_temp(closed, graph, structs, positions, opts):
     if opts is None:
       return 100
-    opts.sites, opts.recomputable = 1, [True]
+    opts.recomputable = [True]
     return 100 + (0 if opts.recompute else 1)
   monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
 
@@ -612,7 +612,7 @@ def test_fallback_under_vmap_scan_and_shard_map(monkeypatch):
   def fake_temp(closed, graph, structs, positions, opts):
     if opts is None:
       return 100
-    opts.sites, opts.recomputable = 2, [True, True]
+    opts.recomputable = [True, True]
     return 100 + (0 if 0 in opts.skip | opts.recompute else 10)
   monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
 
