@@ -76,14 +76,20 @@ def residual_table(rows: list[Residual]) -> str:
   return "\n".join(lines)
 
 
+#: A :class:`FloorAudit` role: a gradient computed in the forward.
+FORWARD_GRADIENT = "gradient computed in the forward"
+
+
 @dataclasses.dataclass(frozen=True)
 class FloorAudit:
   """What a differentiated function keeps against the floor (see :func:`floor_audit`).
 
   Attributes:
     kept: ``(Residual, role)`` per kept non-argument array; ``role`` is the floor item it
-      stands for (``"gelu output"``, ``"rms_norm xhat"``, ``"matmul output"``, ...) or
-      ``"excess"`` when the floor has no array of its size and dtype left.
+      stands for (``"gelu output"``, ``"rms_norm xhat"``, ``"matmul output"``, ...),
+      :data:`FORWARD_GRADIENT` for a gradient computed in the forward (the LM head's
+      ``gradients="forward"``), or ``"excess"`` when the floor has no array of its size and
+      dtype left.
     floor: the floor's arrays (:class:`invact_jax.convert._floor.FloorItem`).
   """
   kept: tuple
@@ -91,7 +97,14 @@ class FloorAudit:
 
   @property
   def kept_bytes(self) -> int:
-    return sum(r.bytes for r, _ in self.kept)
+    """Bytes of the kept activations (gradients computed in the forward not counted)."""
+    return sum(r.bytes for r, role in self.kept if role != FORWARD_GRADIENT)
+
+  @property
+  def forward_gradient_bytes(self) -> int:
+    """Bytes of gradients computed in the forward and kept for the backward to scale: the
+    gradients' own buffers, made at the end of the forward instead of in the backward."""
+    return sum(r.bytes for r, role in self.kept if role == FORWARD_GRADIENT)
 
   @property
   def floor_bytes(self) -> int:
@@ -112,6 +125,9 @@ class FloorAudit:
     for r, role in self.kept:
       lines.append(f"| {r.shape} | {r.dtype} | {r.bytes} | {role} | {r.source} |")
     lines.append(f"| **kept** | | **{self.kept_bytes}** | {self.excess_bytes} excess | |")
+    if self.forward_gradient_bytes:
+      lines.append(f"| **gradients computed in the forward** | | "
+                   f"**{self.forward_gradient_bytes}** | not counted as kept | |")
     lines.append(f"| **floor** | | **{self.floor_bytes}** | kept / floor = "
                  f"{self.ratio:.2f} | |")
     return "\n".join(lines)
@@ -153,9 +169,13 @@ def floor_audit(fn: Callable[..., Any], *args, **kwargs) -> FloorAudit:
   left: dict = {}
   for item in floor:
     left.setdefault((item.bytes, item.dtype), []).append(item.what)
+  from invact_jax.ops.cross_entropy import in_forward  # pylint: disable=import-outside-toplevel
   kept = []
   for r in sorted((r for r in residuals(fn, *args, **kwargs) if not r.is_argument),
                   key=lambda r: -r.bytes):
+    if f"named '{in_forward.GRADIENT_NAME}'" in r.source:
+      kept.append((r, FORWARD_GRADIENT))
+      continue
     roles = left.get((r.bytes, r.dtype))
     kept.append((r, roles.pop(0) if roles else "excess"))
   return FloorAudit(tuple(kept), floor)

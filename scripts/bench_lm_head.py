@@ -1,10 +1,11 @@
-"""The LM head benchmark (issue 40): plain head, invact_jax.linear_cross_entropy, invert() of
-the plain code and tokamax (where installed), memory and time side by side in one process.
+"""The LM head benchmark: plain head, invact_jax.linear_cross_entropy (both gradient modes),
+invert() of the plain code and tokamax (where installed), memory and time side by side in one
+process, the steps timed interleaved.
 
   python scripts/bench_lm_head.py --json bench/lm_head_cpu_2026-11-25.json
   python scripts/bench_lm_head.py --tokens 256 --vocab 4096 --repeats 2     # seconds
   python scripts/bench_lm_head.py --tokens 8192 --d 4096 --vocab 128256 --dtypes bfloat16  # GPU
-  python scripts/bench_lm_head.py ... --tiles 1024x1024 8192x2048     # a tile sweep
+  python scripts/bench_lm_head.py ... --tiles 128x2048 512x128256 backward:1024x1024  # a sweep
 
 Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
 (on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
@@ -26,13 +27,6 @@ from models.experiments import cli  # pylint: disable=wrong-import-position
 from models.experiments import lm_head  # pylint: disable=wrong-import-position
 
 
-def tile(text: str) -> tuple[int, int]:
-  parts = text.lower().split("x")
-  if len(parts) != 2:
-    raise ValueError(text)  # argparse: "invalid tile value"
-  return cli.positive_int(parts[0]), cli.positive_int(parts[1])
-
-
 def main(argv=None) -> int:
   p = cli.parser(__doc__)
   p.add_argument("--tokens", type=cli.positive_int, default=2048)
@@ -41,8 +35,11 @@ def main(argv=None) -> int:
   p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                  choices=("float32", "bfloat16"))
   p.add_argument("--repeats", type=cli.positive_int, default=7)
-  p.add_argument("--tiles", nargs="+", type=tile, default=[], metavar="TOKENSxVOCAB",
-                 help="also invact_jax with these tiles (e.g. 1024x1024 8192x2048)")
+  p.add_argument("--tiles", nargs="+", type=lm_head.parse_tile, default=[],
+                 metavar="[backward:]TOKENSxVOCAB",
+                 help="also invact_jax with these tiles: gradients in the forward (TOKENS per "
+                      "chunk, VOCAB per weight-gradient update) or, after backward:, the "
+                      "recomputing backward's tiles")
   p.add_argument("--json", help="also write the rows here")
   a = p.parse_args(argv)
   rows = lm_head.rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats, tiles=a.tiles)

@@ -32,3 +32,10 @@ def test_one_example_per_entry_point():
   for entry in ("invact_jax.gelu", "invact_jax.flax", "invact_jax.invert", "planner.solve",
                 "scripts/train_vit.py"):
     assert entry in README, entry
+
+
+def test_lm_head_tables_are_generated_from_the_committed_benchmarks():
+  from models.experiments import lm_head  # pylint: disable=import-outside-toplevel
+  page = (ROOT / "docs" / "lm-head.md").read_text()
+  assert len(lm_head.DOCS_BLOCK.findall(page)) >= 2
+  assert page == lm_head.render_docs(page, ROOT), "python -m models.experiments.lm_head"

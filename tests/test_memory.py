@@ -147,4 +147,13 @@ def test_floor_of_an_lm_head_is_its_input_and_a_statistic_per_token():
   floor = sorted((i.what, i.shape) for i in memory.floor_audit(loss, x, w, y).floor)
   assert floor == [("linear_cross_entropy row statistic", (B,))], floor  # x is an argument
   audit = memory.floor_audit(invact_jax.invert(loss), x, w, y)
-  assert audit.kept_bytes == audit.floor_bytes == 4 * B, audit.table()
+  # the mean folded into the head: its gradients computed in the forward, nothing else kept
+  assert audit.kept_bytes == 0 and audit.floor_bytes == 4 * B, audit.table()
+  assert sorted(r.shape for r, role in audit.kept if role == memory.FORWARD_GRADIENT) == [
+      (B, D), (D, 512)], audit.table()
+  assert audit.forward_gradient_bytes == 4 * (B * D + D * 512)
+  per_token = memory.floor_audit(invact_jax.invert(lambda x, w, y: jnp.max(
+      optax.softmax_cross_entropy_with_integer_labels(x @ w, y))), x, w, y)
+  # an unfoldable reduction (a max): the per-token head keeps its row statistic, no gradient
+  assert per_token.forward_gradient_bytes == 0, per_token.table()
+  assert "linear_cross_entropy row statistic" in {role for _, role in per_token.kept}

@@ -1,4 +1,4 @@
-"""The LM head's loss found by its algebra, whatever library wrote it (issue 40).
+"""The LM head's loss found by its algebra, whatever library wrote it.
 
 A matmul ``z = x @ w (+ b)`` whose output feeds, and only feeds, a cross-entropy against
 integer labels — ``log_softmax`` or ``logsumexp``, the label's logit picked by
@@ -14,14 +14,22 @@ found by following every value computed from ``z`` as a linear combination of
   its product with an elementwise value.
 
 A row value equal to ``ls_k + k - (1 - s) * pick - (s / V) * zsum`` is the per-token loss
-with label smoothing ``s``; the matched region (the matmul, the loss, the labels' one-hot
-and index arithmetic) is replaced by :func:`invact_jax.linear_cross_entropy` with
-``reduction="none"``, so the program's own reduction (a mean, a masked sum, weights)
-follows unchanged and no [tokens, V] buffer remains.
+with label smoothing ``s``.  Then the program's reduction of the per-token losses is
+followed (:func:`fold_reduction`): where it is a weighted sum — a mean, a masked mean, a
+sum of losses times weights, any chain of casts, reshapes, products and quotients with values
+not computed from the losses, selects against zero and sums that ends in a scalar — it is
+folded into the head, whose gradients are then computed in the forward
+(``invact_jax.ops.cross_entropy.in_forward``) with per-token weights that are the chain's
+derivative.  Otherwise the region (the matmul, the loss, the labels' one-hot and index
+arithmetic) becomes :func:`invact_jax.linear_cross_entropy` with ``reduction="none"`` and
+the program's own reduction follows.  Either way no [tokens, V] buffer remains.  A weight
+that is a 16-bit cast of a float32 one is read as the float32 weight (the head casts it one
+chunk at a time), so that its float32 gradient accumulator is its gradient.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +39,7 @@ from invact_jax.convert import _algebra
 from invact_jax.convert import _graph
 from invact_jax.convert._graph import Lit
 
-__all__ = ["HeadMatch", "find_heads"]
+__all__ = ["HeadMatch", "Fold", "find_heads", "fold_reduction"]
 
 _SAME = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision",
                    "abs"})  # abs of a sum of exponentials is the sum
@@ -40,6 +48,25 @@ _INDEX = frozenset({"lt", "add", "select_n", "reshape", "broadcast_in_dim", "con
                     "squeeze", "expand_dims", "clamp", "ge", "le", "gt", "eq", "ne", "and",
                     "or", "not", "sub", "max", "min"})
 _TOL = 1e-6
+# Primitives of a weighted sum of the per-token losses, with one operand computed from them.
+_LINEAR_UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reshape",
+                           "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+                           "reduce_sum", "neg"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fold:
+  """The program's reduction of the per-token losses as a weighted sum.
+
+  Attributes:
+    nodes: the reduction's node indices (from the per-token losses to ``out``).
+    out: the scalar it computes.
+    extras: the values it reads that are not computed from the losses (masks, weights,
+      counts), the unit's further inputs.
+  """
+  nodes: frozenset
+  out: int
+  extras: tuple
 
 
 @dataclasses.dataclass
@@ -52,6 +79,8 @@ class HeadMatch:
     vocab_axis: ``w``'s vocabulary axis (1: [d, V], 0: [V, d]).
     smoothing: the label smoothing.
     sign: +1 (the loss) or -1 (its negation, the log-likelihood).
+    fold: the program's reduction folded into the head, or None.
+    why_not_folded: why the reduction was not folded ("" when it was).
   """
   nodes: list
   root: int
@@ -62,17 +91,28 @@ class HeadMatch:
   vocab_axis: int
   smoothing: float
   sign: float
+  fold: Fold | None = None
+  why_not_folded: str = ""
 
   public = "linear_cross_entropy"
 
   @property
   def inputs(self) -> list:
-    return [r for r in (self.x, self.w, self.bias, self.labels) if r is not None]
+    return [r for r in (self.x, self.w, self.bias, self.labels) if r is not None] + (
+        list(self.fold.extras) if self.fold else [])
+
+  def output(self, g: _graph.Graph):
+    """The program value the region computes: the folded scalar or the per-token losses."""
+    return self.fold.out if self.fold else g.nodes[self.root].outs[0]
 
   @property
   def name(self) -> str:
     extra = f", label smoothing {self.smoothing:g}" if self.smoothing else ""
-    return f"matmul + cross-entropy by its algebra{extra}"
+    if self.fold:
+      how = "its weighted sum folded in, gradients in the forward"
+    else:
+      how = f"per token, gradients by recomputing the logits: {self.why_not_folded}"
+    return f"matmul + cross-entropy by its algebra{extra} ({how})"
 
 
 def _add(a: dict, b: dict, sign: float = 1.0) -> dict:
@@ -336,9 +376,89 @@ def _spread_source(g: _graph.Graph, ref):
   return ref, chain
 
 
-def find_heads(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
+def _zero(g: _graph.Graph, ref) -> bool:
+  """Whether ``ref`` is a constant zero (a literal, or a broadcast or cast of one)."""
+  while not isinstance(ref, Lit) and ref in g.producer:
+    n = g.nodes[g.producer[ref][0]]
+    if n.prim.name not in ("broadcast_in_dim", "convert_element_type") or len(n.ins) != 1:
+      return False
+    ref = n.ins[0]
+  return isinstance(ref, Lit) and not isinstance(ref.val, jax.core.Tracer) and \
+      not np.any(np.asarray(ref.val))
+
+
+def _linear_step(g: _graph.Graph, n, inside) -> str:
+  """"" when node ``n`` is linear in the values ``inside`` (what it reads of them), else
+  why not."""
+  name = n.prim.name
+  reads = [not isinstance(r, Lit) and r in inside for r in n.ins]
+  out = g.avals[n.outs[0]]
+  if len(n.outs) != 1 or not jnp.issubdtype(out.dtype, jnp.floating):
+    return f"{name} of the per-token losses"
+  if name in _LINEAR_UNARY and reads == [True]:
+    return ""
+  if name == "mul" and sum(reads) == 1:
+    return ""
+  if name == "div" and reads == [True, False]:
+    return ""
+  if name in ("add", "sub") and all(reads):
+    return ""
+  if name == "select_n" and not reads[0] and sum(reads) == 1 and all(
+      reads[k] or _zero(g, n.ins[k]) for k in range(1, len(n.ins))):
+    return ""
+  return f"{name} of the per-token losses"
+
+
+def fold_reduction(g: _graph.Graph, loss, outvars: set) -> tuple[Fold | None, str]:
+  """The program's reduction of the per-token losses ``loss`` as a :class:`Fold`, or
+  ``(None, why)`` where it is not a weighted sum that ends in one scalar."""
+  inside, nodes = {loss}, set()
+  for i in range(g.producer[loss][0] + 1, len(g.nodes)):
+    n = g.nodes[i]
+    if not any(not isinstance(r, Lit) and r in inside for r in n.ins):
+      continue
+    why = _linear_step(g, n, inside)
+    if why:
+      return None, f"the program's reduction reads {why}"
+    nodes.add(i)
+    inside.update(n.outs)
+  ends = [r for r in inside if r in outvars or not g.consumers.get(r) or any(
+      c not in nodes for c in g.consumers[r])]
+  if loss in ends:
+    return None, "the per-token losses are also used as they are"
+  if len(ends) != 1 or math.prod(g.avals[ends[0]].shape) != 1:
+    return None, "the program's reduction does not end in one scalar"
+  extras = []
+  for i in sorted(nodes):
+    for r in g.nodes[i].ins:
+      if not isinstance(r, Lit) and r not in inside and r not in extras:
+        extras.append(r)
+  return Fold(frozenset(nodes), ends[0], tuple(extras)), ""
+
+
+def _wide_source(g: _graph.Graph, w, region: set):
+  """``(source, cast node)`` when ``w`` is a 16-bit cast of a float32/float64 value read only
+  by ``region``, else ``(w, None)``."""
+  if isinstance(w, Lit) or w not in g.producer:
+    return w, None
+  i = g.producer[w][0]
+  n = g.nodes[i]
+  if n.prim.name != "convert_element_type" or isinstance(n.ins[0], Lit):
+    return w, None
+  src = n.ins[0]
+  if jnp.dtype(g.avals[w].dtype).itemsize >= 4 or not jnp.issubdtype(
+      g.avals[src].dtype, jnp.floating) or jnp.dtype(g.avals[src].dtype).itemsize < 4 or any(
+          c not in region for c in g.consumers.get(w, ())) or w in g.outvars:
+    return w, None
+  return src, i
+
+
+def find_heads(g: _graph.Graph, claimed: set, outvars: set,
+               allow_fold: bool = True) -> tuple[list, list]:
   """The matmul + cross-entropy regions of ``g``: ``(matches, left_alone)``, the latter
-  ``([dot node], why)`` for a head whose logits are also used elsewhere."""
+  ``([dot node], why)`` for a head whose logits are also used elsewhere.  ``allow_fold``: whether
+  the program's reduction may be folded into a head (not in a loop body, whose residuals —
+  the forward's gradients — would be kept per step)."""
   matches, left, taken = [], [], set(claimed)
   for di, n in enumerate(g.nodes):
     if n.prim.name != "dot_general" or di in taken:
@@ -418,10 +538,20 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
         found = found or ("escape", di)
         continue
       sign, smoothing = res
-      matches.append(HeadMatch(sorted(nodes), root, x, w,
+      fold, why = fold_reduction(g, o, outvars) if allow_fold else (
+          None, "inside a loop body (its forward's gradients would be kept per step)")
+      if fold is not None and fold.nodes & taken:
+        fold, why = None, "the program's reduction overlaps another conversion"
+      head_w, cast = _wide_source(g, w, nodes)
+      if cast is not None:
+        nodes.add(cast)
+      if fold is not None and jnp.dtype(g.avals[head_w].dtype).itemsize < 4:
+        fold, why = None, ("a 16-bit weight (its float32 gradient accumulator would double "
+                           "the gradient's memory)")
+      matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                                None if h.bias is None else h.bias[0], h.labels, vaxis,
-                               smoothing, sign))
-      taken.update(nodes)
+                               smoothing, sign, fold, why))
+      taken.update(matches[-1].nodes)
       found = "ok"
       break
     if isinstance(found, tuple):

@@ -44,6 +44,7 @@ from invact_jax.ops.activations import api as _act_api
 from invact_jax.ops.activations import base as _act_base
 from invact_jax.ops.activations import registry
 from invact_jax.ops.cross_entropy import base as _ce_base
+from invact_jax.ops.cross_entropy import in_forward as _ce_in_forward
 from invact_jax.ops.norms import api as _norm_api
 from invact_jax.ops.norms import base as _norm_base
 from invact_jax.ops.softmax import base as _softmax_base
@@ -466,22 +467,42 @@ def _algebra_norm_fn(rule: _NormRule):
 
 
 def _head_fn(m: _cross_entropy.HeadMatch, target):
-  """A matmul + cross-entropy as :func:`invact_jax.linear_cross_entropy` per token: the
-  program's reduction follows."""
-  out = target.nodes[m.root].outs[0]
-  out_aval, x_aval = target.avals[out], _aval(target, m.x)
+  """A matmul + cross-entropy as :func:`invact_jax.linear_cross_entropy`: with the program's
+  reduction folded in (the per-token weights are the reduction's derivative; the gradients
+  are computed in the forward), or per token (the program's reduction follows)."""
+  loss_ref = target.nodes[m.root].outs[0]
+  loss_aval, x_aval = target.avals[loss_ref], _aval(target, m.x)
   d, n = x_aval.shape[-1], math.prod(x_aval.shape[:-1])
   vocab = _aval(target, m.w).shape[m.vocab_axis]
-  chunk, vocab_chunk = _ce_base.default_chunk_sizes(n, vocab)
-  opts = _ce_base.Options(m.vocab_axis, "none", None, float(m.smoothing), 0.0, None, chunk,
-                          vocab_chunk)
+  mode = "forward" if m.fold else "backward"
+  chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
+  opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
+                          0.0, None, chunk, vocab_chunk, mode)
+  heads = 4 if m.bias is not None else 3  # x, w, (bias,) labels; then the reduction's reads
 
-  def fn(x, w, *rest):
-    b = rest[0] if m.bias is not None else None
-    labels = rest[-1]
-    loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, labels.reshape(n), opts)
-    return (m.sign * loss).reshape(out_aval.shape).astype(out_aval.dtype)
-  return fn
+  if m.fold is None:
+    def per_token(x, w, *rest):
+      b = rest[0] if m.bias is not None else None
+      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, rest[-1].reshape(n), opts)
+      return (m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype)
+    return per_token
+
+  out_aval = target.avals[m.fold.out]
+  reduce = _region_of(target, m.fold.nodes, [loss_ref, *m.fold.extras], m.fold.out)
+
+  def folded(*vals):
+    x, w, labels = vals[0], vals[1], vals[heads - 1]
+    b = vals[2] if m.bias is not None else None
+    extras = vals[heads:]
+    # the reduction is linear in the losses: its derivative is each token's weight
+    _, pull = jax.vjp(lambda loss: reduce(loss, *extras),
+                      jnp.zeros(loss_aval.shape, loss_aval.dtype))
+    (weights,) = pull(jnp.ones(out_aval.shape, out_aval.dtype))
+    weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
+    total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels.reshape(n), weights,
+                                           opts)
+    return total.reshape(out_aval.shape).astype(out_aval.dtype)
+  return folded
 
 
 def _algebra_softmax_fn(m: _algebra.SoftmaxMatch, region, target):
@@ -534,6 +555,7 @@ class _Options:
   recompute: frozenset = frozenset()  # activation sites run as jax.checkpoint of themselves
   # Per site numbered so far (its number is its index): whether it can be recomputed.
   recomputable: list = dataclasses.field(default_factory=list)
+  in_loop: bool = False  # converting a scan body (its residuals are kept per step)
 
   def site(self, public: str, where: str, recomputable: bool = False) -> str | None:
     """Number the next site: None if it is to be left alone (``skip``), ``"recompute"`` for
@@ -577,7 +599,7 @@ class Found:
   def output(self, target: _graph.Graph, m):
     """The program value a match computes."""
     if isinstance(m, _cross_entropy.HeadMatch):
-      return target.nodes[m.root].outs[0]
+      return m.output(target)
     k = m.pattern.root_out if isinstance(m, _Match) else m.root_out
     return target.nodes[m.root].outs[k]
 
@@ -598,8 +620,8 @@ def find(target: _graph.Graph, opts: _Options) -> Found:
       explained.update(nodes)
       opts.report.left_alone.append((kind, target.nodes[nodes[0]].where, why))
   if "linear_cross_entropy" in opts.names:  # first: its log-softmax is no softmax to keep
-    take("linear_cross_entropy", *_cross_entropy.find_heads(target, claimed, outvars),
-         found.heads)
+    take("linear_cross_entropy", *_cross_entropy.find_heads(
+        target, claimed, outvars, allow_fold=not opts.in_loop), found.heads)
   if opts.names & {"layer_norm", "rms_norm"}:
     take("norm", *_algebra.find_norms(target, claimed, outvars), found.norms)
   if "softmax" in opts.names:
@@ -765,7 +787,8 @@ def _nested(opts: _Options):
       return list(body(*invals))
     if name == "scan" or name in ("pjit", "jit"):
       consts = range(_graph.scan_counts(p)[0] if name == "scan" else len(node.ins))
-      new = _convert_closed(p["jaxpr"], opts, _known(node.ins, consts))
+      body_opts = dataclasses.replace(opts, in_loop=True) if name == "scan" else opts
+      new = _convert_closed(p["jaxpr"], body_opts, _known(node.ins, consts))
       return None if new is None else _graph.bind(
           _graph.Node(node.prim, dict(p, jaxpr=new), node.ins, node.outs, eqn=node.eqn), invals)
     if name == "cond":

@@ -1,7 +1,8 @@
 """The README's headline table, generated from the committed benchmark JSONs in ``bench/``.
 
-Memory and speed come from the newest GPU report (:mod:`models.experiments.gpu_report`) and
-the newest frontier run per device (:func:`models.experiments.frontier.headline_rows`),
+Memory and speed come from the newest GPU report (:mod:`models.experiments.gpu_report`),
+the newest frontier run per device (:func:`models.experiments.frontier.headline_rows`) and
+the newest LM head run per device (:func:`models.experiments.lm_head.headline_rows`),
 accuracy from the parity study (``bench/parity.json``) and the gradient audit
 (``bench/accuracy.json``).  ``python -m models.experiments.headline`` rewrites the block
 between ``<!-- headline:begin -->`` and ``<!-- headline:end -->`` in README.md; a test
@@ -47,7 +48,7 @@ def _gpu_rows(report: dict, path: str) -> list[str]:
 
 def markdown(root: pathlib.Path = ROOT) -> str:
   """The headline table (markdown) from ``root/bench``."""
-  from models.experiments import frontier, gpu_report  # pylint: disable=import-outside-toplevel
+  from models.experiments import frontier, gpu_report, lm_head  # pylint: disable=import-outside-toplevel
   bench = root / "bench"
   lines = ["| figure | JAX default (`standard`) | invact_jax (`inverted-all`) | measured on | "
            "source |", "|---|---:|---:|---|---|"]
@@ -59,6 +60,7 @@ def markdown(root: pathlib.Path = ROOT) -> str:
     lines += _gpu_rows(json.loads(p.read_text()), f"bench/{p.name}")
   for p, data in frontier.newest_per_model(bench.glob("frontier_*_????-??-??.json")):
     lines += frontier.headline_rows(data, f"bench/{p.name}")
+  lines += lm_head.headline_rows(root)
   parity = json.loads((bench / "parity.json").read_text())
   meta = parity["meta"]
   for task in sorted({r["task"] for r in parity["summary"]}):

@@ -1,15 +1,19 @@
-"""The LM head benchmark (issue 40): the plain head against the chunked ones, side by side.
+"""The LM head benchmark: the plain head against the chunked ones, side by side.
 
 For one head (tokens ``x`` [N, d], weight [d, V], integer labels), each variant's
 ``value_and_grad`` of the mean loss w.r.t. ``x`` and the weight is compiled and measured:
-compiled temp bytes (and whether a [N, V] buffer exists in the compiled program), median wall
-time over repeats, and the gradient's relative L2 distance to a float64 reference.
+compiled temp bytes (and whether a [N, V] buffer exists in the compiled program), the median
+wall time over repeats (every variant's steps interleaved, round after round, so that a
+slower or faster stretch of the machine falls on all of them), and the gradient's relative L2
+distance to a float64 reference.
 
 Variants: ``plain`` (``x @ w`` then optax's integer-label cross-entropy: what users write),
-``invact_jax`` (:func:`invact_jax.linear_cross_entropy`), ``invact_jax.invert(plain)`` (the
-conversion finding the pattern in the plain code), and where installed, tokamax's
-``linear_softmax_cross_entropy_loss`` (``chunked_xla`` and ``xla``).  PyTorch + Liger-Kernel's
-fused linear cross-entropy runs on a GPU in its own process (``torch_rows``).
+``invact_jax`` (:func:`invact_jax.linear_cross_entropy`, gradients in the forward),
+``invact_jax gradients=backward`` (the backward recomputes the logits),
+``invact_jax.invert(plain)`` (the conversion finding the pattern in the plain code), and
+where installed, tokamax's ``linear_softmax_cross_entropy_loss`` (``chunked_xla`` and
+``xla``).  PyTorch + Liger-Kernel's fused linear cross-entropy runs on a GPU in its own
+process (``torch_rows``).
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import optax
 
 import invact_jax
 
-__all__ = ["Head", "VARIANTS", "make_head", "measure", "rows", "torch_rows", "tile_variants"]
+__all__ = ["Head", "VARIANTS", "make_head", "compile_step", "rows", "torch_rows",
+           "tile_variants", "parse_tile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,10 @@ def ours(x, w, labels):
   return invact_jax.linear_cross_entropy(x, w, labels)
 
 
+def ours_backward(x, w, labels):
+  return invact_jax.linear_cross_entropy(x, w, labels, gradients="backward")
+
+
 def _tokamax(implementation: str) -> Callable | None:
   if importlib.util.find_spec("tokamax") is None:
     return None
@@ -73,17 +82,34 @@ def _tokamax(implementation: str) -> Callable | None:
   return loss
 
 
+def parse_tile(text: str) -> tuple[str, int, int]:
+  """``"TxV"`` (gradients in the forward) or ``"backward:TxV"`` -> ``(mode, T, V)``.
+
+  Raises:
+    ValueError: not of that form, or a size that is not a positive integer.
+  """
+  mode, _, size = text.rpartition(":")
+  mode = mode or "forward"
+  parts = size.lower().split("x")
+  if mode not in ("forward", "backward") or len(parts) != 2 or not all(
+      p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"a tile is TOKENSxVOCAB or backward:TOKENSxVOCAB, got {text!r}")
+  return mode, int(parts[0]), int(parts[1])
+
+
 def tile_variants(tiles) -> dict[str, Callable]:
-  """Per ``(tokens, vocabulary entries)`` in ``tiles``, ``"invact_jax tile TxV"``:
-  :func:`invact_jax.linear_cross_entropy` with that tile (the sweep that picks a device's
-  default)."""
-  return {f"invact_jax tile {t}x{v}": functools.partial(
-      invact_jax.linear_cross_entropy, chunk_size=t, vocab_chunk_size=v) for t, v in tiles}
+  """Per ``(mode, tokens, vocabulary entries)`` in ``tiles``, ``"invact_jax MODE TxV"``:
+  :func:`invact_jax.linear_cross_entropy` with that gradient mode and tile (the sweep that
+  picks a device's default)."""
+  return {f"invact_jax {m} {t}x{v}": functools.partial(
+      invact_jax.linear_cross_entropy, chunk_size=t, vocab_chunk_size=v, gradients=m)
+          for m, t, v in tiles}
 
 
 def variants() -> dict[str, Callable]:
   """name -> loss(x, w, labels), those that can run here."""
-  out = {"plain": plain, "invact_jax": ours, "invact_jax.invert(plain)": invact_jax.invert(plain)}
+  out = {"plain": plain, "invact_jax": ours, "invact_jax gradients=backward": ours_backward,
+         "invact_jax.invert(plain)": invact_jax.invert(plain)}
   for impl in ("chunked_xla", "xla"):
     fn = _tokamax(impl)
     if fn is not None:
@@ -91,8 +117,8 @@ def variants() -> dict[str, Callable]:
   return out
 
 
-VARIANTS = ("plain", "invact_jax", "invact_jax.invert(plain)", "tokamax chunked_xla",
-            "tokamax xla")
+VARIANTS = ("plain", "invact_jax", "invact_jax gradients=backward", "invact_jax.invert(plain)",
+            "tokamax chunked_xla", "tokamax xla")
 
 
 def _has_logits_buffer(text: str, n: int, v: int) -> bool:
@@ -103,29 +129,35 @@ def _has_logits_buffer(text: str, n: int, v: int) -> bool:
   return False
 
 
-def measure(name: str, loss: Callable, head: Head, repeats: int, g64=None) -> dict:
-  """One row: compiled temp, a [N, V] buffer or not, median time, gradient error."""
+def compile_step(name: str, loss: Callable, head: Head, g64=None) -> tuple[dict, Any]:
+  """One row's compiled facts and the compiled step: compiled temp, a [N, V] buffer or not,
+  the loss and the gradient error; ``(row with "error", None)`` where it does not lower."""
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   try:
     compiled = step.lower(head.x, head.w, head.labels).compile()
   except Exception as e:  # pylint: disable=broad-except  (a variant that does not lower here)
-    return {"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return {"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
   n, _, v = head.shape
   value, grads = compiled(head.x, head.w, head.labels)
   jax.block_until_ready(grads)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(head.x, head.w, head.labels))
-    times.append(time.perf_counter() - t0)
   row = {"variant": name, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-         "logits_buffer": _has_logits_buffer(compiled.as_text(), n, v),
-         "time_s": statistics.median(times), "loss": float(value)}
+         "logits_buffer": _has_logits_buffer(compiled.as_text(), n, v), "loss": float(value)}
   if g64 is not None:
     num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in zip(grads, g64))
     den = sum(float(np.sum(b ** 2)) for b in g64)
     row["grad_error"] = (num / den) ** 0.5
-  return row
+  return row, compiled
+
+
+def _time_interleaved(steps: dict, head: Head, repeats: int) -> dict[str, float]:
+  """Median seconds per step of each compiled step, the steps run round-robin."""
+  times: dict = {k: [] for k in steps}
+  for _ in range(repeats):
+    for name, compiled in steps.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(head.x, head.w, head.labels))
+      times[name].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in times.items()}
 
 
 def reference_grads(head: Head):
@@ -173,8 +205,8 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
 
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
          names=None, torch: bool = True, tiles=()) -> list[dict]:
-  """Every variant in ``names`` (None: all) and every tile of ``tiles``
-  (:func:`tile_variants`) on one head per dtype; with ``torch``,
+  """Every variant in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
+  ``tiles`` (:func:`tile_variants`) on one head per dtype, timed interleaved; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
   ``time_vs_plain`` are against the plain head of the same framework and dtype."""
   out = []
@@ -184,11 +216,20 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
       out += torch_rows(head, jnp.dtype(dtype).name, repeats)
     g64 = reference_grads(head)
     losses = {k: f for k, f in variants().items() if names is None or k in names}
+    measured, steps = [], {}
     for name, loss in {**losses, **tile_variants(tiles)}.items():
-      row = measure(name, loss, head, repeats, g64)
+      row, compiled = compile_step(name, loss, head, g64)
+      measured.append(row)
+      if compiled is not None:
+        steps[name] = compiled
+    del g64
+    seconds = _time_interleaved(steps, head, repeats)
+    for row in measured:
+      if row["variant"] in seconds:
+        row["time_s"] = seconds[row["variant"]]
       out.append({"dtype": jnp.dtype(dtype).name, "tokens": tokens, "d": d, "vocab": vocab,
                   "framework": "jax", **row})
-    del g64
+    del steps
   for r in out:
     base = next((b for b in out if b["dtype"] == r["dtype"] and b["framework"] == r["framework"]
                  and b["variant"].endswith("plain") and "error" not in b), None)
@@ -216,3 +257,71 @@ def table(rs: list[dict]) -> str:
         f"| {r['dtype']} | {r['variant']} | {temp} | {r['time_s']:.3f} | "
         f"{r.get('time_vs_plain', nan):.2f} | {r.get('grad_error', nan):.1e} |")
   return "\n".join(lines)
+
+
+# ------------------------------------------------------------- docs and headline from the JSONs
+DOCS_BLOCK = re.compile(r"(<!-- lm-head table: (\S+?)(?: dtype=(\w+))? -->\n)(.*?)(<!-- end -->)",
+                        re.S)
+
+
+def render_docs(text: str, root) -> str:
+  """``text`` with every ``<!-- lm-head table: bench/FILE.json [dtype=D] -->`` ...
+  ``<!-- end -->`` block rewritten as :func:`table` of that committed JSON's rows (of dtype D
+  where given), preceded by the command, device, versions and date that produced them."""
+  import json  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+
+  def block(m) -> str:
+    data = json.loads((pathlib.Path(root) / m.group(2)).read_text())
+    meta = data["meta"]
+    rows = [r for r in data["rows"] if m.group(3) is None or r["dtype"] == m.group(3)]
+    command = re.sub(r" --json \S+", "", meta["command"])
+    where = (f"`{command}` (`{m.group(2)}`) — {meta['device']}, JAX "
+             f"{meta['jax']}, Python {meta['python']}, {meta['date']}; N = {meta['tokens']}, "
+             f"d = {meta['d']}, V = {meta['vocab']}, median of {meta['repeats']}")
+    return f"{m.group(1)}{where}:\n\n{table(rows)}\n{m.group(5)}"
+  return DOCS_BLOCK.sub(block, text)
+
+
+def _newest_per_device(paths) -> list:
+  """Of ``lm_head_*.json`` files, per device the newest (by date, then JAX version)."""
+  import json  # pylint: disable=import-outside-toplevel
+  best: dict = {}
+  for p in sorted(paths):
+    meta = json.loads(p.read_text())["meta"]
+    key = (meta["date"], tuple(int(v) for v in re.findall(r"\d+", meta["jax"])))
+    if meta["device"] not in best or key > best[meta["device"]][0]:
+      best[meta["device"]] = (key, p, meta)
+  return [(p, meta) for _, p, meta in sorted(best.values(), key=lambda b: str(b[1]))]
+
+
+def headline_rows(root) -> list[str]:
+  """README headline rows: per device, the newest LM head run's plain head against
+  :func:`invact_jax.linear_cross_entropy` with its defaults (the run's first dtype)."""
+  import json  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  out = []
+  for p, meta in _newest_per_device(pathlib.Path(root, "bench").glob("lm_head_*.json")):
+    rows = json.loads(p.read_text())["rows"]
+    dtype = next(r["dtype"] for r in rows if r["framework"] == "jax")
+    by = {r["variant"]: r for r in rows if r["framework"] == "jax" and r["dtype"] == dtype}
+    plain, ours = by.get("plain"), by.get("invact_jax")
+    if not plain or not ours or "error" in plain or "error" in ours:
+      continue
+    what = f"LM head, {meta['tokens']}×{meta['d']}×{meta['vocab']}, {dtype}"
+    src = f"[{p.name}](bench/{p.name}) · [docs](docs/lm-head.md)"
+    on = f"{meta['device']}, JAX {meta['jax']}, {meta['date']}"
+    out.append(f"| memory: compiled temp, {what} | {plain['temp_bytes'] / 2**20:,.1f} MiB | "
+               f"{ours['temp_bytes'] / 2**20:,.1f} MiB ({ours['temp_vs_plain']:.1%}) | {on} | "
+               f"{src} |")
+    out.append(f"| speed: step, {what} | {plain['time_s'] * 1e3:,.1f} ms | "
+               f"{ours['time_s'] * 1e3:,.1f} ms ({ours['time_vs_plain']:.2f}×) | same run | "
+               f"{src} |")
+  return out
+
+
+if __name__ == "__main__":  # python -m models.experiments.lm_head: rewrite docs/lm-head.md
+  import pathlib as _pathlib
+  _root = _pathlib.Path(__file__).resolve().parents[2]
+  _page = _root / "docs" / "lm-head.md"
+  _page.write_text(render_docs(_page.read_text(), _root))

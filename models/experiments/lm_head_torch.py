@@ -1,4 +1,4 @@
-"""The LM head benchmark's PyTorch rows (issue 40): one process per row.
+"""The LM head benchmark's PyTorch rows: one process per row.
 
 ``python -m models.experiments.lm_head_torch SPEC_JSON`` loads the head that
 :func:`models.experiments.lm_head.torch_rows` saved (``spec["path"]``: an ``.npz`` with ``x``

@@ -1,7 +1,8 @@
-"""invact_jax.invert finds the LM head in unmodified code (issue 40): a matmul (+ bias) whose
-logits feed a cross-entropy against integer labels — optax's two losses, log_softmax or
-logsumexp with the label's logit picked, a one-hot product, label smoothing — becomes
-invact_jax.linear_cross_entropy per token; the program's own reduction follows."""
+"""invact_jax.invert finds the LM head in unmodified code: a matmul (+ bias) whose logits feed
+a cross-entropy against integer labels — optax's two losses, log_softmax or logsumexp with the
+label's logit picked, a one-hot product, label smoothing — becomes
+invact_jax.linear_cross_entropy; the program's reduction is folded in where it is a weighted
+sum (gradients in the forward), else the head is per token and the reduction follows."""
 import functools
 import re
 
@@ -113,7 +114,7 @@ def test_soft_targets_are_not_a_labelled_head():
 
 
 def test_no_tokens_by_vocabulary_buffer_after_invert():
-  n, v = 512, 8192
+  n, v = 2048, 8192  # the CPU's default chunk (2^22 logits) is a quarter of the head
   k = jax.random.split(jax.random.key(1), 3)
   x = jax.random.normal(k[0], (n, 64))
   w = jax.random.normal(k[1], (64, v)) / 8
@@ -131,3 +132,118 @@ def test_no_tokens_by_vocabulary_buffer_after_invert():
   skip = functools.partial(invact_jax.invert, only="gelu")(f)
   jax.jit(skip)(x, w)
   assert skip.last_report.replaced == {}
+
+
+def _mask(y):
+  return (y % 3) != 0
+
+
+REDUCTIONS = {  # the per-token losses' reduction -> folded into the head or not
+    "mean": (lambda loss, y, wt: loss.mean(), True),
+    "masked_mean_where": (lambda loss, y, wt: jnp.sum(jnp.where(_mask(y), loss, 0.0))
+                          / jnp.sum(_mask(y)), True),
+    "masked_mean_jnp": (lambda loss, y, wt: jnp.mean(loss, where=_mask(y)), True),
+    "masked_mean_product": (lambda loss, y, wt: jnp.sum(loss * _mask(y)) / jnp.sum(_mask(y)),
+                            True),
+    "weighted_sum": (lambda loss, y, wt: jnp.sum(loss * wt), True),
+    "mean_of_row_sums": (lambda loss, y, wt: jnp.mean(jnp.sum(loss, axis=-1) * 0.5), True),
+    "squared": (lambda loss, y, wt: jnp.mean(loss ** 2), False),
+    "max": (lambda loss, y, wt: jnp.max(loss), False),
+    "plus_a_constant": (lambda loss, y, wt: jnp.mean(loss + 1.0), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_the_programs_reduction_is_folded_where_it_is_a_weighted_sum(name):
+  """A mean, masked means and weighted sums of the per-token losses are folded into the head
+  (gradients in the forward, the report says so, the weights' gradient too); any other
+  reduction keeps the per-token head and the report says why."""
+  reduce, folds = REDUCTIONS[name]
+  x, w, b, y = _inputs()
+  wt = jax.random.uniform(jax.random.key(7), (B, T))
+
+  def f(x, w, b, wt):
+    return reduce(optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y), y, wt)
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1, 2, 3)))(x, w, b, wt)
+  report = inv.last_report
+  assert report.replaced == {"linear_cross_entropy": 1}, report
+  (form,) = report.forms
+  assert ("folded in, gradients in the forward" in form) == folds, form
+  if not folds:
+    assert "per token, gradients by recomputing the logits:" in form, form
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w, b, wt)), float(jax.jit(f)(x, w, b, wt)),
+                             rtol=2e-6)
+  assert_at_float32_floor(f, (x, w, b, wt), g, argnums=(0, 1, 2, 3))
+  kept = {tuple(r.shape) for r in invact_jax.memory.residuals(inv, x, w, b, wt)
+          if not r.is_argument}
+  assert ((D, V) in kept) == folds, kept  # the weight's gradient, computed in the forward
+
+
+def test_a_bfloat16_cast_of_a_float32_weight_is_read_as_the_float32_weight():
+  """Flax's mixed precision (float32 parameters, bfloat16 compute): the head reads the float32
+  weight, so its gradients are computed in the forward into the float32 gradient; a weight
+  that is bfloat16 itself keeps the recomputing backward (a float32 accumulator would double
+  its gradient's memory), and the report says so."""
+  x, w, b, y = _inputs()
+  xb = x.astype(jnp.bfloat16)
+
+  def f(x, w):
+    logits = (x @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(xb, w)
+  (form,) = inv.last_report.forms
+  assert "folded in" in form, form
+  assert g[1].dtype == jnp.float32
+  kept = {(tuple(r.shape), str(r.dtype)) for r in invact_jax.memory.residuals(inv, xb, w)
+          if not r.is_argument}
+  assert ((D, V), "float32") in kept and ((D, V), "bfloat16") not in kept, kept
+  g0 = jax.jit(jax.grad(f, argnums=(0, 1)))(xb, w)
+  with jax.enable_x64(True):
+    g64 = jax.grad(f, argnums=(0, 1))(np.asarray(xb, np.float64), np.asarray(w, np.float64))
+  err = lambda g: max(_rel64(a, c) for a, c in zip(g, g64))  # noqa: E731
+  assert err(g) <= 1.1 * err(g0), (err(g), err(g0))
+  inv16 = invact_jax.invert(lambda x, w: optax.softmax_cross_entropy_with_integer_labels(
+      (x @ w).astype(jnp.float32), y).mean())
+  jax.jit(jax.grad(inv16, argnums=(0, 1)))(xb, w.astype(jnp.bfloat16))
+  (form,) = inv16.last_report.forms
+  assert "per token" in form and "16-bit weight" in form, form
+
+
+def _rel64(a, c):
+  a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
+  return float(np.linalg.norm(a - c) / np.linalg.norm(c))
+
+
+def test_per_token_losses_also_returned_keep_the_per_token_head():
+  """The per-token losses returned beside their mean (an aux output): nothing to fold."""
+  x, w, b, y = _inputs()
+
+  def f(x, w):
+    loss = optax.softmax_cross_entropy_with_integer_labels(x @ w, y)
+    return loss.mean(), loss
+  inv = invact_jax.invert(f)
+  (g, aux) = jax.jit(jax.grad(inv, argnums=(0, 1), has_aux=True))(x, w)
+  (form,) = inv.last_report.forms
+  assert "per token" in form and "also used as they are" in form, form
+  np.testing.assert_allclose(aux, f(x, w)[1], rtol=2e-6)
+  g0 = jax.grad(f, argnums=(0, 1), has_aux=True)(x, w)[0]
+  assert all(_rel64(a, c) <= 2e-6 for a, c in zip(g, g0))
+
+
+def test_a_head_inside_a_scan_keeps_the_per_token_head():
+  """Under a scan (microbatches) the forward's gradients would be kept per step: the head
+  stays per token and the report says why; the gradients are the original's."""
+  x, w, b, y = _inputs()
+
+  def f(x, w):
+    def step(total, xy):
+      xi, yi = xy
+      return total + optax.softmax_cross_entropy_with_integer_labels(xi @ w, yi).mean(), None
+    return jax.lax.scan(step, 0.0, (x, y))[0]
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  (form,) = inv.last_report.forms
+  assert "per token" in form and "loop body" in form, form
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))

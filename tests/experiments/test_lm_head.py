@@ -10,15 +10,15 @@ from models.experiments import lm_head_torch
 
 def test_rows_measure_every_jax_variant_without_a_logits_buffer_for_ours(monkeypatch):
   monkeypatch.setattr(lm_head_torch, "importable", lambda: False)
-  # 32768 entries: more than one tile of the default 2^20 logits at 64 tokens
-  rs = lm_head.rows(64, 16, 32768, dtypes=("float32",), repeats=1,
+  # 512 tokens x 32768 entries: four chunks of the CPU's default 2^22 logits
+  rs = lm_head.rows(512, 16, 32768, dtypes=("float32",), repeats=1,
                     names=("plain", "invact_jax", "invact_jax.invert(plain)"),
-                    tiles=((16, 1024),))
+                    tiles=(("forward", 16, 1024),))
   by = {r["variant"]: r for r in rs}
   assert set(by) == {"plain", "invact_jax", "invact_jax.invert(plain)",
-                     "invact_jax tile 16x1024"}
-  # a quarter of the default tile's tokens, 1/16 of its entries: less temp
-  assert by["invact_jax tile 16x1024"]["temp_bytes"] < by["invact_jax"]["temp_bytes"]
+                     "invact_jax forward 16x1024"}
+  # an eighth of the default chunk's tokens, half its update tile: less temp
+  assert by["invact_jax forward 16x1024"]["temp_bytes"] < by["invact_jax"]["temp_bytes"]
   assert by["plain"]["logits_buffer"] and not by["invact_jax"]["logits_buffer"]
   assert by["plain"]["temp_vs_plain"] == 1.0 and by["invact_jax"]["temp_vs_plain"] < 1.0
   assert all(r["framework"] == "jax" and r["grad_error"] < 1e-5 for r in rs), rs

@@ -1,9 +1,11 @@
-"""invact_jax.linear_cross_entropy: the LM head's loss without its logits (issue 40).
+"""invact_jax.linear_cross_entropy: the LM head's loss without its logits.
 
-Every option against the plain formula (values and gradients), gradient error against float64
-no worse than the plain head's in float32 and bfloat16, NaN like the plain loss, bad input as
-one line naming the argument, no [tokens, vocabulary] buffer in the compiled program, and the
-transformations (jit, vmap, grad, scan, remat, shard_map, sharded inputs)."""
+In both gradient modes ("forward": computed with the loss; "backward": the backward
+recomputes the logits): every option against the plain formula (values and gradients),
+gradient error against float64 no worse than the plain head's in float32 and bfloat16, NaN
+like the plain loss, bad input as one line naming the argument, no [tokens, vocabulary]
+buffer in the compiled program, what each mode keeps, and the transformations (jit, vmap,
+grad, scan, remat, shard_map, sharded inputs)."""
 import math
 import re
 
@@ -50,13 +52,18 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_each_option_matches_the_plain_formula(name):
+MODES = ("forward", "backward")
+
+
+@pytest.mark.parametrize("name, mode", [  # per-token losses: "backward" only
+    (k, m) for k in sorted(OPTIONS) for m in MODES if k != "none" or m == "backward"])
+def test_each_option_matches_the_plain_formula(name, mode):
   kw = OPTIONS[name]
   x, w, b, y = _inputs()
   if "ignore_index" in kw:
     y = y.at[::3].set(7)
-  (l1, g1) = _loss_and_grads(invact_jax.linear_cross_entropy, x, w, b, y, **kw, **TILES)
+  (l1, g1) = _loss_and_grads(invact_jax.linear_cross_entropy, x, w, b, y, **kw, **TILES,
+                             gradients=mode)
   (l0, g0) = _loss_and_grads(invact_jax.linear_cross_entropy_reference, x, w, b, y, **kw)
   assert _rel(l1, l0) <= 2e-6, (l1, l0)
   for a, r in zip(g1, g0):
@@ -91,11 +98,13 @@ def test_the_plain_formula_is_optax_and_the_options_are_theirs():
           logits, jnp.where(keep, y2, 0)), 0.0)) / jnp.sum(keep), rtol=1e-6)
 
 
-def test_a_tied_embedding_weight_and_leading_axes():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tied_embedding_weight_and_leading_axes(mode):
   """``w`` given as [V, d] (vocab_axis=0), ``x`` [batch, seq, d], no bias."""
   x, w, _, y = _inputs()
   x3, y3 = x[:36].reshape(4, 9, D), y[:36].reshape(4, 9)
-  ours = lambda x, e: invact_jax.linear_cross_entropy(x, e, y3, vocab_axis=0, **TILES)  # noqa: E731
+  ours = lambda x, e: invact_jax.linear_cross_entropy(x, e, y3, vocab_axis=0, gradients=mode,  # noqa: E731
+                                                      **TILES)
   plain = lambda x, e: invact_jax.linear_cross_entropy_reference(x, e.T, y3)  # noqa: E731
   v1, g1 = jax.value_and_grad(ours, argnums=(0, 1))(x3, w.T)
   v0, g0 = jax.value_and_grad(plain, argnums=(0, 1))(x3, w.T)
@@ -105,12 +114,13 @@ def test_a_tied_embedding_weight_and_leading_axes():
   assert per_token.shape == (4, 9) and per_token.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gradient_error_against_float64_no_worse_than_the_plain_heads(dtype):
+def test_gradient_error_against_float64_no_worse_than_the_plain_heads(dtype, mode):
   x, w, b, y = _inputs(jnp.dtype(dtype), n=64, v=300)
   kw = {"label_smoothing": 0.1, "z_loss": 1e-3}
   _, g1 = _loss_and_grads(invact_jax.linear_cross_entropy, x, w, b, y, chunk_size=16,
-                          vocab_chunk_size=64, **kw)
+                          vocab_chunk_size=64, gradients=mode, **kw)
 
   def plain(x, w, y, bias, **kw):  # what users write: bf16 logits, float32 loss
     logits = (x @ w + bias).astype(jnp.float32)
@@ -125,17 +135,20 @@ def test_gradient_error_against_float64_no_worse_than_the_plain_heads(dtype):
     assert _rel(a, e) <= 1.1 * _rel(r, e) + 1e-7, (_rel(a, e), _rel(r, e))
 
 
-def test_nan_propagates_like_the_plain_loss():
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_propagates_like_the_plain_loss(mode):
   """An out-of-range label under jit (not checkable there) makes the loss NaN, as the plain
   formula's pick does; a NaN input makes it NaN."""
   x, w, b, y = _inputs()
   bad = jnp.asarray(y).at[3].set(V + 5)
-  f = jax.jit(lambda y: invact_jax.linear_cross_entropy(x, w, y, bias=b, **TILES))
+  f = jax.jit(lambda y: invact_jax.linear_cross_entropy(x, w, y, bias=b, gradients=mode,
+                                                        **TILES))
   r = jax.jit(lambda y: invact_jax.linear_cross_entropy_reference(x, w, y, bias=b))
   assert np.isnan(f(bad)) and np.isnan(r(bad))
   per = jax.jit(lambda y: invact_jax.linear_cross_entropy(x, w, y, reduction="none"))(bad)
   assert np.isnan(per[3]) and np.isfinite(np.delete(np.asarray(per), 3)).all()
-  assert np.isnan(invact_jax.linear_cross_entropy(x.at[0, 0].set(jnp.nan), w, y))
+  assert np.isnan(invact_jax.linear_cross_entropy(x.at[0, 0].set(jnp.nan), w, y,
+                                                 gradients=mode))
 
 
 @pytest.mark.parametrize("kwargs, arg", [
@@ -157,6 +170,8 @@ def test_nan_propagates_like_the_plain_loss():
     ({"ignore_index": 1.5}, "`ignore_index`"),
     ({"x": jnp.ones((N, D), jnp.int32)}, "`x`"),
     ({"implementation": "pallas"}, "implementation"),
+    ({"gradients": "fwd"}, "`gradients`"),
+    ({"gradients": "forward", "reduction": "none"}, "`gradients`"),
 ])
 def test_bad_input_is_one_line_naming_the_argument(kwargs, arg):
   x, w, b, y = _inputs()
@@ -171,11 +186,12 @@ def _hlo_shapes(fn, *args):
   return {tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"\[([\d,]+)\]", text)}
 
 
-def test_no_tokens_by_vocabulary_buffer_in_the_compiled_program():
+@pytest.mark.parametrize("mode", MODES)
+def test_no_tokens_by_vocabulary_buffer_in_the_compiled_program(mode):
   n, v = 512, 4096
   x, w, b, y = _inputs(n=n, v=v)
   grad = jax.grad(lambda x, w: invact_jax.linear_cross_entropy(
-      x, w, y, chunk_size=64, vocab_chunk_size=512), argnums=(0, 1))
+      x, w, y, chunk_size=64, vocab_chunk_size=512, gradients=mode), argnums=(0, 1))
   shapes = _hlo_shapes(grad, x, w)
   assert not any(n in s and v in s for s in shapes), sorted(s for s in shapes if v in s)
   plain = jax.grad(lambda x, w: invact_jax.linear_cross_entropy_reference(x, w, y),
@@ -185,10 +201,12 @@ def test_no_tokens_by_vocabulary_buffer_in_the_compiled_program():
   assert ours <= 0.1 * invact_jax.memory.compiled(plain, x, w).temp
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("wrap", ["vmap", "scan", "remat", "shard_map", "sharded"])
-def test_under_transformations(wrap):
+def test_under_transformations(wrap, mode):
   x, w, b, y = _inputs(n=32)
-  f = lambda x, w, y: invact_jax.linear_cross_entropy(x, w, y, bias=b, **TILES)  # noqa: E731
+  f = lambda x, w, y: invact_jax.linear_cross_entropy(x, w, y, bias=b, gradients=mode,  # noqa: E731
+                                                      **TILES)
   r = lambda x, w, y: invact_jax.linear_cross_entropy_reference(x, w, y, bias=b)  # noqa: E731
   xs, ys = x.reshape(4, 8, D), y.reshape(4, 8)
   if wrap == "vmap":
@@ -227,26 +245,132 @@ def test_under_transformations(wrap):
   assert _rel(v1, v0) <= 2e-6 and _rel(g1, g0) <= 2e-6, (_rel(v1, v0), _rel(g1, g0))
 
 
-def test_return_correct_is_the_accuracys_numerator():
+@pytest.mark.parametrize("mode", MODES)
+def test_return_correct_is_the_accuracys_numerator(mode):
   x, w, b, y = _inputs()
   y = y.at[:5].set(7)
   loss, correct = invact_jax.linear_cross_entropy(x, w, y, bias=b, ignore_index=7,
-                                                  return_correct=True, **TILES)
+                                                  return_correct=True, gradients=mode, **TILES)
   logits = x @ w + b
   expect = (jnp.argmax(logits, -1) == y) & (y != 7)
   np.testing.assert_array_equal(np.asarray(correct), np.asarray(expect))
   assert correct.dtype == jnp.bool_ and correct.shape == y.shape
   assert float(loss) == float(invact_jax.linear_cross_entropy(x, w, y, bias=b, ignore_index=7,
-                                                              **TILES))
+                                                              gradients=mode, **TILES))
+
+
+def _kept(fn, *args):
+  return [(tuple(r.shape), str(r.dtype)) for r in invact_jax.memory.residuals(fn, *args)
+          if not r.is_argument and math.prod(r.shape) > 1]
 
 
 def test_a_float32_weight_with_bfloat16_tokens_is_kept_as_it_is():
-  """Cast one tile at a time: the backward keeps the weight (an argument), not a bfloat16
-  copy of it; only x, the labels and a float32 lse per token are kept."""
+  """Cast one tile at a time: the recomputing backward keeps the weight (an argument), not a
+  bfloat16 copy of it; only x, the labels and a float32 lse per token are kept.  With the
+  gradients in the forward, the float32 gradients are kept (the weight's is its gradient)."""
   x, w, _, y = _inputs()
   xb = x.astype(jnp.bfloat16)
-  kept = [(r.shape, r.dtype) for r in invact_jax.memory.residuals(
-      lambda x, w: invact_jax.linear_cross_entropy(x, w, y, **TILES), xb, w) if not r.is_argument]
+  kept = _kept(lambda x, w: invact_jax.linear_cross_entropy(x, w, y, gradients="backward",
+                                                            **TILES), xb, w)
   assert kept == [((N,), "float32")], kept  # the lse
+  kept = _kept(lambda x, w: invact_jax.linear_cross_entropy(x, w, y, **TILES), xb, w)
+  assert sorted(kept) == [((D, V), "float32"), ((N, D), "float32")], kept
   g = jax.grad(lambda w: invact_jax.linear_cross_entropy(xb, w, y, **TILES))(w)
   assert g.dtype == jnp.float32
+
+
+def test_the_default_mode_is_forward_where_its_accumulator_is_the_gradient():
+  """A scalar loss with a float32 weight: the gradients, not x and w, are kept; a 16-bit
+  weight or per-token losses: x, w and the lse are (the backward recomputes the logits)."""
+  x, w, b, y = _inputs()
+  assert sorted(_kept(lambda x, w: invact_jax.linear_cross_entropy(x, w, y, **TILES), x, w)) \
+      == [((D, V), "float32"), ((N, D), "float32")]
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  assert _kept(lambda x, w: invact_jax.linear_cross_entropy(x, w, y, **TILES), xb, wb) == [
+      ((N,), "float32")]
+  assert _kept(lambda x, w: jnp.sum(invact_jax.linear_cross_entropy(
+      x, w, y, reduction="none", **TILES)), x, w) == [((N,), "float32")]
+
+
+@pytest.mark.parametrize("argnums, kept", [((0,), [(N, D)]), ((1,), [(D, V)]),
+                                           ((0, 1), [(D, V), (N, D)])])
+def test_gradients_in_the_forward_only_for_the_differentiated_arguments(argnums, kept):
+  """Only inputs with a tangent get a gradient computed (and kept) in the forward."""
+  x, w, b, y = _inputs()
+  f = lambda x, w: invact_jax.linear_cross_entropy(x, w, y, gradients="forward", **TILES)  # noqa: E731
+  shapes = sorted(s for s, _ in _kept(lambda *a: f(*[
+      a[argnums.index(i)] if i in argnums else (x, w)[i] for i in range(2)]),
+      *[(x, w)[i] for i in argnums]))
+  assert shapes == kept, shapes
+  g = jax.grad(f, argnums=argnums)(x, w)
+  g0 = jax.grad(lambda x, w: invact_jax.linear_cross_entropy_reference(x, w, y),
+                argnums=argnums)(x, w)
+  assert all(_rel(a, r) <= 2e-6 for a, r in zip(g, g0))
+
+
+def test_gradients_in_the_forward_hold_one_chunk_of_logits():
+  """The logits' gradient is computed in the logits' buffer: the compiled temp is less than
+  two chunks of float32 logits (x, the weight and their gradients are arguments/outputs)."""
+  n, d, v, c, cv = 1024, 32, 8192, 128, 512
+  x, w, _, y = _inputs(n=n, v=v)
+  x = jnp.tile(x[:, :1], (1, d))
+  w = jnp.tile(w[:1], (d, 1))
+  grad = jax.grad(lambda x, w: invact_jax.linear_cross_entropy(
+      x, w, y, chunk_size=c, vocab_chunk_size=cv, gradients="forward"), argnums=(0, 1))
+  temp = invact_jax.memory.compiled(grad, x, w).temp
+  chunk = c * v * 4
+  assert chunk <= temp < 2 * chunk, (temp, chunk)
+
+
+def test_weighted_sum_differentiates_its_weights_too():
+  """The forward mode's core: sum(weights * loss), the weights' gradient the per-token loss."""
+  from invact_jax.ops.cross_entropy import base, in_forward  # pylint: disable=import-outside-toplevel
+  x, w, b, y = _inputs()
+  weights = jax.random.uniform(jax.random.key(3), (N,))
+  opts = base.Options(1, "sum", 7, 0.1, 1e-3, 2.0, 8, 16, "forward")
+  y = y.at[::4].set(7)
+
+  def ours(x, w, b, weights):
+    return in_forward.weighted_sum(x, w, b, y, weights, opts)[0]
+
+  def plain(x, w, b, weights):
+    per = invact_jax.linear_cross_entropy_reference(
+        x, w, y, bias=b, reduction="none", ignore_index=7, label_smoothing=0.1, z_loss=1e-3,
+        logit_soft_cap=2.0)
+    return jnp.sum(weights * per)
+  v1, g1 = jax.value_and_grad(ours, argnums=(0, 1, 2, 3))(x, w, b, weights)
+  v0, g0 = jax.value_and_grad(plain, argnums=(0, 1, 2, 3))(x, w, b, weights)
+  assert _rel(v1, v0) <= 2e-6
+  assert all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0)), [_rel(a, r) for a, r in zip(g1, g0)]
+
+
+@pytest.mark.parametrize("reduction, mode", [
+    ("mean", "forward"), ("mean", "backward"), ("sum", "forward"), ("none", "backward")])
+def test_no_tokens(reduction, mode):
+  """Zero tokens: the plain formula's value (NaN mean, zero sum, no per-token losses) and zero
+  gradients, not an error."""
+  x, w, _, _ = _inputs()
+  x0, y0 = x[:0], jnp.zeros((0,), jnp.int32)
+  f = lambda x, w: jnp.sum(invact_jax.linear_cross_entropy(  # noqa: E731
+      x, w, y0, reduction=reduction, gradients=mode))
+  value, (gx, gw) = jax.value_and_grad(f, argnums=(0, 1))(x0, w)
+  assert (np.isnan(value) if reduction == "mean" else value == 0.0), value
+  assert gx.shape == (0, D) and not np.any(gw), gw
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_chunk_larger_than_the_tokens_is_clamped(mode):
+  x, w, _, y = _inputs()
+  temp = lambda c: invact_jax.memory.compiled(jax.grad(lambda x: invact_jax.linear_cross_entropy(  # noqa: E731
+      x, w, y, chunk_size=c, gradients=mode)), x).temp
+  assert temp(10**6) == temp(N)
+
+
+def test_a_second_call_with_other_shapes():
+  f = jax.jit(jax.value_and_grad(lambda x, w, y: invact_jax.linear_cross_entropy(x, w, y),
+                                 argnums=(0, 1)))
+  for n, v in ((N, V), (24, 70)):
+    x, w, _, y = _inputs(n=n, v=v)
+    (v1, g1), (v0, g0) = f(x, w, y), jax.value_and_grad(
+        lambda x, w: invact_jax.linear_cross_entropy_reference(x, w, y), argnums=(0, 1))(x, w)
+    assert _rel(v1, v0) <= 2e-6 and all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0))

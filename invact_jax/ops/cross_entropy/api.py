@@ -3,8 +3,9 @@
 A language model's last projection and its cross-entropy materialize the logits
 [tokens, vocabulary] and their gradient: at 8 x 4096 tokens and a 128k vocabulary, 2 x 16 GiB
 in float32.  :func:`linear_cross_entropy` computes the same loss holding one chunk of
-logits at a time, forward and backward, and keeps only ``x``, ``w``, the labels and a
-float32 log-sum-exp per token (:mod:`.base`).
+logits at a time: for a scalar loss with its gradients computed in the forward (three
+matmuls, :mod:`.in_forward`), otherwise with a backward that recomputes the logits
+(:mod:`.base`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 from invact_jax.ops.cross_entropy import base
+from invact_jax.ops.cross_entropy import in_forward
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
@@ -27,7 +29,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z_loss,
-             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size):
+             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size, gradients=None):
   """Checked arguments: ``(x [N, d], w, bias, labels [N], Options, leading shape)``."""
   x = _common.float_array(fn, "x", x)
   w = _common.float_array(fn, "w", w)
@@ -79,9 +81,18 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
     if not 0.0 < cap < math.inf:
       raise ValueError(f"invact_jax.{fn}: argument `logit_soft_cap` must be finite and > 0 "
                        f"(or None), got {cap}")
+  if gradients is None:  # "forward" where its weight-gradient accumulator is the gradient
+    gradients = "forward" if reduction != "none" and jnp.dtype(w.dtype).itemsize >= 4 \
+        else "backward"
+  if gradients not in base.GRADIENTS:
+    raise ValueError(f"invact_jax.{fn}: argument `gradients` must be one of {base.GRADIENTS} "
+                     f"or None, got {gradients!r}")
+  if gradients == "forward" and reduction == "none":
+    raise ValueError(f"invact_jax.{fn}: argument `gradients`='forward' needs a scalar loss "
+                     "(reduction 'mean' or 'sum'), got reduction='none'")
   lead = tuple(x.shape[:-1])
   n = math.prod(lead)
-  default = base.default_chunk_sizes(n, vocab)
+  default = base.default_tiles(n, vocab, gradients)
   sizes = []
   for arg, v, what, d_v in (("chunk_size", chunk_size, "tokens", default[0]),
                             ("vocab_chunk_size", vocab_chunk_size, "vocabulary entries",
@@ -92,6 +103,7 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
       raise ValueError(f"invact_jax.{fn}: argument `{arg}` must be a positive integer ({what} "
                        f"per tile of logits) or None, got {v!r}")
     sizes.append(int(v))
+  sizes[0] = max(1, min(sizes[0], n))  # a tile of more tokens than there are only pads
   if not isinstance(labels, jax.core.Tracer):  # concrete labels: checked here
     flat = np.asarray(labels).reshape(-1)
     if ignore_index is not None:
@@ -102,7 +114,8 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
                        f"vocabulary){'' if ignore_index is None else ' or ignore_index'}, got "
                        f"{bad}")
   opts = base.Options(vocab_axis, reduction, None if ignore_index is None else int(ignore_index),
-                      float(smoothing), float(zl), cap, sizes[0], min(sizes[1], vocab))
+                      float(smoothing), float(zl), cap, sizes[0], min(sizes[1], vocab),
+                      gradients)
   return x.reshape(n, d), w, bias, labels.reshape(n), opts, lead
 
 
@@ -110,22 +123,35 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
                          ignore_index: int | None = None, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_soft_cap: float | None = None,
                          vocab_axis: int = -1, chunk_size: int | None = None,
-                         vocab_chunk_size: int | None = None, return_correct: bool = False,
-                         implementation=None):
+                         vocab_chunk_size: int | None = None, gradients: str | None = None,
+                         return_correct: bool = False, implementation=None):
   """Cross-entropy of ``x @ w (+ bias)`` against integer labels, never holding the logits.
 
   The same loss as the plain formula (``optax.softmax_cross_entropy_with_integer_labels``
-  of the logits, reduced), computed one tile of ``chunk_size`` tokens by
-  ``vocab_chunk_size`` vocabulary entries at a time in the forward and again in the
-  backward: the largest intermediate is one tile of logits; the backward keeps ``x``, ``w``,
-  the bias, the labels and a float32 log-sum-exp per token.  Logits, the loss and each
-  tile's weight gradient accumulate in float32 (float64 for float64).
+  of the logits, reduced), computed one chunk of tokens at a time: no [tokens, V] buffer
+  exists in either pass.  Two gradient modes:
+
+  * ``"forward"`` (the default for ``reduction="mean"``/``"sum"`` with a float32 weight):
+    the forward computes the loss and the gradients together (three matmuls, as the plain
+    head): per chunk of ``chunk_size`` tokens their logits over the whole vocabulary, their
+    gradient, the chunk's input gradient and its share of the weight gradient (a float32
+    accumulator, updated ``vocab_chunk_size`` entries at a time).  It keeps the float32
+    gradients instead of ``x`` and ``w``; the backward multiplies them by the loss's
+    cotangent.  Only the gradients of differentiated arguments are computed.
+  * ``"backward"`` (the only mode for ``reduction="none"``, the default for 16-bit
+    weights): tiles of ``chunk_size`` tokens by ``vocab_chunk_size`` entries; the backward
+    recomputes each tile's logits (a fourth matmul) and keeps ``x``, ``w``, the bias, the
+    labels and a float32 log-sum-exp per token.
+
+  Logits, the loss and the gradients accumulate in float32 (float64 for float64).
 
   Args:
     x: the final hidden states [..., d] (float16, bfloat16, float32 or float64).
     w: the output weight, [d, V] (``vocab_axis=-1``) or [V, d] (``vocab_axis=0``: a tied
-      embedding table), used in ``x``'s dtype (cast one tile at a time: a float32 weight
-      with bfloat16 activations is kept once, as it is, not as a bfloat16 copy).
+      embedding table), used in ``x``'s dtype (a float32 weight with bfloat16 activations
+      is cast per tile or chunk and never kept as a bfloat16 copy; with ``"forward"``, a
+      float32 weight's gradient accumulator is its gradient itself, while a 16-bit weight's
+      is a float32 buffer of twice its size).
     labels: integer array of ``x``'s leading shape, in ``[0, V)`` or ``ignore_index``; an
       out-of-range label gives that token a NaN loss under ``jit`` (concrete labels are
       checked here).
@@ -137,8 +163,15 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
     z_loss: weight of ``logsumexp(logits)^2`` added per token (PaLM's z-loss).
     logit_soft_cap: ``c`` of ``c * tanh(logits / c)`` before the softmax (Gemma 2), or None.
     vocab_axis: which axis of ``w`` is the vocabulary.
-    chunk_size, vocab_chunk_size: a tile's tokens and vocabulary entries (static ints);
-      default: up to 1024 tokens, about 2^20 logits per tile.
+    chunk_size, vocab_chunk_size: a tile's tokens and vocabulary entries (static ints;
+      ``chunk_size`` is clamped to the token count); default per gradient mode and platform
+      (:func:`invact_jax.ops.cross_entropy.base.default_tiles`).
+    gradients: ``"forward"``, ``"backward"`` or None: ``"forward"`` for a scalar loss with
+      a float32 (or float64) weight, whose float32 accumulator is the weight's gradient;
+      ``"backward"`` otherwise (a 16-bit weight's float32 accumulator would double its
+      gradient's memory: pass the float32 master weight, or ``gradients="forward"``).
+      Under ``vmap`` or ``scan`` with the gradient taken outside them, ``"forward"`` keeps one
+      weight gradient per example or step: use ``"backward"`` there.
     return_correct: also return, per token, whether its label has the largest logit (the
       accuracy's numerator, for free: the forward tracks each token's largest logit).
     implementation: None / "xla".
@@ -147,6 +180,9 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
     The loss: float32 (float64 for float64 inputs), a scalar unless ``reduction="none"``;
     with ``return_correct``, ``(loss, correct)``, ``correct`` a bool array of ``labels``'
     shape (False for ignored tokens).
+
+  Raises:
+    ValueError, TypeError: one line naming the argument that is wrong.
 
   Example:
     >>> import jax, jax.numpy as jnp, invact_jax
@@ -159,11 +195,16 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
   _implementation.resolve(implementation, op=fn, implementations=IMPLEMENTATIONS, options=())
   x2, w, bias, y, opts, lead = _options(fn, x, w, labels, bias, reduction, ignore_index,
                                         label_smoothing, z_loss, logit_soft_cap, vocab_axis,
-                                        chunk_size, vocab_chunk_size)
+                                        chunk_size, vocab_chunk_size, gradients)
   if not isinstance(return_correct, bool):
     raise TypeError(f"invact_jax.{fn}: argument `return_correct` must be a bool, got "
                     f"{return_correct!r}")
-  out, correct = base.linear_cross_entropy(x2, w, bias, y, opts)
+  if x2.shape[0] == 0:  # no tokens: the plain formula (nothing to hold)
+    out, correct = base.reference(x2, w, bias, y, opts), jnp.zeros(y.shape, bool)
+  elif opts.gradients == "forward":
+    out, correct = in_forward.reduced(x2, w, bias, y, opts)
+  else:
+    out, correct = base.linear_cross_entropy(x2, w, bias, y, opts)
   out = out.reshape(lead) if reduction == "none" else out
   return (out, correct.reshape(lead)) if return_correct else out
 

@@ -1,5 +1,6 @@
 """The XLA implementation of the LM head's loss without its logits: a chunked linear +
-cross-entropy ``custom_vjp``, and the plain formula it is tested against.
+cross-entropy ``custom_vjp`` whose backward recomputes the logits, the plain formula it is
+tested against, and what both gradient modes share (options, tiles, the formula's pieces).
 
 For tokens ``x`` [N, d], a weight ``w`` [d, V] (or [V, d]), an optional bias ``b`` [V] and
 integer labels ``y`` [N], with ``z = x @ w + b`` (soft-capped to ``c * tanh(z / c)`` when a
@@ -11,15 +12,19 @@ cap ``c`` is given) and ``lse = logsumexp(z)``, each token's loss is
 in the logits is ``softmax(z) * (1 + 2 zl lse) - (1 - s) * onehot(y) - s / V`` (times the
 cap's ``1 - (z / c)^2``).
 
-Neither pass holds more than one tile of logits (``chunk_size`` tokens x
-``vocab_chunk_size`` vocabulary entries).  The forward runs over token chunks and, within
-each, over vocabulary tiles with an online log-sum-exp, keeping per token only its float32
-``lse``; the backward runs over vocabulary tiles and, within each, over token chunks,
-recomputing each tile's logits from ``x``, ``w`` and ``lse``: a tile's weight gradient
-accumulates in a [d, tile] float32 buffer and is written once, the input gradient
-accumulates per token chunk.  No buffer of the logits' or the weight's size is created
-besides the weight gradient itself.  The residuals are ``x``, ``w``, the bias, the labels
-and ``lse``.
+Two gradient modes:
+
+* ``gradients="forward"`` (:mod:`.in_forward`): for a scalar loss (a weighted sum of the
+  per-token losses), the forward computes the gradients with the loss: three matmuls.
+* ``gradients="backward"`` (this module): any reduction, ``"none"`` included.  Neither pass
+  holds more than one tile of logits (``chunk_size`` tokens x ``vocab_chunk_size``
+  vocabulary entries).  The forward runs over token chunks and, within each, over
+  vocabulary tiles with an online log-sum-exp, keeping per token only its float32 ``lse``;
+  the backward runs over vocabulary tiles and, within each, over token chunks, recomputing
+  each tile's logits from ``x``, ``w`` and ``lse`` (a fourth matmul): a tile's weight
+  gradient accumulates in a [d, tile] float32 buffer and is written once, the input gradient
+  accumulates per token chunk.  The residuals are ``x``, ``w``, the bias, the labels and
+  ``lse``.
 """
 from __future__ import annotations
 
@@ -31,10 +36,21 @@ import jax.numpy as jnp
 
 from invact_jax.ops import _common
 
-__all__ = ["Options", "linear_cross_entropy", "reference", "default_chunk_sizes"]
+__all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "reference", "default_tiles"]
 
-# Elements of one chunk of logits the default chunk size aims at (4 MiB in float32).
-_CHUNK_ELEMENTS = 1 << 20
+#: The gradient modes: computed with the loss (scalar losses) or by recomputing the logits.
+GRADIENTS = ("forward", "backward")
+
+# Default tiles: logits per tile, by gradient mode and platform.  "backward": about 2^20
+# (4 MiB in float32), up to 1024 tokens, on every platform.  "forward": a chunk holds its
+# tokens' logits over the whole vocabulary; on CPU 2^22 (16 MiB, 128 tokens at V = 32768) and
+# weight-gradient updates of 2048 vocabulary entries (`scripts/bench_lm_head.py --tiles`, see
+# docs/lm-head.md); elsewhere 2^26 and one update per chunk (a prediction until a GPU sweep).
+_BACKWARD_ELEMENTS = 1 << 20
+_FORWARD_ELEMENTS = {"cpu": 1 << 22}
+_FORWARD_ELEMENTS_OTHER = 1 << 26
+_FORWARD_UPDATE = {"cpu": 2048}
+_MAX_FORWARD_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +64,10 @@ class Options:
     label_smoothing, z_loss: their weights (0: off).
     logit_soft_cap: ``c`` of ``c * tanh(z / c)`` (Gemma 2), or None.
     chunk_size: tokens per tile of logits.
-    vocab_chunk_size: vocabulary entries per tile.
+    vocab_chunk_size: vocabulary entries per tile ("backward"), or per update of the weight
+      gradient ("forward": a tile holds its tokens' logits over the whole vocabulary).
+    gradients: ``"forward"`` (computed with the loss, :mod:`.in_forward`; scalar losses) or
+      ``"backward"`` (the backward recomputes the logits, this module).
   """
   vocab_axis: int
   reduction: str
@@ -58,16 +77,40 @@ class Options:
   logit_soft_cap: float | None
   chunk_size: int
   vocab_chunk_size: int
+  gradients: str = "backward"
 
 
-def default_chunk_sizes(tokens: int, vocab: int) -> tuple[int, int]:
-  """``(tokens, vocabulary entries)`` per tile: about 2^20 logits (4 MiB in float32), up to
-  1024 tokens, the rest along the vocabulary.  The tokens per tile divide the token count
-  where a multiple of 8 up to 1024 does (no padding; a sharded token axis stays even)."""
-  t = next((c for c in range(min(1024, tokens) // 8 * 8, 7, -8) if tokens % c == 0), None)
+def _token_tile(tokens: int, limit: int) -> int:
+  """Tokens per tile, at most ``limit``: a multiple of 8 that divides ``tokens`` where one
+  does (no padding; a sharded token axis stays even), else ``tokens`` rounded up to 8."""
+  t = next((c for c in range(min(limit, tokens) // 8 * 8, 7, -8) if tokens % c == 0), None)
   if t is None:
-    t = min(1024, max(8, -(-tokens // 8) * 8))
-  return t, max(1, min(vocab, _CHUNK_ELEMENTS // t))
+    t = min(limit, max(8, -(-tokens // 8) * 8))
+  return max(1, min(t, tokens)) if tokens else 1
+
+
+def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
+                  platform: str | None = None) -> tuple[int, int]:
+  """``(chunk_size, vocab_chunk_size)`` for a head of ``tokens`` x ``vocab`` logits.
+
+  Args:
+    tokens, vocab: the head's shape.
+    gradients: the gradient mode (:data:`GRADIENTS`).
+    platform: ``"cpu"``, ``"gpu"``, ... (default: JAX's default backend).
+
+  Returns:
+    "backward": about 2^20 logits per tile, up to 1024 tokens, the rest along the vocabulary.
+    "forward": tokens whose logits over the whole vocabulary fill the platform's budget
+    (2^22 elements on CPU, 2^26 elsewhere; 8 to 4096 tokens), and the weight gradient's
+    update tile (2048 entries on CPU, the whole vocabulary elsewhere).
+  """
+  platform = platform or jax.default_backend()
+  if gradients == "forward":
+    elements = _FORWARD_ELEMENTS.get(platform, _FORWARD_ELEMENTS_OTHER)
+    t = _token_tile(tokens, max(8, min(_MAX_FORWARD_TOKENS, elements // max(vocab, 1))))
+    return t, max(1, min(vocab, _FORWARD_UPDATE.get(platform, vocab)))
+  t = _token_tile(tokens, 1024)
+  return t, max(1, min(vocab, _BACKWARD_ELEMENTS // t))
 
 
 # ------------------------------------------------------------------------ the formula

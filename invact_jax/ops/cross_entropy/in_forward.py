@@ -1,0 +1,201 @@
+"""The LM head's loss with its gradients computed in the forward: three matmuls, no recompute.
+
+When the loss is a weighted sum of the per-token losses (``reduction="mean"`` or ``"sum"``, or
+a reduction :func:`invact_jax.invert` folded into the head), its cotangent is one scalar
+``g``, and the gradients are ``g`` times what the forward can already compute.  So the
+forward runs over chunks of ``chunk_size`` tokens, and per chunk:
+
+1. the chunk's logits over the whole vocabulary, ``z = x_c @ w (+ b)`` [c, V] in float32
+   (the only [c, V] buffer: the logits' gradient below is computed in its place);
+2. the log-sum-exp, the loss and whether the label's logit is the largest;
+3. the logits' gradient ``dz = weight * (softmax(z) (1 + 2 zl lse) - (1 - s) onehot - s / V)``
+   (times the cap's ``1 - (z / c)^2``);
+4. the chunk's input gradient ``dz @ w^T`` (written once) and the weight gradient
+   ``x_c^T dz`` added to a float32 accumulator, ``vocab_chunk_size`` vocabulary entries at a
+   time (an update never holds more than [d, vocab_chunk_size] besides the accumulator).
+
+The residuals are the input, weight and bias gradients in float32 (the weight gradient's
+accumulator *is* the gradient for a float32 weight; for a 16-bit weight it is a float32 copy
+of its size) and, only where the weights are differentiated, the per-token losses; the
+backward multiplies them by ``g``.  Only the gradients of inputs that have a tangent are
+computed (``symbolic_zeros``).  The forward without gradients (no ``jax.grad``) runs the same
+chunks without steps 3-4, so the loss is the same number either way.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from invact_jax.ops import _common
+from invact_jax.ops.cross_entropy import base
+
+__all__ = ["weighted_sum", "reduced", "GRADIENT_NAME"]
+
+#: The ``checkpoint_name`` of the gradients this mode keeps (:func:`invact_jax.memory.floor_audit`
+#: tells them from activations by it).
+GRADIENT_NAME = "linear_cross_entropy gradient"
+
+
+def _chunk_loss(xc, lc, kc, w, b, opts: base.Options):
+  """One chunk's logits and loss: ``(z, lse, per-token loss, correct)``; ``lc`` the labels
+  with ignored ones set to 0, ``kc`` whether a token counts."""
+  cd = _common.compute_dtype(xc.dtype)
+  vocab = w.shape[opts.vocab_axis]
+  z, _ = base._logits(xc, w.astype(xc.dtype), None if b is None else b.astype(xc.dtype), opts,
+                      cd)
+  inside = (lc >= 0) & (lc < vocab)
+  picked = jnp.take_along_axis(z, jnp.clip(lc, 0, vocab - 1)[:, None], axis=-1)[:, 0]
+  picked = jnp.where(inside, picked, jnp.nan)  # the plain formula's pick of a bad label
+  rowmax = jnp.max(z, axis=-1)
+  # The shift reads the label's logit (and the mean), so they are computed before the logits'
+  # gradient overwrites the logits: the chunk holds one [c, V] buffer, not two.
+  shift = jnp.maximum(rowmax, jnp.where(inside, picked, -jnp.inf))
+  s = opts.label_smoothing
+  if s:
+    zmean = jnp.sum(z, axis=-1) / vocab
+    shift = jnp.maximum(shift, zmean)
+  shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
+  lse = shift + jnp.log(jnp.sum(jnp.exp(z - shift[:, None]), axis=-1))
+  loss = lse - (1.0 - s) * picked
+  if s:
+    loss = loss - s * zmean
+  if opts.z_loss:
+    loss = loss + opts.z_loss * lse * lse
+  correct = kc & inside & (picked >= rowmax)
+  return z, lse, jnp.where(kc, loss, 0.0), correct
+
+
+def _logits_grad(z, lse, lc, scale, opts: base.Options):
+  """The chunk's ``d total / d z``, each token's row times its weight ``scale``."""
+  vocab = z.shape[-1]
+  s = opts.label_smoothing
+  p = jnp.exp(z - lse[:, None])
+  if opts.z_loss:
+    p = p * (1.0 + 2.0 * opts.z_loss * lse)[:, None]
+  here = jnp.arange(vocab, dtype=jnp.int32)[None, :] == lc[:, None]
+  dz = p - jnp.where(here, 1.0 - s, 0.0)
+  if s:
+    dz = dz - s / vocab
+  if opts.logit_soft_cap is not None:
+    t = z / opts.logit_soft_cap
+    dz = dz * (1.0 - t * t)
+  return dz * scale[:, None]
+
+
+def _add_weight_grad(dw, xc, dzw, opts: base.Options):
+  """``dw + x_c^T dz`` in ``dw``'s layout ([d, V] or [V, d]), one vocabulary tile at a time."""
+  vocab = dzw.shape[1]
+  cv = min(opts.vocab_chunk_size, vocab)
+  ax = opts.vocab_axis
+  like = _common.explicit_sharding(dw, xc)  # a sum over the (sharded) tokens
+
+  def update(dw, start, size):
+    dzt = jax.lax.dynamic_slice_in_dim(dzw, start, size, axis=1) if size < vocab else dzw
+    dims = (((0,), (0,)), ((), ()))
+    upd = (jax.lax.dot_general(dzt, xc, dims, preferred_element_type=dw.dtype, out_sharding=like)
+           if ax == 0 else
+           jax.lax.dot_general(xc, dzt, dims, preferred_element_type=dw.dtype, out_sharding=like))
+    if size == vocab:
+      return dw + upd
+    cur = jax.lax.dynamic_slice_in_dim(dw, start, size, axis=ax)
+    return jax.lax.dynamic_update_slice_in_dim(dw, cur + upd, start, axis=ax)
+  return base._over_tiles(vocab, cv, lambda start, size, dw: update(dw, start, size), dw)
+
+
+def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False)):
+  """The chunked pass: ``(per-token loss, correct, dx, dw, db)``; the gradients (of
+  ``sum(weights * loss)``) are computed for the inputs ``need`` names (x, w, b), else None."""
+  cd = _common.compute_dtype(x.dtype)
+  n = x.shape[0]
+  c = opts.chunk_size
+  counted = base._counted(y, opts)
+  labels = jnp.where(counted, y, 0).astype(jnp.int32)
+  scale = jnp.where(counted, weights.astype(cd), 0.0)
+  need_x, need_w, need_b = need
+  grads = any(need)
+
+  def chunk(acc, inputs):
+    dw, db = acc
+    xc, lc, kc, sc = inputs
+    z, lse, loss, correct = _chunk_loss(xc, lc, kc, w, b, opts)
+    if not grads:
+      return acc, (loss, correct, None)
+    dz = _logits_grad(z, lse, lc, sc, opts)
+    dzw = dz.astype(x.dtype)  # the matmuls run in the activations' dtype
+    dxc = None
+    if need_x:  # contracted with the weight's vocabulary axis
+      dxc = jax.lax.dot_general(dzw, w.astype(x.dtype), (((1,), (opts.vocab_axis,)), ((), ())),
+                                preferred_element_type=cd)
+    if need_w:
+      dw = _add_weight_grad(dw, xc, dzw, opts)
+    if need_b:
+      db = db + jnp.sum(dz, axis=0)
+    return (dw, db), (loss, correct, dxc)
+
+  init = (base._zeros(w, cd, x, w) if need_w else None,
+          base._zeros(b, cd, x, w) if need_b else None)
+  (dw, db), (loss, correct, dx) = jax.lax.scan(chunk, init, (
+      base._chunks(x, c), base._chunks(labels, c), base._chunks(counted, c, False),
+      base._chunks(scale, c)))
+  loss, correct = base._unchunk(loss, n), base._unchunk(correct, n)
+  if dx is not None:
+    dx = base._unchunk(dx, n)
+  return loss, correct, dx, dw, db
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def weighted_sum(x, w, b, y, weights, opts: base.Options):
+  """``(sum(weights * loss), correct)`` of tokens ``x`` [N, d], labels ``y`` [N] and per-token
+  ``weights`` [N] (ignored tokens count 0 whatever their weight); the gradients are computed
+  in the forward (see the module doc).  ``opts.reduction`` is not read."""
+  loss, correct, *_ = _run(x, w, b, y, weights, opts)
+  cd = loss.dtype
+  return jnp.sum(weights.astype(cd) * loss), correct
+
+
+def _fwd(x, w, b, y, weights, opts):
+  need = (x.perturbed, w.perturbed, b is not None and b.perturbed)
+  xv, wv, yv, weights_v = x.value, w.value, y.value, weights.value
+  bv = None if b is None else b.value
+  loss, correct, dx, dw, db = _run(xv, wv, bv, yv, weights_v, opts, need)
+  total = jnp.sum(weights_v.astype(loss.dtype) * loss)
+  dx, dw, db = (None if g is None else checkpoint_name(g, GRADIENT_NAME) for g in (dx, dw, db))
+  kept_loss = loss if weights.perturbed else None
+  # Empty slices of the primals: their dtypes and mesh types for the cotangents, no bytes.
+  like = [None if v is None else v[:0] for v in (xv, wv, bv, weights_v)]
+  return (total, correct), (dx, dw, db, kept_loss, *like)
+
+
+def _bwd(opts: base.Options, res, cts):
+  del opts
+  g, _ = cts  # ``correct`` has no gradient
+  dx, dw, db, loss, x, w, b, weights = res
+  if isinstance(g, jax.custom_derivatives.SymbolicZero):
+    return None, None, None, None, None
+  g = g.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+
+  def scaled(grad, primal):
+    if grad is None:
+      return None
+    return _common.cotangent_like((g * grad).astype(primal.dtype), primal)
+  return (scaled(dx, x), scaled(dw, w), None if b is None else scaled(db, b), None,
+          scaled(loss, weights))
+
+
+weighted_sum.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def reduced(x, w, b, y, opts: base.Options):
+  """``(loss, correct)`` with ``opts.reduction`` ``"mean"`` (over the tokens that count; NaN
+  when none does, with zero gradients, as the plain formula) or ``"sum"``."""
+  cd = _common.compute_dtype(x.dtype)
+  counted = base._counted(y, opts)
+  if opts.reduction == "sum":
+    return weighted_sum(x, w, b, y, jnp.ones(y.shape, cd), opts)
+  count = jnp.sum(counted).astype(cd)
+  weight = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
+  total, correct = weighted_sum(x, w, b, y, jnp.broadcast_to(weight, y.shape), opts)
+  return jnp.where(count > 0, total, jnp.nan), correct
