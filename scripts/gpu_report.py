@@ -57,7 +57,7 @@ def main(argv=None) -> int:
   p = cli.parser(__doc__)
   p.add_argument("--sections", default=None, help="comma list (default: all)")
   p.add_argument("--stacks", default=None,
-                 help="frontier: comma list of stacks (default: llama,llama-7b,gpt2-medium,vit-l16)")
+                 help="frontier: comma list of stacks (default: llama3-1b,llama3-8b,llama,gpt2-medium,vit-l16)")
   p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise every path")
   p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget, seconds")
   p.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench")

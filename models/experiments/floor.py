@@ -135,8 +135,11 @@ HAND_LAYERS: dict[str, tuple[Callable, float]] = {
     "llama": (llama_layer, 2.75), "gpt2": (gpt2_layer, 4.0), "bert": (bert_layer, 4.0)}
 
 
-def init_layer(kind: str, d: int, ff: int, dtype, key) -> dict:
-  shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d)}
+def init_layer(kind: str, d: int, ff: int, dtype, key, kv: int | None = None) -> dict:
+  """One layer's parameters; ``kv``: the key/value projections' width (grouped-query
+  attention; default ``d``)."""
+  kv = d if kv is None else kv
+  shapes = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
   if kind == "llama":
     shapes.update(n1=(d,), n2=(d,), wg=(d, ff), wu=(d, ff), wd=(ff, d))
   else:

@@ -1,11 +1,16 @@
-"""The frontier's PyTorch rows (issue 42): the same stacks in PyTorch, one process per row.
+"""The frontier's PyTorch rows: the same stacks and language models in PyTorch, one process
+per row.
 
 ``python -m models.experiments.frontier_torch SPEC_JSON`` builds the stack of
 ``spec["shape"]`` (:class:`models.experiments.frontier.Shape`'s fields) and measures one
 variant: ``eager``; ``checkpoint`` (``torch.utils.checkpoint`` per layer); ``liger`` (Liger-
 Kernel's fused RMSNorm / LayerNorm, SwiGLU and RoPE — what its Llama patch replaces in a
-decoder layer — on a CUDA GPU with liger-kernel importable);
-``liger+checkpoint``; ``compile`` (``torch.compile``).  Attention is
+decoder layer — and, for a language model, its fused linear cross-entropy head, on a CUDA
+GPU with liger-kernel importable); ``liger+checkpoint``; ``compile`` (``torch.compile``).
+A language model (``vocab`` > 0) runs from the tokens through the embedding, the layers
+(grouped-query attention where ``kv_heads`` is set), the final RMSNorm and the head (the
+embedding table where ``tied``) to the mean cross-entropy, its parameters in the compute
+dtype.  Attention is
 ``scaled_dot_product_attention`` (flash on a GPU).  The activation bytes are, on a GPU, the
 allocator's peak during a step minus what was resident before it and the gradients; on a CPU,
 the bytes autograd saves for the backward (``saved_tensors_hooks``, each storage once).  The
@@ -29,6 +34,9 @@ def _model(shape: dict, variant: str, dtype, device):
   from torch import nn  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   d, heads, ff, kind = shape["d"], shape["heads"], shape["ff"], shape["kind"]
+  kv_heads = shape.get("kv_heads") or heads
+  kv = kv_heads * (d // heads)
+  vocab = shape.get("vocab", 0)
   liger = variant.startswith("liger")
   if liger:
     from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm  # pylint: disable=import-outside-toplevel
@@ -69,7 +77,7 @@ def _model(shape: dict, variant: str, dtype, device):
     def __init__(self):
       super().__init__()
       bias = kind != "llama"
-      self.qkv = nn.Linear(d, 3 * d, bias=bias)
+      self.qkv = nn.Linear(d, d + 2 * kv, bias=bias)
       self.out = nn.Linear(d, d, bias=bias)
       if kind == "llama":
         norm = (lambda: LigerRMSNorm(d)) if liger else (lambda: nn.RMSNorm(d))
@@ -85,9 +93,13 @@ def _model(shape: dict, variant: str, dtype, device):
 
     def forward(self, x):
       b, t, _ = x.shape
-      q, k, v = self.qkv(self.n1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+      q, k, v = self.qkv(self.n1(x)).split([d, kv, kv], dim=-1)
+      q = q.view(b, t, heads, d // heads).transpose(1, 2)
+      k, v = (a.view(b, t, kv_heads, d // heads).transpose(1, 2) for a in (k, v))
       if kind == "llama":
         q, k = rope(q, k)
+      if kv_heads != heads:
+        k, v = (a.repeat_interleave(heads // kv_heads, dim=1) for a in (k, v))
       o = F.scaled_dot_product_attention(q, k, v, is_causal=kind != "vit")
       x = x + self.out(o.transpose(1, 2).reshape(b, t, d))
       return x + self.mlp(self.n2(x))
@@ -96,8 +108,15 @@ def _model(shape: dict, variant: str, dtype, device):
     def __init__(self):
       super().__init__()
       self.blocks = nn.ModuleList(Block() for _ in range(shape["layers"]))
+      if vocab:
+        self.embed = nn.Embedding(vocab, d)
+        self.norm = LigerRMSNorm(d) if liger else nn.RMSNorm(d)
+        self.head = None if shape.get("tied", True) else nn.Linear(d, vocab, bias=False)
+        if liger:
+          from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
+          self.fused = LigerFusedLinearCrossEntropyLoss()
 
-    def forward(self, x):
+    def layers(self, x):
       for blk in self.blocks:
         if variant.endswith("checkpoint"):
           from torch.utils.checkpoint import checkpoint  # pylint: disable=import-outside-toplevel
@@ -105,6 +124,16 @@ def _model(shape: dict, variant: str, dtype, device):
         else:
           x = blk(x)
       return x
+
+    def forward(self, x):
+      if not vocab:  # a stack: the mean square of its output
+        return self.layers(x).float().pow(2).mean()
+      h = self.norm(self.layers(self.embed(x[:, :-1])))
+      w = self.embed.weight if self.head is None else self.head.weight  # [V, d]
+      labels = x[:, 1:].reshape(-1)
+      if liger:
+        return self.fused(w, h.reshape(-1, d), labels)
+      return F.cross_entropy((h @ w.T).float().reshape(-1, vocab), labels)
   model = StackModel().to(device=device, dtype=dtype)
   return torch.compile(model) if variant == "compile" else model
 
@@ -119,11 +148,14 @@ def measure(spec: dict) -> dict:
   dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec["dtype"]]
   torch.manual_seed(0)
   model = _model(shape, variant, dtype, device)
-  x = torch.randn(shape["batch"], shape["seq"], shape["d"], device=device, dtype=dtype)
+  if shape.get("vocab"):
+    x = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), device=device)
+  else:
+    x = torch.randn(shape["batch"], shape["seq"], shape["d"], device=device, dtype=dtype)
 
   def step():
     model.zero_grad(set_to_none=True)
-    loss = model(x).float().pow(2).mean()
+    loss = model(x)
     loss.backward()
     return loss
   step()  # compile, allocate the gradients
