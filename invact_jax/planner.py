@@ -313,14 +313,8 @@ def _program(p: LayerProfile, uniform: bool):
     coef += [(V(r, t), -tau[t]) for t in range(T)]
     coef += [(n0 + s, u) for s in range(r + 1)] + [(iP, -1.0), (a0 + r, big)]
     row(coef, -np.inf, u * L + big)
-  lower = np.zeros(nv)
-  upper = np.ones(nv)
-  upper[n0:n0 + K] = L
-  upper[w0:w0 + K * T] = L
-  upper[u0:iP] = L
-  lower[iP], upper[iP] = -(tau.max(initial=0.0) + u * L) - 1.0, big
-  integrality = np.ones(nv)
-  integrality[iP] = 0
+  lower, upper, integrality = _bounds(nv, K, T, L, (n0, w0, u0, iP),
+                                      -(tau.max(initial=0.0) + u * L) - 1.0, big)
   gain = np.zeros(nv)
   for r in range(K):
     for t in range(T):
@@ -330,6 +324,21 @@ def _program(p: LayerProfile, uniform: bool):
   return dict(A=np.asarray(rows), lo=np.asarray(lo_b), hi=np.asarray(hi_b), lower=lower,
               upper=upper, integrality=integrality, gain=gain, scale=scale, K=K, iP=iP,
               n0=n0, a0=a0, Y=Y, O=O if off else None)
+
+
+def _bounds(nv: int, K: int, T: int, L: int, offsets: tuple, p_lower: float, p_upper: float):
+  """The variables' bounds and integrality: layer counts and their products with the 0/1
+  choices up to ``L``, the choices 0/1, the peak P continuous in ``[p_lower, p_upper]``."""
+  n0, w0, u0, iP = offsets
+  lower = np.zeros(nv)
+  upper = np.ones(nv)
+  upper[n0:n0 + K] = L
+  upper[w0:w0 + K * T] = L
+  upper[u0:iP] = L
+  lower[iP], upper[iP] = p_lower, p_upper
+  integrality = np.ones(nv)
+  integrality[iP] = 0
+  return lower, upper, integrality
 
 
 def _milp(prog, objective, extra=(), p_upper=None):

@@ -1,10 +1,29 @@
 """Converting unmodified code to the inverted ops.
 
 * :func:`invert` (a program transformation, the recommended entry point): traces the function
-  and converts every activation, norm and softmax found by its computation, whatever object
-  the code called.
+  and converts every activation, norm, softmax and LM head found by its computation, whatever
+  object the code called.
 * :func:`inverted` (a context manager, the attribute swap): swaps ``jax.nn``/Flax attributes
   while a block runs; it catches only code that looks the functions up at call time.
+
+The pipeline of :func:`invert`, one file per stage:
+
+1. trace ``fn`` and flatten the jaxpr to a graph (``_graph.py``);
+2. the rule table (``_pass.RULES``, in claim order): each :class:`._rule.Rule` finds its
+   matches outside what earlier rules claimed and builds the ``custom_vjp`` unit of each —
+   the LM head (``_rule_head.py`` over ``_cross_entropy.py``), norms (``_rule_norm.py``) and
+   softmaxes (``_rule_softmax.py``) by their algebra (``_algebra.py``), activations and
+   softmax calls as traced forms (``_rule_forms.py`` over ``_forms.py`` and the matcher
+   ``_match.py``);
+3. the floor pass (``_fusion.py``): matmuls keep what their neighbours keep;
+4. evaluate the graph with the units swapped in, nested bodies through the same pass
+   (``_pass.py``); ``fallback="temp"`` measures and changes sites (``_fallback.py``); the
+   report (``_report.py``).
+
+A new recognizer is one rule (a ``Rule`` subclass in its own ``_rule_<kind>.py``), one entry
+in ``_pass.RULES`` and its own test file (docs/conversion.md has a worked example).  The
+primitive-name sets every stage reads are in ``_primitives.py``; the floor *audit*
+(``memory.floor_audit``) is ``_floor.py``.
 """
 from invact_jax.convert._attributes import ConversionReport, inverted, replaceable  # noqa: F401
 from invact_jax.convert._program import ProgramReport, invert  # noqa: F401

@@ -34,15 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _graph
+from invact_jax.convert import _match
+from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit
 
 __all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
-           "to_x", "from_x", "escapes", "RADICALS"]
+           "to_x", "from_x"]
 
-# Primitives that make a radical (reported when a candidate is left alone).
-RADICALS = frozenset({"rsqrt", "sqrt"})
-_IDENTITY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision"})
-_SHAPE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 _MAX_TERMS = 48
 _REL_TOL = 1e-6
 
@@ -392,7 +390,7 @@ class _Analysis:
     vals = [r.val if isinstance(r, Lit) else self.consts[r] for r in node.ins]
     if any(isinstance(v, jax.core.Tracer) for v in vals):
       return
-    if node.prim.name in _SHAPE | _IDENTITY and np.size(vals[0]) == 1:
+    if node.prim.name in _primitives.SHAPE | _primitives.IDENTITY and np.size(vals[0]) == 1:
       # a broadcast of one number (Flax's zero mean of an RMSNorm): that number, any shape
       self.consts[node.outs[0]] = np.asarray(vals[0]).reshape(()).astype(
           self.g.avals[node.outs[0]].dtype)
@@ -445,7 +443,7 @@ class _Analysis:
   def _rule(self, node) -> dict | None:  # pylint: disable=too-many-return-statements,too-many-branches
     name, ins = node.prim.name, node.ins
     vals = [self._value(r) for r in ins]
-    if name in _IDENTITY or name in _SHAPE or name == "transpose":
+    if name in _primitives.IDENTITY or name in _primitives.SHAPE or name == "transpose":
       return vals[0]
     if name == "select_n":
       pred = ins[0]
@@ -562,7 +560,6 @@ def _close(a: dict, b: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------ search
-_BACK = frozenset({"convert_element_type", "square", "integer_pow", "pow", "mul", "sub"})
 
 
 def _candidates(g: _graph.Graph) -> list:
@@ -580,7 +577,7 @@ def _candidates(g: _graph.Graph) -> list:
         break
       p = g.nodes[g.producer[ref][0]]
       nxt = p.ins[0]
-      if p.prim.name not in _BACK or tuple(_shape(g, nxt)) != shape:
+      if p.prim.name not in _primitives.SQUARES or tuple(_shape(g, nxt)) != shape:
         break
       if p.prim.name == "mul" and p.ins[0] != p.ins[1]:
         break
@@ -617,7 +614,8 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
     found = [(o, f) for o, f in found if f is not None
              and jnp.issubdtype(g.avals[o].dtype, jnp.floating)]
     # the radicals of this x's own statistics (not those of later norms computed from it)
-    radicals = [i for i in range(start, len(g.nodes)) if g.nodes[i].prim.name in RADICALS
+    radicals = [i for i in range(start, len(g.nodes))
+                if g.nodes[i].prim.name in _primitives.RADICALS
                 and g.nodes[i].outs and g.nodes[i].outs[0] in a.vals
                 and any(s[0] == "r" for s in _syms(a.vals[g.nodes[i].outs[0]]))]
     if not found:
@@ -640,7 +638,7 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
       if inside & taken:
         reason = reason or "it overlaps another conversion"
         continue
-      if escapes(g, inside, o, outvars):
+      if _match.escapes(g, inside, o, outvars):
         reason = reason or "its statistics escape (an intermediate value is also used elsewhere)"
         continue
       nodes = sorted(inside)
@@ -682,17 +680,6 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
       left.append((uncovered, reason or "its statistics are not a LayerNorm's or an "
                    "RMSNorm's (x - mean or x, scaled by the matching rsqrt)"))
   return matches, left
-
-
-def escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
-  """Whether a value the nodes ``inside`` compute, other than ``out``, is used outside them."""
-  for i in inside:
-    for o in g.nodes[i].outs:
-      if o == out:
-        continue
-      if o in outvars or any(c not in inside for c in g.consumers.get(o, ())):
-        return True
-  return False
 
 
 # ------------------------------------------------------------------------ evaluation
@@ -791,7 +778,7 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
     nodes = sorted(set(nodes))
     if set(nodes) & taken:
       continue
-    if escapes(g, set(nodes), node.outs[0], outvars):
+    if _match.escapes(g, set(nodes), node.outs[0], outvars):
       left.append(([ei], "its exponentials or their sum are also used elsewhere"))
       continue
     matches.append(SoftmaxMatch(axes, nodes, di, 0, inputs))

@@ -35,23 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax.convert import _algebra
 from invact_jax.convert import _graph
+from invact_jax.convert import _match
+from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit
 
 __all__ = ["HeadMatch", "Fold", "find_heads", "fold_reduction"]
 
-_SAME = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reduce_precision",
-                   "abs"})  # abs of a sum of exponentials is the sum
-_SHAPE = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
-_INDEX = frozenset({"lt", "add", "select_n", "reshape", "broadcast_in_dim", "convert_element_type",
-                    "squeeze", "expand_dims", "clamp", "ge", "le", "gt", "eq", "ne", "and",
-                    "or", "not", "sub", "max", "min"})
 _TOL = 1e-6
-# Primitives of a weighted sum of the per-token losses, with one operand computed from them.
-_LINEAR_UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reshape",
-                           "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
-                           "reduce_sum", "neg"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +172,7 @@ class _Head:
       if n.prim.name == "iota" or not n.ins:
         nodes.append(i)
         continue
-      if n.prim.name not in _INDEX or not jnp.issubdtype(g.avals[r].dtype, jnp.integer) and \
+      if n.prim.name not in _primitives.INDEX or not jnp.issubdtype(g.avals[r].dtype, jnp.integer) and \
           n.prim.name not in ("lt", "ge", "le", "gt", "eq", "ne", "and", "or", "not"):
         sources.add(r)
         continue
@@ -193,148 +184,159 @@ class _Head:
       return None, []
     return ints[0], nodes
 
-  def step(self, i: int) -> None:  # pylint: disable=too-many-branches,too-many-return-statements
-    g, n = self.g, self.g.nodes[i]
-    name, ins = n.prim.name, n.ins
+  def _known(self, r) -> bool:
+    return not isinstance(r, Lit) and any(r in t for t in self._tables())
+
+  def _tables(self) -> tuple:
+    return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted)
+
+  def step(self, i: int) -> None:
+    """Follow node ``i`` (in program order) if it computes from values followed so far."""
+    n = self.g.nodes[i]
     if len(n.outs) != 1:
       return
-    o = n.outs[0]
-    known = lambda r: not isinstance(r, Lit) and (  # noqa: E731
-        r in self.elem or r in self.rows or r in self.exps or r in self.sums
-        or r in self.target or r in self.weighted)
-    if name == "eq" and any(not isinstance(r, Lit) and r in g.producer and
-                            g.nodes[g.producer[r][0]].prim.name == "iota" for r in ins) and \
-        self._is_v(o):
-      other = next(r for r in ins if isinstance(r, Lit) or r not in g.producer or
-                   g.nodes[g.producer[r][0]].prim.name != "iota")
-      labels, nodes = self._labels_of(other)
-      if labels is not None and (self.labels is None or self.labels == labels):
-        self.labels = labels
-        self.label_nodes.update(nodes)
-        self.label_nodes.add(i)
-        self.target[o] = (1.0, 0.0)
+    if n.prim.name == "eq" and self._one_hot(i, n):
       return
-    if not any(known(r) for r in ins):
+    if not any(self._known(r) for r in n.ins):
       return
-    if name in _SAME or name in _SHAPE or name == "transpose":
-      src = ins[0]
-      if name == "transpose" and not isinstance(src, Lit) and (src in self.elem or src in self.exps):
-        perm = n.params["permutation"]
-        if perm[-1] != len(perm) - 1:
-          return  # the vocabulary axis moved: not followed
-      for table in (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted):
-        if not isinstance(src, Lit) and src in table:
-          if name == "broadcast_in_dim" and table is self.rows and self._is_v(o):
+    handler = _STEPS.get(n.prim.name)
+    if handler is not None:
+      handler(self, n, n.ins, n.outs[0])
+
+  def _one_hot(self, i: int, n) -> bool:
+    """``iota == labels`` along the vocabulary: a one-hot of the labels (True: handled)."""
+    g = self.g
+    is_iota = lambda r: not isinstance(r, Lit) and r in g.producer and \
+        g.nodes[g.producer[r][0]].prim.name == "iota"  # noqa: E731
+    if not (any(is_iota(r) for r in n.ins) and self._is_v(n.outs[0])):
+      return False
+    labels, nodes = self._labels_of(next(r for r in n.ins if not is_iota(r)))
+    if labels is not None and (self.labels is None or self.labels == labels):
+      self.labels = labels
+      self.label_nodes.update(nodes)
+      self.label_nodes.add(i)
+      self.target[n.outs[0]] = (1.0, 0.0)
+    return True
+
+  def _same(self, n, ins, o) -> None:
+    """A cast, copy, reshape, broadcast or transpose: the value it passes on."""
+    src = ins[0]
+    if isinstance(src, Lit):
+      return
+    if n.prim.name == "transpose" and (src in self.elem or src in self.exps):
+      perm = n.params["permutation"]
+      if perm[-1] != len(perm) - 1:
+        return  # the vocabulary axis moved: not followed
+    for table in self._tables():
+      if src in table:
+        if table is self.rows and self._is_v(o):
+          if n.prim.name == "broadcast_in_dim":
             self.elem[o] = dict(table[src])  # a row value spread along the vocabulary
-          elif table is self.rows and self._is_v(o):
-            return
-          else:
-            table[o] = table[src]
           return
-      return
-    if name in ("add", "sub"):
-      a, b = ins
-      sign = 1.0 if name == "add" else -1.0
-      lin = lambda r: None if isinstance(r, Lit) else self.elem.get(r, self.rows.get(r))  # noqa: E731
-      if all(not isinstance(r, Lit) and r in self.rows for r in (a, b)):
-        self.rows[o] = _add(self.rows[a], self.rows[b], sign)
-      elif lin(a) is not None and lin(b) is not None and self._is_v(o):
-        self.elem[o] = _add(lin(a), lin(b), sign)  # a row value spread along the vocabulary
-      elif not isinstance(a, Lit) and a in self.target and self._const(b) is not None:
-        t = self.target[a]
-        self.target[o] = (t[0], t[1] + sign * self._const(b))
-      elif (not isinstance(a, Lit) and a == self.g.nodes[self.dot].outs[0] and name == "add"
-            and self.bias is None and not isinstance(b, Lit)):
-        # the bias: z + b with b [V] spread over the tokens
-        src, chain = _spread_source(g, b)
-        if src is not None and tuple(g.avals[src].shape) == (self.vocab,):
-          self.bias = (src, chain)
-          self.elem[o] = {"z": 1.0}
-      return
-    if name == "neg":
+        table[o] = table[src]
+        return
+
+  def _add_sub(self, n, ins, o) -> None:
+    a, b = ins
+    sign = 1.0 if n.prim.name == "add" else -1.0
+    lin = lambda r: None if isinstance(r, Lit) else self.elem.get(r, self.rows.get(r))  # noqa: E731
+    if all(not isinstance(r, Lit) and r in self.rows for r in (a, b)):
+      self.rows[o] = _add(self.rows[a], self.rows[b], sign)
+    elif lin(a) is not None and lin(b) is not None and self._is_v(o):
+      self.elem[o] = _add(lin(a), lin(b), sign)  # a row value spread along the vocabulary
+    elif not isinstance(a, Lit) and a in self.target and self._const(b) is not None:
+      t = self.target[a]
+      self.target[o] = (t[0], t[1] + sign * self._const(b))
+    elif (not isinstance(a, Lit) and a == self.g.nodes[self.dot].outs[0] and sign > 0
+          and self.bias is None and not isinstance(b, Lit)):
+      # the bias: z + b with b [V] spread over the tokens
+      src, chain = _spread_source(self.g, b)
+      if src is not None and tuple(self.g.avals[src].shape) == (self.vocab,):
+        self.bias = (src, chain)
+        self.elem[o] = {"z": 1.0}
+
+  def _neg(self, n, ins, o) -> None:
+    for table in (self.elem, self.rows):
+      if ins[0] in table:
+        table[o] = _scale(table[ins[0]], -1.0)
+
+  def _mul_div(self, n, ins, o) -> None:
+    a, b = ins
+    c = self._const(b)
+    if c is None and n.prim.name == "mul" and self._const(a) is not None:
+      c, a = self._const(a), b
+    if c is not None:  # a constant factor
+      c = c if n.prim.name == "mul" else 1.0 / c
       for table in (self.elem, self.rows):
-        if ins[0] in table:
-          table[o] = _scale(table[ins[0]], -1.0)
+        if not isinstance(a, Lit) and a in table:
+          table[o] = _scale(table[a], c)
+      if not isinstance(a, Lit) and a in self.target:
+        t = self.target[a]
+        self.target[o] = (t[0] * c, t[1] * c)
       return
-    if name in ("mul", "div"):
-      a, b = ins
-      c = self._const(b)
-      if c is None and name == "mul" and self._const(a) is not None:
-        c, a = self._const(a), b
-      if c is not None:
-        c = c if name == "mul" else 1.0 / c
-        for table in (self.elem, self.rows):
-          if not isinstance(a, Lit) and a in table:
-            table[o] = _scale(table[a], c)
-        if not isinstance(a, Lit) and a in self.target:
-          t = self.target[a]
-          self.target[o] = (t[0] * c, t[1] * c)
+    if n.prim.name == "mul":  # the target weight times a linear value
+      for t_ref, l_ref in ((a, b), (b, a)):
+        if (not isinstance(t_ref, Lit) and t_ref in self.target and not isinstance(l_ref, Lit)
+            and l_ref in self.elem):
+          self.weighted[o] = (self.target[t_ref], self.elem[l_ref])
+
+  def _exp(self, n, ins, o) -> None:
+    lin = self.elem.get(ins[0])
+    if lin is not None and lin.get("z") == 1.0 and set(lin) <= {"z"} | {
+        k for k in lin if k.startswith("k")}:
+      shifts = [k for k in lin if k.startswith("k")]
+      if len(shifts) <= 1 and all(lin[k] == -1.0 for k in shifts):
+        self.exps[o] = shifts[0] if shifts else ""
+
+  def _reduce_sum(self, n, ins, o) -> None:
+    src = ins[0]
+    if tuple(int(a) for a in n.params["axes"]) != (len(self.g.avals[src].shape) - 1,):
+      return
+    if src in self.exps:
+      self.sums[o] = self.exps[src]
+    elif src in self.weighted:
+      (a, u), lin = self.weighted[src]
+      row = {}
+      for sym, c in lin.items():
+        if sym == "z":
+          row = _add(row, {"pick": a * c, "zsum": u * c})
+        else:  # a row constant spread along V: weighted sum is (a + u V) times it
+          row = _add(row, {sym: c * (a + u * self.vocab)})
+      self.rows[o] = row
+    elif src in self.elem:
+      row = {}
+      for sym, c in self.elem[src].items():
+        row = _add(row, {"zsum": c} if sym == "z" else {sym: c * self.vocab})
+      self.rows[o] = row
+
+  def _log(self, n, ins, o) -> None:
+    if ins[0] in self.sums:
+      self.rows[o] = {"ls" + self.sums[ins[0]]: 1.0}
+
+  def _gather(self, n, ins, o) -> None:
+    src, idx = ins[0], ins[1]
+    if not isinstance(src, Lit) and src in self.elem and self._is_v(src):
+      labels, nodes = self._labels_of(idx)
+      if labels is None or (self.labels is not None and self.labels != labels):
         return
-      if name == "mul":
-        for t_ref, l_ref in ((a, b), (b, a)):
-          if (not isinstance(t_ref, Lit) and t_ref in self.target and not isinstance(l_ref, Lit)
-              and l_ref in self.elem):
-            self.weighted[o] = (self.target[t_ref], self.elem[l_ref])
+      self.labels = labels
+      self.label_nodes.update(nodes)
+      self.rows[o] = {("pick" if k == "z" else k): c for k, c in self.elem[src].items()}
+    elif not isinstance(src, Lit) and src in self.rows and all(
+        isinstance(r, Lit) or r not in self.elem for r in ins[1:]):
+      self.rows[o] = self.rows[src]  # .take(0) of a size-1 axis
+
+  def _shift_step(self, n, ins, o) -> None:
+    """A row constant computed from z (a max and its clamps): a shift."""
+    a = self.g.avals[o]
+    stop = n.prim.name == "stop_gradient"
+    if a.shape and a.shape[-1] == self.vocab and not stop:
       return
-    if name == "exp":
-      lin = self.elem.get(ins[0])
-      if lin is not None and lin.get("z") == 1.0 and set(lin) <= {"z"} | {
-          k for k in lin if k.startswith("k")}:
-        shifts = [k for k in lin if k.startswith("k")]
-        if len(shifts) <= 1 and all(lin[k] == -1.0 for k in shifts):
-          self.exps[o] = shifts[0] if shifts else ""
+    if stop and ins[0] in self.rows:
+      self.rows[o] = self.rows[ins[0]]
       return
-    if name == "reduce_sum":
-      axes = tuple(int(a) for a in n.params["axes"])
-      src = ins[0]
-      if axes != (len(g.avals[src].shape) - 1,):
-        return
-      if src in self.exps:
-        self.sums[o] = self.exps[src]
-      elif src in self.weighted:
-        (a, u), lin = self.weighted[src]
-        row = {}
-        for sym, c in lin.items():
-          if sym == "z":
-            row = _add(row, {"pick": a * c, "zsum": u * c})
-          else:  # a row constant spread along V: weighted sum is (a + u V) times it
-            row = _add(row, {sym: c * (a + u * self.vocab)})
-        self.rows[o] = row
-      elif src in self.elem:
-        row = {}
-        for sym, c in self.elem[src].items():
-          row = _add(row, {"zsum": c} if sym == "z" else {sym: c * self.vocab})
-        self.rows[o] = row
-      return
-    if name == "log":
-      if ins[0] in self.sums:
-        self.rows[o] = {"ls" + self.sums[ins[0]]: 1.0}
-      return
-    if name == "gather":
-      src, idx = ins
-      if not isinstance(src, Lit) and src in self.elem and self._is_v(src):
-        labels, nodes = self._labels_of(idx)
-        if labels is None or (self.labels is not None and self.labels != labels):
-          return
-        self.labels = labels
-        self.label_nodes.update(nodes)
-        lin = self.elem[src]
-        self.rows[o] = {("pick" if k == "z" else k): c for k, c in lin.items()}
-      elif not isinstance(src, Lit) and src in self.rows and all(
-          isinstance(r, Lit) or r not in self.elem for r in ins[1:]):
-        self.rows[o] = self.rows[src]  # .take(0) of a size-1 axis
-      return
-    if name == "stop_gradient" or name in ("reduce_max", "max", "select_n", "is_finite"):
-      # a row constant computed from z (a max and its clamps): a shift
-      a = g.avals[o]
-      if a.shape and a.shape[-1] == self.vocab and name != "stop_gradient":
-        return
-      if name == "stop_gradient" and ins[0] in self.rows:
-        self.rows[o] = self.rows[ins[0]]
-        return
-      if jnp.issubdtype(a.dtype, jnp.floating):
-        self.rows[o] = {self._shift(): 1.0}
-      return
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      self.rows[o] = {self._shift(): 1.0}
 
   def loss(self, row: dict) -> tuple[float, float] | None:
     """``(sign, smoothing)`` when ``row`` is (the negation of) a cross-entropy."""
@@ -358,6 +360,17 @@ class _Head:
       return None
     del shifts
     return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing)
+
+
+#: Primitive -> how a value computed by it from followed values is followed.
+_STEPS = {
+    **{p: _Head._same for p in _primitives.HEAD_SAME | _primitives.SHAPE | {"transpose"}},
+    "add": _Head._add_sub, "sub": _Head._add_sub, "neg": _Head._neg,
+    "mul": _Head._mul_div, "div": _Head._mul_div, "exp": _Head._exp,
+    "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
+    **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "select_n",
+                                      "is_finite")},
+}
 
 
 def _spread_source(g: _graph.Graph, ref):
@@ -395,7 +408,7 @@ def _linear_step(g: _graph.Graph, n, inside) -> str:
   out = g.avals[n.outs[0]]
   if len(n.outs) != 1 or not jnp.issubdtype(out.dtype, jnp.floating):
     return f"{name} of the per-token losses"
-  if name in _LINEAR_UNARY and reads == [True]:
+  if name in _primitives.LINEAR_UNARY and reads == [True]:
     return ""
   if name == "mul" and sum(reads) == 1:
     return ""
@@ -453,108 +466,141 @@ def _wide_source(g: _graph.Graph, w, region: set):
   return src, i
 
 
+def _head_dot(g: _graph.Graph, n) -> tuple | None:
+  """``(x, w, vocabulary axis of w, vocab)`` when node ``n`` is a matmul that can be an LM
+  head (tokens [..., d] times a 2-D weight, the logits [..., V]), else None."""
+  if n.prim.name != "dot_general":
+    return None
+  (lc, rc), (lb, rb) = n.params["dimension_numbers"]
+  if lb or rb or len(lc) != 1 or len(rc) != 1:
+    return None
+  x, w = n.ins
+  if isinstance(x, Lit) or isinstance(w, Lit):
+    return None
+  xs, ws = tuple(g.avals[x].shape), tuple(g.avals[w].shape)
+  if len(ws) != 2 or int(lc[0]) != len(xs) - 1 or not jnp.issubdtype(g.avals[x].dtype,
+                                                                       jnp.floating):
+    return None
+  vaxis = 1 - int(rc[0])
+  vocab = ws[vaxis]
+  if vocab < 2 or tuple(g.avals[n.outs[0]].shape) != xs[:-1] + (vocab,):
+    return None
+  return x, w, vaxis, vocab
+
+
+def _region(g: _graph.Graph, h: _Head, di: int, root: int, outvars: set) -> set:
+  """The nodes of the head whose matmul is ``di`` and whose per-token loss ``root`` computes:
+  the followed values' producers, their helpers (a clamp's ``is_finite``, the constants it
+  selects), the index arithmetic and one-hot nodes only the region reads, and values computed
+  in it and never read (``jax.nn.logsumexp``'s sign)."""
+  members = {g.producer[r][0] for table in h._tables() for r in table  # pylint: disable=protected-access
+             if r in g.producer} | h.label_nodes | {di}
+  if h.bias is not None:
+    members.update(h.bias[1])
+  changed = True
+  while changed:
+    changed = False
+    for i in range(di + 1, root):
+      m = g.nodes[i]
+      if i in members or any(
+          tuple(g.avals[r].shape)[-1:] == (h.vocab,) for r in m.outs if g.avals[r].shape):
+        continue
+      reads = [r for r in m.ins if not isinstance(r, Lit)]
+      if all(r in g.producer and g.producer[r][0] in members for r in reads) and all(
+          c in members for r in m.outs for c in g.consumers.get(r, ())) and any(
+              g.consumers.get(r) for r in m.outs):
+        members.add(i)
+        changed = True
+  nodes = set(_graph.ancestors(g, root, lambda r: g.producer[r][0] in members))
+  nodes |= {i for i in h.label_nodes if i in members}
+  if h.bias is not None:
+    nodes.update(h.bias[1])
+  for i in sorted(h.label_nodes, reverse=True):
+    if all(c in nodes for o2 in g.nodes[i].outs for c in g.consumers.get(o2, ())):
+      nodes.add(i)
+    else:
+      nodes.discard(i)
+  produced = {r for i in nodes for r in g.nodes[i].outs}
+  for i in range(di, root):
+    m = g.nodes[i]
+    if i not in nodes and all(
+        not g.consumers.get(r) and r not in outvars for r in m.outs) and all(
+            isinstance(r, Lit) or r in produced for r in m.ins):
+      nodes.add(i)
+  return nodes
+
+
+def _per_token(g: _graph.Graph, h: _Head, o, xs: tuple) -> tuple | None:
+  """``(sign, smoothing)`` when the row value ``o`` is (the negation of) a cross-entropy per
+  token of ``x``'s leading shape against labels of that shape, else None."""
+  res = h.loss(h.rows[o])
+  squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
+  if res is None or squeeze(g.avals[o].shape) != squeeze(xs[:-1]) or \
+      np.prod(g.avals[o].shape) != np.prod(xs[:-1]):
+    return None
+  labels = h.labels
+  if tuple(np.shape(labels.val) if isinstance(labels, Lit) else g.avals[labels].shape) \
+      != xs[:-1]:
+    return None
+  return res
+
+
+def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
+          allow_fold: bool) -> tuple:
+  """``(fold or None, why not, the head's weight)``; a 16-bit cast of a float32 weight read
+  only by the head is taken into ``nodes`` and its source is the head's weight."""
+  fold, why = fold_reduction(g, o, outvars) if allow_fold else (
+      None, "inside a loop body (its forward's gradients would be kept per step)")
+  if fold is not None and fold.nodes & taken:
+    fold, why = None, "the program's reduction overlaps another conversion"
+  head_w, cast = _wide_source(g, w, nodes)
+  if cast is not None:
+    nodes.add(cast)
+  if fold is not None and jnp.dtype(g.avals[head_w].dtype).itemsize < 4:
+    fold, why = None, ("a 16-bit weight (its float32 gradient accumulator would double the "
+                       "gradient's memory)")
+  return fold, why, head_w
+
+
+_USED_ELSEWHERE = "its logits are also used elsewhere (a cross-entropy found, not replaced)"
+
+
 def find_heads(g: _graph.Graph, claimed: set, outvars: set,
                allow_fold: bool = True) -> tuple[list, list]:
   """The matmul + cross-entropy regions of ``g``: ``(matches, left_alone)``, the latter
-  ``([dot node], why)`` for a head whose logits are also used elsewhere.  ``allow_fold``: whether
-  the program's reduction may be folded into a head (not in a loop body, whose residuals —
-  the forward's gradients — would be kept per step)."""
+  ``([dot node], why)`` for a head whose logits are also used elsewhere.  ``allow_fold``:
+  whether the program's reduction may be folded into a head (not in a loop body, whose
+  residuals — the forward's gradients — would be kept per step)."""
   matches, left, taken = [], [], set(claimed)
   for di, n in enumerate(g.nodes):
-    if n.prim.name != "dot_general" or di in taken:
+    dot = None if di in taken else _head_dot(g, n)
+    if dot is None:
       continue
-    (lc, rc), (lb, rb) = n.params["dimension_numbers"]
-    if lb or rb or len(lc) != 1 or len(rc) != 1:
-      continue
-    x, w = n.ins
-    if isinstance(x, Lit) or isinstance(w, Lit):
-      continue
-    xs, ws = tuple(g.avals[x].shape), tuple(g.avals[w].shape)
-    if len(ws) != 2 or int(lc[0]) != len(xs) - 1 or not jnp.issubdtype(g.avals[x].dtype,
-                                                                         jnp.floating):
-      continue
-    vaxis = 1 - int(rc[0])
-    vocab = ws[vaxis]
-    if vocab < 2 or tuple(g.avals[n.outs[0]].shape) != xs[:-1] + (vocab,):
-      continue
+    x, w, vaxis, vocab = dot
     h = _Head(g, di, vocab, vaxis)
     for i in range(di + 1, len(g.nodes)):
       h.step(i)
     if h.labels is None:
       continue
-    found = None
+    escaped = False
     for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
-      res = h.loss(h.rows[o])
-      squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
-      if res is None or squeeze(g.avals[o].shape) != squeeze(xs[:-1]) or \
-          np.prod(g.avals[o].shape) != np.prod(xs[:-1]):
-        continue
-      if tuple(np.shape(h.labels.val) if isinstance(h.labels, Lit) else
-               g.avals[h.labels].shape) != xs[:-1]:
+      res = _per_token(g, h, o, tuple(g.avals[x].shape))
+      if res is None:
         continue
       root = g.producer[o][0]
-      members = {g.producer[r][0] for table in (h.elem, h.rows, h.exps, h.sums, h.target,
-                                                h.weighted) for r in table
-                 if r in g.producer} | h.label_nodes | {di}
-      if h.bias is not None:
-        members.update(h.bias[1])
-      # helpers of the row values (a clamp's is_finite, the constants it selects)
-      changed = True
-      while changed:
-        changed = False
-        for i in range(di + 1, root):
-          m = g.nodes[i]
-          if i in members or any(
-              tuple(g.avals[r].shape)[-1:] == (vocab,) for r in m.outs if g.avals[r].shape):
-            continue
-          reads = [r for r in m.ins if not isinstance(r, Lit)]
-          if all(r in g.producer and g.producer[r][0] in members for r in reads) and all(
-              c in members for r in m.outs for c in g.consumers.get(r, ())) and any(
-                  g.consumers.get(r) for r in m.outs):
-            members.add(i)
-            changed = True
-      nodes = set(_graph.ancestors(g, root, lambda r: g.producer[r][0] in members))
-      nodes |= {i for i in h.label_nodes if i in members}
-      if h.bias is not None:
-        nodes.update(h.bias[1])
-      # index arithmetic and one-hot nodes only the region reads come inside
-      for i in sorted(h.label_nodes, reverse=True):
-        outs = g.nodes[i].outs
-        if all(c in nodes for o2 in outs for c in g.consumers.get(o2, ())):
-          nodes.add(i)
-        else:
-          nodes.discard(i)
-      # values computed and never read (jax.nn.logsumexp's sign) are part of the region
-      produced = {r for i in nodes for r in g.nodes[i].outs}
-      for i in range(di, root):
-        m = g.nodes[i]
-        if i not in nodes and all(
-            not g.consumers.get(r) and r not in outvars for r in m.outs) and all(
-                isinstance(r, Lit) or r in produced for r in m.ins):
-          nodes.add(i)
+      nodes = _region(g, h, di, root, outvars)
       if nodes & taken:
         continue
-      if _algebra.escapes(g, nodes, o, outvars):
-        found = found or ("escape", di)
+      if _match.escapes(g, nodes, o, outvars):
+        escaped = True
         continue
-      sign, smoothing = res
-      fold, why = fold_reduction(g, o, outvars) if allow_fold else (
-          None, "inside a loop body (its forward's gradients would be kept per step)")
-      if fold is not None and fold.nodes & taken:
-        fold, why = None, "the program's reduction overlaps another conversion"
-      head_w, cast = _wide_source(g, w, nodes)
-      if cast is not None:
-        nodes.add(cast)
-      if fold is not None and jnp.dtype(g.avals[head_w].dtype).itemsize < 4:
-        fold, why = None, ("a 16-bit weight (its float32 gradient accumulator would double "
-                           "the gradient's memory)")
+      fold, why, head_w = _fold(g, o, w, nodes, outvars, taken, allow_fold)
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
-                               None if h.bias is None else h.bias[0], h.labels, vaxis,
-                               smoothing, sign, fold, why))
+                               None if h.bias is None else h.bias[0], h.labels, vaxis, res[1],
+                               res[0], fold, why))
       taken.update(matches[-1].nodes)
-      found = "ok"
+      escaped = False
       break
-    if isinstance(found, tuple):
-      left.append(([di], "its logits are also used elsewhere (a cross-entropy found, not "
-                         "replaced)"))
+    if escaped:
+      left.append(([di], _USED_ELSEWHERE))
   return matches, left

@@ -20,32 +20,14 @@ import math
 import jax
 import numpy as np
 
-from invact_jax.convert import _fusion
 from invact_jax.convert import _graph
-from invact_jax.convert import _program
+from invact_jax.convert import _pass
+from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit
 from invact_jax.ops.activations import base as _act_base
 from invact_jax.ops.activations import registry
 
 __all__ = ["FloorItem", "items"]
-
-# Elementwise and layout ops the floor recomputes rather than keeps.
-_RECOMPUTED = _fusion.FREE | _fusion.ELEMENTWISE | frozenset({
-    "broadcast_in_dim", "iota", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-    "xor", "select_n", "clamp", "floor", "ceil", "round", "is_finite", "concatenate", "pad",
-    "slice", "squeeze", "rev", "stop_gradient", "shift_left", "shift_right_logical", "rem",
-    "pow", "atan2", "cumsum", "split", "pvary", "nextafter", "imag", "real"})
-_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
-# Ops whose derivative needs none of their inputs.
-_LINEAR = frozenset({"add", "sub", "neg", "reshape", "transpose", "copy", "copy_p", "squeeze",
-                     "expand_dims", "convert_element_type", "broadcast_in_dim", "reduce_sum",
-                     "concatenate", "pad", "slice", "dynamic_slice", "rev", "select_n",
-                     "stop_gradient", "pvary", "psum", "all_gather", "reduce_precision",
-                     "cumsum", "split", "real", "imag", "dynamic_update_slice", "gather",
-                     "scatter-add", "iota"})
-_CALLS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
-_NESTED = frozenset({"pjit", "jit", "checkpoint", "remat", "remat2", "custom_jvp_call",
-                     "closed_call", "core_call", "shard_map"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +64,7 @@ class _Walker:
     self.outer = {g.invars[k]: v for k, v in (outer or {}).items()}
     self.carried = {g.invars[k] for k in carried}
     self.items: dict = {}        # key -> FloorItem (keyed by the kept value)
-    self.found = _program.find(g, opts)
+    self.found = _pass.find(g, opts)
     self.owner: dict = {}        # node -> (kind, match)
     for m in self.found.norms:
       self.owner.update({i: ("norm", m) for i in m.nodes})
@@ -160,7 +142,7 @@ class _Walker:
     except TypeError:
       return "free"  # PRNG keys: recomputed from their source
     n = g.nodes[i]
-    return "recompute" if n.prim.name in _RECOMPUTED or not n.ins else "keep"
+    return "recompute" if n.prim.name in _primitives.RECOMPUTED or not n.ins else "keep"
 
   def _leaves(self, ref, itemsize: int, out: dict) -> dict:
     """What recomputing ``ref`` reads, back through elementwise ops: ``{leaf: itemsize}``."""
@@ -191,7 +173,7 @@ class _Walker:
         self.anchor(ref, self._what(k, m), min(itemsize, store))
       else:
         self.anchor(ref, "scan carry" if n is None else "matmul output"
-                    if n.prim.name in _MATMULS else f"{n.prim.name} output", itemsize)
+                    if n.prim.name in _primitives.MATMULS else f"{n.prim.name} output", itemsize)
     elif kind == "recompute":
       self.anchor(ref, f"{self.g.nodes[self.g.producer[ref][0]].prim.name} output", itemsize)
 
@@ -261,20 +243,20 @@ class _Walker:
     name = n.prim.name
     ins = [r for r in n.ins if not isinstance(r, Lit)]
     out_diff = any(o in self.diff for o in n.outs)
-    if name in _MATMULS:
+    if name in _primitives.MATMULS:
       for k, r in enumerate(n.ins[:2]):
         other = n.ins[1 - k]
         if not isinstance(other, Lit) and other in self.diff:
           self.walk(r)
-    elif name in _CALLS:
+    elif name in _primitives.CALLS:
       self._call(n)
     elif name == "scan":
       self._scan(n)
-    elif name in _NESTED:
+    elif name in _primitives.NESTED:
       closed = n.params.get("jaxpr") or n.params.get("call_jaxpr")
       if closed is not None:
         self._nested(n, closed)
-    elif not out_diff or name in _LINEAR:
+    elif not out_diff or name in _primitives.LINEAR:
       return
     elif name in ("mul", "div") and len(n.ins) == 2:
       a, b = n.ins
@@ -378,5 +360,5 @@ def items(fn, args, kwargs) -> list[FloorItem]:
   vals = [leaves[i] for i in dyn]
   g = _graph.flatten(jax.make_jaxpr(flat)(*vals))
   floats = {k for k, v in enumerate(vals) if jax.numpy.issubdtype(v.dtype, jax.numpy.floating)}
-  w = _Walker(g, floats, (), _program.options_for_analysis()).run()
+  w = _Walker(g, floats, (), _pass.options_for_analysis()).run()
   return sorted(w.items.values(), key=lambda it: (-it.bytes, it.what))

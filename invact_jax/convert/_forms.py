@@ -43,18 +43,16 @@ class Form:
   Attributes:
     name: what the report calls it (``jax.nn.gelu(approximate=False)``, ``flax.linen.LayerNorm``).
     kind: ``activation``, ``scaled_silu`` or ``softmax``.
-    public: the invact_jax function it becomes (``gelu``, ``layer_norm``, ...).
-    roles: the traced function's arguments: ``x`` then ``scale``/``bias``.
-    build: ``(x_dtype, param_dtype, out_dtype) -> f(x, *params)``, or None where the form
-      cannot produce that combination.
+    public: the invact_jax function it becomes (``gelu``, ``softmax``, ...).
+    build: ``dtype -> f(x)`` computing the form for an ``x`` of that dtype (the output in
+      the same dtype).
     entry: the registry entry (activations).
     params: sentinel names read back from the program.
   """
   name: str
   kind: str
   public: str
-  roles: tuple[str, ...]
-  build: Callable[[Any, Any, Any], Callable[..., Any] | None]
+  build: Callable[[Any], Callable[..., Any] | None]
   entry: Any = None
   params: tuple[str, ...] = ()
 
@@ -67,12 +65,8 @@ def _activation_forms() -> list[Form]:
     kwargs.update({k: SENTINELS[k] for k, _ in a.params})
     label = ", ".join(f"{k}={v}" for k, v in a.selector)
     fn = functools.partial(a.original, **kwargs)
-
-    def build(xd, pd, od, fn=fn):
-      del pd
-      return fn if od == xd else None
     forms.append(Form(f"jax.nn.{a.original.__name__}" + (f"({label})" if label else ""),
-                      "activation", a.public, ("x",), build, entry=a,
+                      "activation", a.public, lambda dtype, fn=fn: fn, entry=a,
                       params=tuple(k for k, _ in a.params)))
   return forms
 
@@ -83,11 +77,8 @@ def _scaled_silu(x):
 
 
 def _composition_forms() -> list[Form]:
-  def build(xd, pd, od):
-    del pd
-    return _scaled_silu if od == xd else None
-  return [Form("x * sigmoid(c * x) (quick_gelu)", "scaled_silu", "silu", ("x",), build,
-               entry=registry.get("silu"), params=("c",))]
+  return [Form("x * sigmoid(c * x) (quick_gelu)", "scaled_silu", "silu",
+               lambda dtype: _scaled_silu, entry=registry.get("silu"), params=("c",))]
 
 
 # ---------------------------------------------------------------------------- softmax
@@ -103,13 +94,13 @@ def _hand_softmax_no_stop(x):
 
 def _softmax_forms() -> list[Form]:
   def build(fn):
-    return lambda xd, pd, od: fn if xd == od else None
-  return [Form("jax.nn.softmax", "softmax", "softmax", ("x",),
+    return lambda dtype: fn
+  return [Form("jax.nn.softmax", "softmax", "softmax",
                build(functools.partial(_softmax_base.NN_SOFTMAX, axis=-1))),
-          Form("softmax by hand (exp(x - max) / sum)", "softmax", "softmax", ("x",),
+          Form("softmax by hand (exp(x - max) / sum)", "softmax", "softmax",
                build(_hand_softmax)),
           Form("softmax by hand (exp(x - max) / sum, no stop_gradient)", "softmax", "softmax",
-               ("x",), build(_hand_softmax_no_stop))]
+               build(_hand_softmax_no_stop))]
 
 
 FORMS: tuple[Form, ...] = tuple(_softmax_forms() + _composition_forms() + _activation_forms())

@@ -33,26 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _graph
+from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit, Unit
 
 __all__ = ["fuse", "FREE", "ELEMENTWISE"]
 
-#: Unary primitives that only move, copy or re-type values: recomputed for nothing.
-FREE = frozenset({"reshape", "transpose", "copy", "copy_p", "squeeze", "expand_dims",
-                  "convert_element_type", "reduce_precision"})
-#: Elementwise primitives recomputed in the backward (cheap next to a matmul).
-ELEMENTWISE = frozenset({"mul", "add", "sub", "div", "max", "min", "neg", "square",
-                         "integer_pow", "abs", "sign", "exp", "log", "log1p", "expm1", "tanh",
-                         "logistic", "sin", "cos", "sqrt", "rsqrt", "erf", "erfc", "select_n"})
-# Elementwise primitives whose own backward keeps their (non-constant) inputs.
-_KEEPS_INPUTS = frozenset({"mul", "div", "max", "min", "square", "integer_pow", "abs", "exp",
-                           "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "sqrt",
-                           "rsqrt", "erf", "erfc", "select_n"})
-#: Primitives that make a constant from literals alone (recomputed rather than kept).
-_CONSTANT = FREE | ELEMENTWISE | {"broadcast_in_dim", "iota"}
-_DOT = "dot_general"
-# Custom-derivative calls whose outputs an attention kernel's backward typically keeps.
-_CUSTOM_CALLS = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"})
+FREE, ELEMENTWISE = _primitives.FREE, _primitives.ELEMENTWISE
 
 
 def _nbytes(g: _graph.Graph, ref) -> int:
@@ -127,7 +113,7 @@ def _dense_readers(g: _graph.Graph, z, taken: set, outvars: set):
         if c not in chain and c not in dots:
           external.append(v)
         continue
-      if n.prim.name == _DOT and sum(r is v for r in n.ins) == 1:
+      if n.prim.name == _primitives.DOT and sum(r is v for r in n.ins) == 1:
         dots.append(c)
         found = True
       elif _follows(g, n, v):
@@ -273,7 +259,7 @@ class _Walk:
     n = g.nodes[i]
     name = n.prim.name
     ins = [r for r in n.ins if not isinstance(r, Lit)]
-    if len(n.outs) == 1 and not ins and name in _CONSTANT:
+    if len(n.outs) == 1 and not ins and name in _primitives.CONSTANT:
       self.nodes.add(i)  # a constant spread over the operand (where(m, p, 0.0)'s zeros)
       return
     if len(n.outs) != 1 or not ins:
@@ -302,7 +288,7 @@ def _kept_by_program(g: _graph.Graph, nodes: set, dot: int) -> set:
   out = set()
   for i in nodes:
     n = g.nodes[i]
-    if i == dot or n.prim.name in _KEEPS_INPUTS:
+    if i == dot or n.prim.name in _primitives.KEEPS_INPUTS:
       out.update(r for r in n.ins if not isinstance(r, Lit) and _is_float(g, r))
   return out
 
@@ -410,9 +396,9 @@ def fuse(g: _graph.Graph, units: list, norm_units: list, kept: set, outvars: set
     for i in fused.nodes:
       owner[i] = fused
     taken |= fused.nodes
-  anyway = set(kept) | {o for n in g.nodes if n.prim.name in _CUSTOM_CALLS for o in n.outs}
+  anyway = set(kept) | {o for n in g.nodes if n.prim.name in _primitives.CUSTOM_CALLS for o in n.outs}
   for d, n in enumerate(g.nodes):
-    if n.prim.name != _DOT or d in taken:
+    if n.prim.name != _primitives.DOT or d in taken:
       continue
     # Two walks: stopping at narrowing casts, and through them (a bfloat16 copy of a float32
     # value kept anyway, e.g. a softmax's probabilities cast for the P.V matmul); the one that

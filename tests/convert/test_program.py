@@ -511,7 +511,7 @@ def test_fallback_recomputes_then_leaves_alone_until_the_temp_is_not_above(monke
   """Each site's alternative (an activation recomputed from its input) is measured alone and
   taken in that order; if that is not enough the recomputed ones are left alone in the same
   order; at worst the floor pass goes too (the program as it is)."""
-  from invact_jax.convert import _program
+  from invact_jax.convert import _fallback
   # what inverting / recomputing each site adds to an original temp of 100 (left alone: 0)
   invert_cost, recompute_cost, floor_cost = {0: 5, 1: 30, 2: -10}, {0: 2, 1: 8, 2: 0}, [0]
   calls = []
@@ -525,7 +525,7 @@ def test_fallback_recomputes_then_leaves_alone_until_the_temp_is_not_above(monke
     return 100 + floor_cost[0] * opts.floor + sum(
         0 if i in opts.skip else recompute_cost[i] if i in opts.recompute else invert_cost[i]
         for i in range(3))
-  monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
+  monkeypatch.setattr(_fallback, "gradient_temp", fake_temp)
 
   def f(w, x):
     return jnp.sum(jax.nn.gelu(jax.nn.gelu(jax.nn.gelu(x @ w) @ w) @ w))
@@ -564,14 +564,14 @@ def test_fallback_recomputes_then_leaves_alone_until_the_temp_is_not_above(monke
 def test_a_recomputed_activation_inside_scan_keeps_its_input(monkeypatch):
   """The recomputed variant inside a scan body (and under vmap): the activation keeps its
   input, not its output and bits, and the gradient is autodiff's."""
-  from invact_jax.convert import _program
+  from invact_jax.convert import _fallback
 
   def fake_temp(closed, graph, structs, positions, opts):
     if opts is None:
       return 100
     opts.recomputable = [True]
     return 100 + (0 if opts.recompute else 1)
-  monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
+  monkeypatch.setattr(_fallback, "gradient_temp", fake_temp)
 
   def f(ws, x):
     def body(h, w):
@@ -607,14 +607,14 @@ def test_fallback_under_vmap_scan_and_shard_map(monkeypatch):
   """The fallback decides on the traced program whatever transformation is around it: here
   site 0 (the first gelu) raises the temp, and the gradient is the plain one."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from invact_jax.convert import _program
+  from invact_jax.convert import _fallback
 
   def fake_temp(closed, graph, structs, positions, opts):
     if opts is None:
       return 100
     opts.recomputable = [True, True]
     return 100 + (0 if 0 in opts.skip | opts.recompute else 10)
-  monkeypatch.setattr(_program, "_gradient_temp", fake_temp)
+  monkeypatch.setattr(_fallback, "gradient_temp", fake_temp)
 
   def f(w, x):
     return jnp.sum(jax.nn.gelu(jax.nn.gelu(x @ w) @ w))

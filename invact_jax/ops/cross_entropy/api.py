@@ -28,9 +28,8 @@ IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implem
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z_loss,
-             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size, gradients=None):
-  """Checked arguments: ``(x [N, d], w, bias, labels [N], Options, leading shape)``."""
+def _arrays(fn, x, w, labels, bias, vocab_axis):
+  """Checked arrays: ``(x, w, labels, bias, vocabulary axis of w, d, V)``."""
   x = _common.float_array(fn, "x", x)
   w = _common.float_array(fn, "w", w)
   if x.ndim < 1:
@@ -61,6 +60,11 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
     if tuple(bias.shape) != (vocab,):
       raise ValueError(f"invact_jax.{fn}: argument `bias` must have shape ({vocab},), got "
                        f"{tuple(bias.shape)}")
+  return x, w, labels, bias, vocab_axis, d, vocab
+
+
+def _loss_options(fn, reduction, ignore_index, label_smoothing, z_loss, logit_soft_cap):
+  """Checked ``(ignore_index, label smoothing, z-loss, soft cap)``."""
   if reduction not in _REDUCTIONS:
     raise ValueError(f"invact_jax.{fn}: argument `reduction` must be one of {_REDUCTIONS}, "
                      f"got {reduction!r}")
@@ -81,6 +85,11 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
     if not 0.0 < cap < math.inf:
       raise ValueError(f"invact_jax.{fn}: argument `logit_soft_cap` must be finite and > 0 "
                        f"(or None), got {cap}")
+  return (None if ignore_index is None else int(ignore_index)), float(smoothing), float(zl), cap
+
+
+def _mode_and_tiles(fn, reduction, w, n, vocab, gradients, chunk_size, vocab_chunk_size):
+  """Checked ``(gradient mode, tokens per tile, vocabulary entries per tile)``."""
   if gradients is None:  # "forward" where its weight-gradient accumulator is the gradient
     gradients = "forward" if reduction != "none" and jnp.dtype(w.dtype).itemsize >= 4 \
         else "backward"
@@ -90,8 +99,6 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
   if gradients == "forward" and reduction == "none":
     raise ValueError(f"invact_jax.{fn}: argument `gradients`='forward' needs a scalar loss "
                      "(reduction 'mean' or 'sum'), got reduction='none'")
-  lead = tuple(x.shape[:-1])
-  n = math.prod(lead)
   default = base.default_tiles(n, vocab, gradients)
   sizes = []
   for arg, v, what, d_v in (("chunk_size", chunk_size, "tokens", default[0]),
@@ -103,19 +110,37 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
       raise ValueError(f"invact_jax.{fn}: argument `{arg}` must be a positive integer ({what} "
                        f"per tile of logits) or None, got {v!r}")
     sizes.append(int(v))
-  sizes[0] = max(1, min(sizes[0], n))  # a tile of more tokens than there are only pads
-  if not isinstance(labels, jax.core.Tracer):  # concrete labels: checked here
-    flat = np.asarray(labels).reshape(-1)
-    if ignore_index is not None:
-      flat = flat[flat != ignore_index]
-    if flat.size and (flat.min() < 0 or flat.max() >= vocab):
-      bad = int(flat.min() if flat.min() < 0 else flat.max())
-      raise ValueError(f"invact_jax.{fn}: argument `labels` must be in [0, {vocab}) (the "
-                       f"vocabulary){'' if ignore_index is None else ' or ignore_index'}, got "
-                       f"{bad}")
-  opts = base.Options(vocab_axis, reduction, None if ignore_index is None else int(ignore_index),
-                      float(smoothing), float(zl), cap, sizes[0], min(sizes[1], vocab),
-                      gradients)
+  # a tile of more tokens than there are only pads
+  return gradients, max(1, min(sizes[0], n)), min(sizes[1], vocab)
+
+
+def _concrete_labels(fn, labels, ignore_index, vocab) -> None:
+  """Concrete labels outside ``[0, V)`` (and not ``ignore_index``): one line."""
+  if isinstance(labels, jax.core.Tracer):
+    return
+  flat = np.asarray(labels).reshape(-1)
+  if ignore_index is not None:
+    flat = flat[flat != ignore_index]
+  if flat.size and (flat.min() < 0 or flat.max() >= vocab):
+    bad = int(flat.min() if flat.min() < 0 else flat.max())
+    raise ValueError(f"invact_jax.{fn}: argument `labels` must be in [0, {vocab}) (the "
+                     f"vocabulary){'' if ignore_index is None else ' or ignore_index'}, got "
+                     f"{bad}")
+
+
+def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z_loss,
+             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size, gradients=None):
+  """Checked arguments: ``(x [N, d], w, bias, labels [N], Options, leading shape)``."""
+  x, w, labels, bias, vocab_axis, d, vocab = _arrays(fn, x, w, labels, bias, vocab_axis)
+  ignore, smoothing, zl, cap = _loss_options(fn, reduction, ignore_index, label_smoothing,
+                                             z_loss, logit_soft_cap)
+  lead = tuple(x.shape[:-1])
+  n = math.prod(lead)
+  mode, chunk, vocab_chunk = _mode_and_tiles(fn, reduction, w, n, vocab, gradients, chunk_size,
+                                             vocab_chunk_size)
+  _concrete_labels(fn, labels, ignore, vocab)
+  opts = base.Options(vocab_axis, reduction, ignore, smoothing, zl, cap, chunk, vocab_chunk,
+                      mode)
   return x.reshape(n, d), w, bias, labels.reshape(n), opts, lead
 
 
@@ -129,21 +154,11 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
 
   The same loss as the plain formula (``optax.softmax_cross_entropy_with_integer_labels``
   of the logits, reduced), computed one chunk of tokens at a time: no [tokens, V] buffer
-  exists in either pass.  Two gradient modes:
-
-  * ``"forward"`` (the default for ``reduction="mean"``/``"sum"`` with a float32 weight):
-    the forward computes the loss and the gradients together (three matmuls, as the plain
-    head): per chunk of ``chunk_size`` tokens their logits over the whole vocabulary, their
-    gradient, the chunk's input gradient and its share of the weight gradient (a float32
-    accumulator, updated ``vocab_chunk_size`` entries at a time).  It keeps the float32
-    gradients instead of ``x`` and ``w``; the backward multiplies them by the loss's
-    cotangent.  Only the gradients of differentiated arguments are computed.
-  * ``"backward"`` (the only mode for ``reduction="none"``, the default for 16-bit
-    weights): tiles of ``chunk_size`` tokens by ``vocab_chunk_size`` entries; the backward
-    recomputes each tile's logits (a fourth matmul) and keeps ``x``, ``w``, the bias, the
-    labels and a float32 log-sum-exp per token.
-
-  Logits, the loss and the gradients accumulate in float32 (float64 for float64).
+  exists in either pass.  ``gradients="forward"`` computes the gradients with the loss
+  (three matmuls, as the plain head; :mod:`.in_forward`) and keeps them, in float32, instead
+  of ``x`` and ``w``; ``"backward"`` recomputes each tile's logits in the backward (a fourth
+  matmul; :mod:`.base`) and keeps ``x``, ``w``, the labels and a float32 log-sum-exp per
+  token.  Logits, the loss and the gradients accumulate in float32 (float64 for float64).
 
   Args:
     x: the final hidden states [..., d] (float16, bfloat16, float32 or float64).
@@ -163,9 +178,9 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
     z_loss: weight of ``logsumexp(logits)^2`` added per token (PaLM's z-loss).
     logit_soft_cap: ``c`` of ``c * tanh(logits / c)`` before the softmax (Gemma 2), or None.
     vocab_axis: which axis of ``w`` is the vocabulary.
-    chunk_size, vocab_chunk_size: a tile's tokens and vocabulary entries (static ints;
-      ``chunk_size`` is clamped to the token count); default per gradient mode and platform
-      (:func:`invact_jax.ops.cross_entropy.base.default_tiles`).
+    chunk_size, vocab_chunk_size: a tile's tokens and vocabulary entries ("forward": a
+      chunk's tokens, the weight gradient's update tile); static ints, ``chunk_size`` clamped
+      to the token count; default per mode and platform (``base.default_tiles``).
     gradients: ``"forward"``, ``"backward"`` or None: ``"forward"`` for a scalar loss with
       a float32 (or float64) weight, whose float32 accumulator is the weight's gradient;
       ``"backward"`` otherwise (a 16-bit weight's float32 accumulator would double its

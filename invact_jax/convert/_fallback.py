@@ -1,0 +1,82 @@
+"""``invert(fn, fallback="temp")``: the sites whose conversion would raise the gradient's
+compiled temp above the unconverted program's, found by compiling and measuring."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from invact_jax.convert import _graph
+from invact_jax.convert import _pass
+
+__all__ = ["Choice", "gradient_temp", "choose"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What ``fallback="temp"`` decided: sites left alone, activation sites recomputed from
+  their input (``jax.checkpoint`` of their own equations), and whether the floor pass runs."""
+  skip: frozenset = frozenset()
+  recompute: frozenset = frozenset()
+  floor: bool = True
+
+
+def gradient_temp(closed, graph: _graph.Graph, structs: list, positions,
+                  opts: _pass.Options | None) -> int:
+  """Compiled temp bytes of the pullback of ``closed`` (``graph``, its flattened form,
+  converted with ``opts``; None: as it is) at ``structs`` with respect to its inputs at
+  ``positions``, ones as the floating outputs' cotangents."""
+  def step(*a):
+    def f(*d):
+      full = list(a)
+      for i, v in zip(positions, d):
+        full[i] = v
+      outs = (jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *full) if opts is None
+              else _pass.run(graph, full, opts))
+      return [o for o in outs if jnp.issubdtype(o.dtype, jnp.inexact)]
+    outs, pull = jax.vjp(f, *[a[i] for i in positions])
+    return pull([jnp.ones_like(o) for o in outs])  # the gradients alone, as jax.grad's
+  # Measured as one device's program, outside the mesh the caller may be tracing under
+  # (explicit shardings): the shardings are not part of the structs, and the equations
+  # re-derive them from their inputs.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    analysis = jax.jit(step).lower(*structs).compile().memory_analysis()
+  return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+
+def choose(closed, positions, make_opts: Callable[[Choice], _pass.Options]) -> Choice:
+  """The sites to change so that the gradient's compiled temp is at most the unconverted
+  program's: none if inverting all of them already is; else each site's alternative (an
+  activation recomputed from its input, another op left alone), in the order of the temp it
+  gives when taken alone, until it is; then the recomputed activations left alone too, in the
+  same order; at worst the program as it is (every site left alone, no floor pass)."""
+  graph, structs = _graph.flatten(closed), _graph.shape_structs(closed.in_avals)
+
+  def temp(choice: Choice | None, opts: _pass.Options | None = None) -> int:
+    if choice is not None and opts is None:
+      opts = make_opts(choice)
+    return gradient_temp(closed, graph, structs, positions, opts)
+  original = temp(None)
+  everything = make_opts(Choice())
+  if temp(Choice(), everything) <= original:
+    return Choice()
+  recomputable = list(everything.recomputable)  # per site, counted by the measurement above
+
+  def alternative(choice: Choice, i: int) -> Choice:
+    if recomputable[i]:
+      return dataclasses.replace(choice, recompute=choice.recompute | {i})
+    return dataclasses.replace(choice, skip=choice.skip | {i})
+  alone = {i: temp(alternative(Choice(), i)) for i in range(len(recomputable))}
+  order = sorted(alone, key=lambda i: (alone[i], i))
+  choice = Choice()
+  for i in order:
+    choice = alternative(choice, i)
+    if temp(choice) <= original:
+      return choice
+  for i in (i for i in order if recomputable[i]):
+    choice = dataclasses.replace(choice, skip=choice.skip | {i}, recompute=choice.recompute - {i})
+    if temp(choice) <= original:
+      return choice
+  return Choice(frozenset(range(len(recomputable))), frozenset(), floor=False)

@@ -1,0 +1,265 @@
+"""The conversion pass over one graph: the rule table, finding, planning and evaluating.
+
+:data:`RULES` in claim order; :func:`find` asks each rule for its matches outside what earlier
+rules claimed; :func:`plan` numbers the sites (the fallback's choices refer to them), builds
+each rule's unit, then runs the floor pass (:mod:`._fusion`); :func:`run` evaluates the graph
+with the units swapped in, converting nested ``jit``, ``scan``, ``cond``, ``checkpoint`` and
+``shard_map`` bodies through the same pass (:func:`nested`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from invact_jax.convert import _fusion
+from invact_jax.convert import _graph
+from invact_jax.convert import _report
+from invact_jax.convert import _rule
+from invact_jax.convert._graph import Lit
+from invact_jax.convert._rule_forms import FormRule
+from invact_jax.convert._rule_head import HeadRule
+from invact_jax.convert._rule_norm import NormRule
+from invact_jax.convert._rule_softmax import SoftmaxRule
+
+__all__ = ["RULES", "candidates", "kinds", "Options", "Found", "find", "plan", "run",
+           "options_for_analysis"]
+
+#: The recognizers in claim order: a node claimed by one is not offered to the next.
+RULES: tuple[_rule.Rule, ...] = (HeadRule(), NormRule(), SoftmaxRule(), FormRule())
+
+
+def candidates() -> dict[str, str]:
+  """Primitive -> the op an unclaimed one of them suggests (reported as left alone)."""
+  return {k: v for r in RULES for k, v in r.candidates.items()}
+
+
+def kinds() -> tuple[str, ...]:
+  """The names ``invert(only=...)`` takes besides the activations' (the other rules')."""
+  return tuple(p for r in RULES if r.kind != "form" for p in r.publics)
+
+
+@dataclasses.dataclass
+class Options:
+  """One conversion's settings and its report.
+
+  Attributes:
+    names: the public names to convert.
+    activation, norm: the backward's implementations (``IMPLEMENTATIONS`` entries).
+    report: what the conversion did.
+    floor: fuse the matmuls that read recomputable values (the floor pass).
+    skip: sites (numbered in the order they are found) left alone.
+    recompute: activation sites run as ``jax.checkpoint`` of themselves.
+    recomputable: per site numbered so far (its number is its index), whether it can be
+      recomputed.
+    in_loop: converting a scan body (its residuals are kept per step).
+  """
+  names: frozenset
+  activation: Any
+  norm: Any
+  report: _report.ProgramReport
+  floor: bool = True
+  skip: frozenset = frozenset()
+  recompute: frozenset = frozenset()
+  recomputable: list = dataclasses.field(default_factory=list)
+  in_loop: bool = False
+
+  def site(self, public: str, where: str, recomputable: bool = False) -> str | None:
+    """Number the next site: None if it is to be left alone (``skip``), ``"recompute"`` for
+    an activation in ``recompute``, else ``"invert"``."""
+    number = len(self.recomputable)
+    self.recomputable.append(recomputable)
+    if number in self.skip:
+      self.report.left_alone.append((public, where, _report.FELL_BACK))
+      return None
+    if recomputable and number in self.recompute:
+      self.report.recomputed.append((public, where, _report.FELL_BACK))
+      return "recompute"
+    return "invert"
+
+
+def options_for_analysis() -> Options:
+  """Options that find every op (for analyses of a program, not its conversion)."""
+  from invact_jax.ops.activations import api as act_api  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.activations import registry  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.norms import api as norm_api  # pylint: disable=import-outside-toplevel
+  names = frozenset(registry.PUBLIC[n][0].public for n in registry.PUBLIC) | set(kinds())
+  return Options(names, act_api.IMPLEMENTATIONS["xla"], norm_api.IMPLEMENTATIONS["xla"],
+                 _report.ProgramReport(), False)
+
+
+@dataclasses.dataclass
+class Found:
+  """The ops found in a program, before anything is replaced: ``(rule, match)`` in claim
+  order."""
+  matches: list
+
+  def of(self, kind: str) -> list:
+    """The matches of the rules of ``kind``."""
+    return [m for r, m in self.matches if r.kind == kind]
+
+  @property
+  def heads(self) -> list:
+    return self.of("head")
+
+  @property
+  def norms(self) -> list:
+    return self.of("norm")
+
+  @property
+  def softmaxes(self) -> list:
+    return self.of("softmax")
+
+  @property
+  def forms(self) -> list:
+    return self.of("form")
+
+  def output(self, g: _graph.Graph, match):
+    """The program value a match computes."""
+    rule = next(r for r, m in self.matches if m is match)
+    return rule.output(g, match)
+
+
+def find(g: _graph.Graph, opts: Options) -> Found:
+  """Every op of ``opts.names`` in ``g`` that can be converted; what cannot is added to
+  ``opts.report.left_alone`` with its reason."""
+  claimed: set = set()
+  outvars = {r for r in g.outvars if not isinstance(r, Lit)}
+  found = Found([])
+  explained: set = set()  # candidate nodes already reported with a reason
+  suggest = candidates()
+  for rule in RULES:
+    if not opts.names & set(rule.publics):
+      continue
+    matches, left = rule.find(g, claimed, outvars, opts)
+    for m in matches:
+      if rule.wanted(m, opts.names):
+        claimed.update(m.nodes)
+        found.matches.append((rule, m))
+    for nodes, what, why in left:
+      explained.update(nodes)
+      opts.report.left_alone.append((what, g.nodes[nodes[0]].where, why))
+  for i, n in enumerate(g.nodes):
+    if (i not in claimed and i not in explained and n.prim.name in suggest
+        and not all(isinstance(r, Lit) for r in n.ins)):  # sqrt(head_dim) is no candidate
+      opts.report.left_alone.append(
+          (n.prim.name, n.where, f"not part of a recognized {suggest[n.prim.name]} form"))
+  return found
+
+
+def plan(g: _graph.Graph, opts: Options) -> list:
+  """The :class:`_graph.Unit` s that replace the converted matches of ``g``."""
+  found = find(g, opts)
+  units: list = []
+  norm_units: list = []  # (NormVJP, unit) for the fusion with the matmuls that read the norm
+  kept: set = set()      # outputs of converted ops that their own backward keeps
+  for rule, m in found.matches:
+    where = g.nodes[m.root].where
+    mode = opts.site(rule.public(m), where, rule.recomputable(m))
+    if mode is None:
+      continue
+    if mode == "recompute":  # keeps its input; XLA fuses the recomputed derivative
+      units.append(_graph.Unit(frozenset(m.nodes), list(m.inputs), [rule.output(g, m)],
+                               _rule.single(jax.checkpoint(rule.region(g, m)))))
+      continue
+    built = rule.build(g, m, opts)
+    units.append(built.unit)
+    if built.norm is not None:
+      norm_units.append((built.norm, built.unit))
+    if built.kept:
+      kept.update(built.unit.outputs)
+    opts.report.converted.append((rule.public(m), rule.describe(m), where))
+  if opts.floor:
+    units = _fusion.fuse(g, units, norm_units, kept,
+                         {r for r in g.outvars if not isinstance(r, Lit)})
+  return units
+
+
+def run(graph: _graph.Graph, args, opts: Options) -> list:
+  """``graph`` evaluated on ``args`` with its converted units swapped in."""
+  return _graph.evaluate(graph, list(args), units=plan(graph, opts), nested=nested(opts))
+
+
+# ---------------------------------------------------------------------- nested bodies
+def contains_candidates(params) -> bool:
+  """Whether a nested body among ``params`` computes a primitive some rule recognizes."""
+  suggest = candidates()
+  for v in params.values():
+    j = getattr(v, "jaxpr", v)
+    if hasattr(j, "eqns"):
+      for e in j.eqns:
+        if e.primitive.name in suggest or contains_candidates(e.params):
+          return True
+    elif isinstance(v, (tuple, list)) and v and hasattr(getattr(v[0], "jaxpr", None), "eqns"):
+      if any(contains_candidates({"j": b}) for b in v):
+        return True
+  return False
+
+
+# Constants of the enclosing program up to this size are seen as constants inside a body (a
+# norm's epsilon is a scan constant when the layers are stacked).
+_KNOWN_SIZE = 64
+
+
+def _known(refs, positions) -> dict:
+  """``{body input index: Lit}`` for the small constants among ``refs`` at ``positions``."""
+  return {k: refs[k] for k in positions
+          if isinstance(refs[k], Lit) and np.size(refs[k].val) <= _KNOWN_SIZE
+          and not isinstance(refs[k].val, jax.core.Tracer)}
+
+
+def _convert_closed(closed, opts: Options, known: dict | None = None):
+  """A converted copy of a nested body (same input and output types), or None.  ``known``:
+  body input index -> the constant it always receives."""
+  structs = _graph.shape_structs(closed.in_avals)
+  graph = _graph.flatten(closed)
+  if known:
+    graph = _graph.substitute(graph, {graph.invars[k]: lit for k, lit in known.items()})
+  new = jax.make_jaxpr(lambda *a: run(graph, a, opts))(*structs)
+  same = all(a.shape == b.shape and a.dtype == b.dtype and
+             getattr(a, "weak_type", False) == getattr(b, "weak_type", False)
+             for a, b in zip(new.out_avals, closed.out_avals))
+  return new if same else None
+
+
+def _rebound(node: _graph.Node, invals, **params):
+  return _graph.bind(_graph.Node(node.prim, dict(node.params, **params), node.ins, node.outs,
+                                 eqn=node.eqn), invals)
+
+
+def nested(opts: Options):
+  """The hook :func:`_graph.evaluate` calls per nested call: its converted outputs, or None
+  to run it as it is."""
+  def convert(node: _graph.Node, invals):
+    name, p = node.prim.name, node.params
+    if name in ("checkpoint", "remat", "remat2"):
+      graph = _graph.flatten(p["jaxpr"])
+      body = jax.checkpoint(lambda *a: run(graph, a, opts), prevent_cse=p["prevent_cse"],
+                            policy=p["policy"])
+      return list(body(*invals))
+    if name == "shard_map" and {"mesh", "in_specs", "out_specs", "jaxpr"} <= set(p):
+      graph = _graph.flatten(p["jaxpr"])
+      body = jax.shard_map(lambda *a: tuple(run(graph, a, opts)), mesh=p["mesh"],
+                           in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                           axis_names=frozenset(p.get("newly_manual_axes", ())),
+                           check_vma=p.get("check_vma", True))
+      return list(body(*invals))
+    if name == "scan" or name in ("pjit", "jit"):
+      consts = range(_graph.scan_counts(p)[0] if name == "scan" else len(node.ins))
+      body_opts = dataclasses.replace(opts, in_loop=True) if name == "scan" else opts
+      new = _convert_closed(p["jaxpr"], body_opts, _known(node.ins, consts))
+      return None if new is None else _rebound(node, invals, jaxpr=new)
+    if name == "cond":
+      known = {k - 1: lit for k, lit in _known(node.ins, range(1, len(node.ins))).items()}
+      branches = [_convert_closed(b, opts, known) for b in p["branches"]]
+      if any(b is None for b in branches):
+        return None
+      return _rebound(node, invals, branches=tuple(branches))
+    if contains_candidates(p):
+      opts.report.left_alone.append(
+          (name, node.where, "not entered: the conversion does not rewrite inside "
+           f"{name} (its own derivative rule or loop)"))
+    return None
+  return convert

@@ -1,0 +1,79 @@
+"""The LM head rule: a matmul whose logits feed only a cross-entropy against integer labels
+(:func:`._cross_entropy.find_heads`), with the program's reduction folded in where it is a
+weighted sum, runs as :func:`invact_jax.linear_cross_entropy` (no logits buffer).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from invact_jax.convert import _cross_entropy
+from invact_jax.convert import _graph
+from invact_jax.convert import _match
+from invact_jax.convert import _rule
+from invact_jax.ops import _common
+from invact_jax.ops.cross_entropy import base as _ce_base
+from invact_jax.ops.cross_entropy import in_forward as _ce_in_forward
+
+__all__ = ["HeadRule", "head_fn"]
+
+
+def head_fn(m: _cross_entropy.HeadMatch, target):
+  """A matmul + cross-entropy as :func:`invact_jax.linear_cross_entropy`: with the program's
+  reduction folded in (the per-token weights are the reduction's derivative; the gradients
+  are computed in the forward), or per token (the program's reduction follows)."""
+  loss_ref = target.nodes[m.root].outs[0]
+  loss_aval, x_aval = target.avals[loss_ref], _match.aval(target, m.x)
+  d, n = x_aval.shape[-1], math.prod(x_aval.shape[:-1])
+  vocab = _match.aval(target, m.w).shape[m.vocab_axis]
+  mode = "forward" if m.fold else "backward"
+  chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
+  opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
+                          0.0, None, chunk, vocab_chunk, mode)
+  heads = 4 if m.bias is not None else 3  # x, w, (bias,) labels; then the reduction's reads
+
+  if m.fold is None:
+    def per_token(x, w, *rest):
+      b = rest[0] if m.bias is not None else None
+      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, rest[-1].reshape(n), opts)
+      return (m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype)
+    return per_token
+
+  out_aval = target.avals[m.fold.out]
+  reduce = _match.region_of(target, m.fold.nodes, [loss_ref, *m.fold.extras], m.fold.out)
+
+  def folded(*vals):
+    x, w, labels = vals[0], vals[1], vals[heads - 1]
+    b = vals[2] if m.bias is not None else None
+    extras = vals[heads:]
+    # the reduction is linear in the losses: its derivative is each token's weight
+    _, pull = jax.vjp(lambda loss: reduce(loss, *extras),
+                      jnp.zeros(loss_aval.shape, loss_aval.dtype))
+    (weights,) = pull(jnp.ones(out_aval.shape, out_aval.dtype))
+    weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
+    total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels.reshape(n), weights,
+                                           opts)
+    return total.reshape(out_aval.shape).astype(out_aval.dtype)
+  return folded
+
+
+class HeadRule(_rule.Rule):
+  """Matmul + cross-entropy; first in the claim order (its log-softmax is no softmax to
+  keep).  Inside a scan body the reduction is not folded (the forward's gradients would be
+  kept per step)."""
+  kind = "head"
+  publics = ("linear_cross_entropy",)
+
+  def find(self, g, claimed, outvars, opts):
+    matches, left = _cross_entropy.find_heads(g, claimed, outvars, allow_fold=not opts.in_loop)
+    return matches, [(nodes, "linear_cross_entropy", why) for nodes, why in left]
+
+  def output(self, g, match):
+    return match.output(g)
+
+  def build(self, g, match, opts):
+    unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [self.output(g, match)],
+                       _rule.single(head_fn(match, g)))
+    return _rule.Built(unit)
