@@ -1,4 +1,6 @@
-# Two commands do all set-up on a fresh machine (they create .venv on first use):
+# Two commands do all set-up on a fresh machine (they create .venv on first use: the library
+# installed editable, and a .pth with the checkout's root, so that its models/ imports too;
+# the wheel itself carries invact_jax and pallas_kernels only):
 #   make train   # scripts/train_vit.py's default job
 #   make test    # the test suite (what .ci/run runs)
 PYTHON ?= python3
@@ -20,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'invact_jax_checkout.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
 	touch $@
 
 clean:

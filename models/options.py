@@ -23,14 +23,11 @@ for the invact_jax ops and ``attention`` ("auto": cuDNN's flash attention throug
 ``jax.nn.dot_product_attention``'s default).
 
 :data:`CONFIGURATIONS` names the combinations the scripts and benchmarks compare; the
-baseline is always ``"standard"``.  The old names (``*_impl`` fields, ``"jax-default"``,
-``"checkpoint-activation"``) still work for one release, with a DeprecationWarning.
+baseline is always ``"standard"``.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -61,13 +58,8 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
                      "softmax_mode": "inverted", "dropout_mode": "regenerate"},
 }
 
-_OLD_CONFIGURATIONS = {"jax-default": "standard", "checkpoint-activation": "checkpointed"}
-_OLD_FIELDS = {"activation_impl": "activation_mode", "norm_impl": "norm_mode",
-               "softmax_impl": "softmax_mode", "dropout_impl": "dropout_mode"}
-
-
 def configuration(name: str) -> dict[str, Any]:
-  """The overrides of configuration ``name`` (old names accepted with a DeprecationWarning).
+  """The overrides of configuration ``name``.
 
   Suffixes, each after a ``+``: an implementation (e.g. ``"inverted-all+pallas"``: the same
   memory modes, the invact_jax ops run as Pallas kernels) and operator variants
@@ -76,10 +68,6 @@ def configuration(name: str) -> dict[str, Any]:
   """
   full = name
   name, *extras = name.split("+")
-  if name in _OLD_CONFIGURATIONS:
-    new = _OLD_CONFIGURATIONS[name]
-    warnings.warn(f"configuration {name!r} is now called {new!r}", DeprecationWarning, stacklevel=2)
-    name = new
   if name not in CONFIGURATIONS:
     raise ValueError(f"unknown configuration {name!r}; choose from {tuple(CONFIGURATIONS)}")
   out = dict(CONFIGURATIONS[name])
@@ -98,35 +86,6 @@ def configuration(name: str) -> dict[str, Any]:
   return out
 
 
-def canonical_configuration(name: str) -> str:
-  """``name`` in the current vocabulary (``"jax-default"`` -> ``"standard"``)."""
-  name, plus, impl = name.partition("+")
-  return _OLD_CONFIGURATIONS.get(name, name) + plus + impl
-
-
-def _translate(kwargs: dict, owner: str) -> dict:
-  out = {}
-  for k, v in kwargs.items():
-    if k in _OLD_FIELDS:
-      warnings.warn(f"{owner}: field {k!r} is now called {_OLD_FIELDS[k]!r}", DeprecationWarning,
-                    stacklevel=4)
-      k = _OLD_FIELDS[k]
-    out[k] = v
-  return out
-
-
-def config(cls):
-  """``dataclasses.dataclass(frozen=True)`` that also accepts the deprecated field names."""
-  cls = dataclasses.dataclass(frozen=True)(cls)
-  init = cls.__init__
-
-  @functools.wraps(init)
-  def __init__(self, *args, **kwargs):
-    init(self, *args, **_translate(kwargs, type(self).__name__))
-  cls.__init__ = __init__
-  return cls
-
-
 # Every saveable tensor of a block, tagged with jax.ad_checkpoint.checkpoint_name.
 TAGS = ("norm_attn", "query", "key", "value", "attn_probs", "attn_context", "attn_out",
         "norm_mlp", "mlp_pre", "mlp_act", "mlp_out")
@@ -139,7 +98,7 @@ REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
 }
 
 
-@config
+@dataclasses.dataclass(frozen=True)
 class BlockOptions:
   """Transformer-block sizes and memory options shared by every model config."""
   hidden: int = 768
@@ -165,14 +124,7 @@ class BlockOptions:
     validate(self)
 
   def replace(self, **kw):
-    return dataclasses.replace(self, **_translate(kw, type(self).__name__))
-
-  def __getattr__(self, name):  # deprecated field names, read access
-    if name in _OLD_FIELDS:
-      warnings.warn(f"{type(self).__name__}: field {name!r} is now called {_OLD_FIELDS[name]!r}",
-                    DeprecationWarning, stacklevel=2)
-      return getattr(self, _OLD_FIELDS[name])
-    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    return dataclasses.replace(self, **kw)
 
 
 def _one_of(cfg, field: str, allowed) -> None:

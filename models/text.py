@@ -8,6 +8,8 @@ gives the per-token cross-entropy and whether each prediction is right; with
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,7 +20,7 @@ from models import layers
 from models import options
 
 
-@options.config
+@dataclasses.dataclass(frozen=True)
 class TextConfig(options.BlockOptions):
   """Decoder/encoder hyper-parameters; block options from ``layers.BlockOptions``."""
   family: str = "gpt2"   # "bert", "gpt2" or "llama"

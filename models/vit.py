@@ -1,6 +1,8 @@
 """Vision Transformer (Flax NNX) with presets Ti/16, S/16, B/16 and a small 8x8 ``digits``."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,7 +11,7 @@ from models import layers
 from models import options
 
 
-@options.config
+@dataclasses.dataclass(frozen=True)
 class ViTConfig(options.BlockOptions):
   """ViT hyper-parameters; block sizes and memory options from ``options.BlockOptions``."""
   image_size: int = 224

@@ -3,7 +3,7 @@
 
   python scripts/bench_kernels.py                                  # 2^20..2^28, f32 + bf16
   python scripts/bench_kernels.py --min-log2 20 --max-log2 22 --implementations xla
-  python scripts/bench_kernels.py --cost     # HLO ops of fwd+bwd and time vs jax.nn (issue 13)
+  python scripts/bench_kernels.py --cost     # HLO ops of fwd+bwd and time vs jax.nn
   python scripts/bench_kernels.py --cost-split --activations silu --dtypes bfloat16
                                              # where that time goes (each pass; backward parts)
 

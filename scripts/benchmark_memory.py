@@ -33,7 +33,7 @@ def main(argv=None) -> int:
   p.add_argument("--configurations", default="standard,checkpointed,inverted,inverted-all",
                  help=f"comma list of {', '.join(options.CONFIGURATIONS)}")
   p.add_argument("--dropout", type=float, default=None,
-                 help="override the presets' dropout rate (e.g. 0.1, issue 6's setting)")
+                 help="override the presets' dropout rate (e.g. 0.1)")
   p.add_argument("--unrolled", action="store_true", help="unrolled layers instead of lax.scan")
   p.add_argument("--time", type=int, default=0, help="timed steps per row (0: no timing)")
   p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "memory")
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
       return 2
   for c in args.configurations.split(","):
     try:
-      options.configuration(c)  # old names ("jax-default") warn and map to the new ones
+      options.configuration(c)
     except ValueError as e:
       print(f"error: --configurations: {e}", file=sys.stderr)
       return 2

@@ -128,7 +128,7 @@ def fit_activation(name, *, degree, tol):
   }
 
 
-# ------------------------------------------------------------ rational fits (issue 13)
+# ------------------------------------------------------------ rational fits
 #: Max absolute error of g per storage-dtype class.  The audit's floor is set by the rounding
 #: of y near the minimum (float32 1.5e-4, float16 8e-3, bfloat16 2e-2): 16-bit classes keep
 #: the fit error ~5 % of it, float32 stays at the level of a float32 derivative (2e-6).

@@ -1,4 +1,4 @@
-"""Kept bytes per layer against the floor (issue 39): a table and a JSON.
+"""Kept bytes per layer against the floor: a table and a JSON.
 
 Per layer and token, in units of d elements of the compute dtype: compiled temp of the
 gradient of a scanned stack (6 layers minus 2), the bytes autodiff keeps, and the floor

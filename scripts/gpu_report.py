@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU report: kernel bandwidth, GPU-only tests, model peaks and step times, largest batch,
 the planner's device check, the memory-time frontier against jax.checkpoint policies and
-PyTorch + Liger; one command on one NVIDIA GPU (issues 18, 42).
+PyTorch + Liger; one command on one NVIDIA GPU.
 
   python scripts/gpu_report.py                         # everything, ~8 min on an H100
   python scripts/gpu_report.py --sections kernels,tests
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
   p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise every path")
   p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget, seconds")
   p.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench")
-  p.add_argument("--docs", "--readme", dest="docs", type=pathlib.Path, nargs="+", default=None,
+  p.add_argument("--docs", type=pathlib.Path, nargs="+", default=None,
                  help="regenerate docs/gpu-report.md's report block from these report JSONs "
-                      "and exit (--readme: the old name)")
+                      "and exit")
   args = p.parse_args(argv)
   if args.docs:
     return write_docs(args.docs, ROOT / "docs" / "gpu-report.md")

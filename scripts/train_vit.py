@@ -32,7 +32,7 @@ def parse(argv=None):
   p.add_argument("--data", type=pathlib.Path, help=".npz with x_train, y_train, x_test, y_test "
                  "(default: scikit-learn's digits)")
   # Every option that shapes the result: TrainConfig's fields (--activations: the old name).
-  cli.add_arguments(p, training.TrainConfig, aliases={"configuration": ["--activations"]})
+  cli.add_arguments(p, training.TrainConfig)
   p.add_argument("--compare", action="store_true",
                  help="train standard and --configuration (inverted if standard) from the same seed")
   p.add_argument("--workdir", type=pathlib.Path, help="run directory (default: runs/<preset>-<time>)")
@@ -52,10 +52,7 @@ def parse(argv=None):
                  help="join the cluster JAX detects (SLURM, Open MPI, ...) with no addresses")
   g.add_argument("--distributed-timeout", type=cli.positive_int, default=120,
                  help="seconds to wait for every process to join (default 120)")
-  args = p.parse_args(argv)
-  if "--activations" in (sys.argv[1:] if argv is None else argv):
-    print("warning: --activations is now called --configuration", file=sys.stderr)
-  return args
+  return p.parse_args(argv)
 
 
 def _latest_run(preset: str) -> pathlib.Path | None:

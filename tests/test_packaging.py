@@ -1,9 +1,12 @@
-"""Layout facts: the three top-level packages, the import arrows, one activation list."""
+"""Layout facts: the top-level packages (two in the wheel, a third in the checkout), the import
+arrows, one activation list."""
 import importlib
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import invact_jax
 from invact_jax.ops.activations import registry
@@ -19,6 +22,20 @@ def test_top_level_packages_resolve_to_this_repo():
 
 def test_models_shadows_no_stdlib_module():
   assert "models" not in sys.stdlib_module_names
+
+
+def test_the_wheel_adds_only_the_library_and_its_kernels(tmp_path):
+  """A user's ``pip install`` puts ``invact_jax`` and ``pallas_kernels`` on the import path,
+  never the checkout's ``models`` (the commonest module name in ML projects), scripts or
+  tests."""
+  src = tmp_path / "src"
+  shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+      ".venv", ".git", "bench", "runs", "*.egg-info", "build", "__pycache__", ".whl"))
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                  str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
+  (wheel,) = (tmp_path / "dist").glob("*.whl")
+  top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+  assert {t for t in top if not t.endswith(".dist-info")} == {"invact_jax", "pallas_kernels"}
 
 
 def _imports(path):

@@ -3,7 +3,7 @@
 After the activations, norms and softmaxes of a program are converted, each matmul
 (``dot_general``) still keeps its operands for the weight and input gradients.  Where an
 operand is an elementwise function of values the backward keeps anyway, keeping it too is a
-second copy of the same information.  Two rewrites remove it (issue 39's floor: every matmul
+second copy of the same information.  Two rewrites remove it (the floor: every matmul
 input once, bits, float32 row statistics; everything elementwise recomputed):
 
 * **norm -> matmuls**: a converted norm whose output ``z`` feeds matmuls (through reshapes,

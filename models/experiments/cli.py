@@ -91,17 +91,15 @@ def _cli_fields(cls) -> tuple[tuple[dataclasses.Field, type, bool], ...]:
                if "help" in f.metadata)
 
 
-def add_arguments(parser: argparse.ArgumentParser | Any, cls, *,
-                  aliases: dict[str, Sequence[str]] | None = None) -> None:
+def add_arguments(parser: argparse.ArgumentParser | Any, cls) -> None:
   """Add one option per :func:`option` field of ``cls`` to ``parser`` (or an argument group).
 
   Args:
     parser: an ``argparse.ArgumentParser`` or argument group.
     cls: the config dataclass.
-    aliases: field name -> further option strings (deprecated spellings).
   """
   for f, kind, _ in _cli_fields(cls):
-    names = [flag(f.name), *(aliases or {}).get(f.name, ())]
+    names = [flag(f.name)]
     meta = f.metadata
     help_text = meta["help"] + ("" if f.default is None or kind is bool
                                 else f" (default: {f.default})")

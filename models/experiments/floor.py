@@ -1,4 +1,4 @@
-"""Kept bytes per layer against the floor (issue 39): hand-written layers, the project's
+"""Kept bytes per layer against the floor: hand-written layers, the project's
 models and third-party models.
 
 The floor (:func:`invact_jax.memory.floor_audit`) is the least a layer's backward must keep
@@ -34,7 +34,7 @@ from models import options
 __all__ = ["flash_attention", "rms_norm", "layer_norm", "rope", "init_layer", "HAND_LAYERS",
            "SIZES", "Stack", "hand_stack", "model_stack", "per_layer", "third_party_ratio"]
 
-#: (hidden d, heads, sequence T, batch): "issue" is issue 39's; "test" runs in seconds.
+#: (hidden d, heads, sequence T, batch): "issue" is the size the floor figures are quoted at; "test" runs in seconds.
 SIZES = {"issue": (256, 4, 128, 2), "test": (64, 4, 16, 2)}
 
 

@@ -1,4 +1,4 @@
-"""The GPU report (issue 18): every GPU figure the docs promise, from one command.
+"""The GPU report: every GPU figure the docs promise, from one command.
 
 The logic behind ``scripts/gpu_report.py``.  Sections, each bounded in time:
 

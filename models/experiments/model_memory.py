@@ -68,7 +68,6 @@ def _residual_bytes(cfg, batch, seq_len, depth):
 def gradient_step(model: str, dtype: str, batch: int, configuration: str, *, seq_len: int = 512,
                   scan_layers: bool = True, extra: dict | None = None):
   """``(cfg, jit(value_and_grad(loss)), (params, x, y))`` of a model under a named configuration."""
-  configuration = options.canonical_configuration(configuration)
   overrides = {**options.configuration(configuration), **(extra or {})}
   cfg = model_config(model, dtype=dtype, scan_layers=scan_layers, **overrides)
   loss, params, x, y = loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
@@ -78,7 +77,6 @@ def gradient_step(model: str, dtype: str, batch: int, configuration: str, *, seq
 def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: int = 512,
             scan_layers: bool = True, time_steps: int = 0, extra: dict | None = None) -> dict:
   """One row (see module doc)."""
-  configuration = options.canonical_configuration(configuration)
   cfg, step, (params, x, y) = gradient_step(model, dtype, batch, configuration, seq_len=seq_len,
                                             scan_layers=scan_layers, extra=extra)
   per_layer = _residual_bytes(cfg, batch, seq_len, 2) - _residual_bytes(cfg, batch, seq_len, 1)
@@ -111,7 +109,7 @@ def table(rows: list[dict]) -> str:
   group = lambda r: (r["model"], r["activation"], r.get("dropout"), r["dtype"], r["batch"],
                      r["scan_layers"])
   base = {group(r): r for r in rows
-          if options.canonical_configuration(r["configuration"]) == "standard"}
+          if r["configuration"] == "standard"}
   out = ["| model | activation | dropout | dtype | batch | configuration | residual MiB/layer "
          "| compiled temp MiB | vs default | device peak MiB | step time (s) |",
          "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|"]

@@ -7,7 +7,7 @@ The logic behind ``scripts/bench_kernels.py``.
   round-robin with ``jax.nn`` and a device copy (``-x``, the bandwidth reference) so that
   drift hits every variant alike.  Bytes are the least each pass must move (bf16 forward:
   2 + 2 + 1/8 bytes per element; backward: 2 + 1/8 + 2 + 2), so GB/s compares with the copy's.
-* :func:`hlo_ops`: instructions of the optimized HLO, the arithmetic cost proxy of issue 13
+* :func:`hlo_ops`: instructions of the optimized HLO, the arithmetic cost proxy
   (every instruction except parameter, constant, broadcast, tuple, get-tuple-element,
   bitcast, copy, reshape and fusion; fused computations' bodies counted).
 * :func:`cpu_rows`: per activation and dtype, HLO ops of the fused forward+backward

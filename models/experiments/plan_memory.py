@@ -43,10 +43,9 @@ def main(argv=None) -> int:
   p.add_argument("--depth", type=positive_int, default=None, help="override the preset's depth")
   p.add_argument("--image-size", type=positive_int, default=None, help="ViT: override the image size")
   p.add_argument("--patch-size", type=positive_int, default=None, help="ViT: override the patch size")
-  p.add_argument("--configurations", "--variants", default="standard,inverted,inverted-norms",
+  p.add_argument("--configurations", default="standard,inverted,inverted-norms",
                  help="configurations the planner may choose "
-                      "(models.experiments.plan_profiles.PLANNED_CONFIGURATIONS; --variants: the "
-                      "old name)")
+                      "(models.experiments.plan_profiles.PLANNED_CONFIGURATIONS)")
   p.add_argument("--head-modes", default=None,
                  help="text models: also choose the LM head's variant, comma list of "
                       "standard,chunked (each configuration profiled with each, named "

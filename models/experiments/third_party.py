@@ -41,7 +41,7 @@ PENZAI = ("penzai_llama", "penzai_llama_stacked", "penzai_gemma", "penzai_gemma2
 ALL_MODELS = MODELS + KERAS_HUB + PENZAI
 # (hidden, layers, heads, sequence, batch): "test" runs in seconds on a CPU; "table" is the
 # README's (BERT-base width, short sequence).
-# "zoo" is issue 38's (width 128, 2 layers) at 512 tokens.
+# "zoo": width 128, 2 layers, at 512 tokens (the conversion zoo's figures).
 SIZES = {"test": (64, 2, 4, 16, 2), "zoo": (128, 2, 4, 128, 4),
          "table": (768, 2, 12, 128, 8)}
 

@@ -1,4 +1,4 @@
-"""invact_jax.invert finds norms and softmaxes by their algebra (issue 38): hand-written
+"""invact_jax.invert finds norms and softmaxes by their algebra: hand-written
 variants of every way the statistics, the radical and the affine are written, over any axes,
 under vmap and scan, folded as Keras folds them; and says why it leaves a candidate alone."""
 import math

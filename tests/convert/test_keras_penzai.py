@@ -1,5 +1,5 @@
 """invact_jax.invert on Keras 3 layers (JAX backend, through ``stateless_call``) and penzai
-layers and models, unmodified, at random init (issue 38): every norm and softmax converted,
+layers and models, unmodified, at random init: every norm and softmax converted,
 the forward bit-identical, gradients as close to float64 as the original's, fewer residuals."""
 import math
 import os

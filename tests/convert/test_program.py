@@ -499,7 +499,7 @@ def test_fallback_recomputes_an_activation_from_its_input_where_inverting_costs_
     # recomputing (not leaving alone) is what brings it down: no site is left alone
     assert report.recomputed and not report.left_alone, report
   # each GELU keeps one activation (its input, or its output once inverted) and the norms
-  # their xhat: at most 60 % of what autodiff keeps unconverted (issue 38's target)
+  # their xhat: at most 60 % of what autodiff keeps unconverted
   assert kept(inv) <= 0.6 * kept(_exact_gelu_mlp)
   assert jax.jit(inv)(layers, x) == jax.jit(_exact_gelu_mlp)(layers, x)
   # recomputing is autodiff of the same equations: the error is at most the inverted one's

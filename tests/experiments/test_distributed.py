@@ -1,4 +1,4 @@
-"""train_vit.py on JAX's multi-controller runtime (issue 19): two processes on localhost (CPU,
+"""train_vit.py on JAX's multi-controller runtime: two processes on localhost (CPU,
 gloo) train like one, write one set of logs and collective checkpoints, and a run they stop
 resumes in one process on another device count; bad launches fail with one line; FSDP
 (--shard-params) splits the state and gathers weights only."""
@@ -226,7 +226,7 @@ def test_mismatched_num_processes_is_one_line_and_exit_2_on_both(tmp_path):
 
 
 def test_processes_started_with_different_options_stop_before_training(tmp_path):
-  """Process 1 with --lr 0.5 (issue 41: before, both trained to a wrong result and exited
+  """Process 1 with --lr 0.5 (before the check, both trained to a wrong result and exited
   0): the processes compare their options and data through the coordination service before
   the first step, and both stop with one line naming the option, exit 2, nothing trained."""
   env = env_with_devices(2)

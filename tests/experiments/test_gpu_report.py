@@ -1,5 +1,5 @@
 """scripts/gpu_report.py --dry-run on CPU: every section's code path runs, the JSON and the
-markdown carry every figure, and the README block regenerates from it (issue 18)."""
+markdown carry every figure, and the README block regenerates from it."""
 import json
 import os
 import pathlib

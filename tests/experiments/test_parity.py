@@ -1,4 +1,4 @@
-"""scripts/parity.py (issue 16): the byte-level text data, the paired statistics, and a --quick
+"""scripts/parity.py: the byte-level text data, the paired statistics, and a --quick
 study end to end (outputs, pairing by seed, resume of an interrupted run, no recomputation)."""
 import dataclasses
 import json

@@ -206,7 +206,7 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
 
 def test_cli_is_generated_from_train_config(capsys):
   """Every TrainConfig field is an option of the same name; argparse's own checks (a type, a
-  choice, a range) are one line and exit 2; --activations still works, with a warning."""
+  choice, a range) are one line and exit 2; the 0.1 name --activations is gone."""
   import dataclasses as dc
   script = load_script("train_vit")
   with pytest.raises(SystemExit) as e:
@@ -215,9 +215,12 @@ def test_cli_is_generated_from_train_config(capsys):
   help_text = capsys.readouterr().out
   for f in dc.fields(training.TrainConfig):
     assert "--" + f.name.replace("_", "-") in help_text, f.name
-  args = script.parse(["--batch-size", "8", "--activations", "inverted-all", "--no-scan-layers",
-                       "--memory-budget", "1MiB"])
-  assert "--activations is now called --configuration" in capsys.readouterr().err
+  args = script.parse(["--batch-size", "8", "--configuration", "inverted-all",
+                       "--no-scan-layers", "--memory-budget", "1MiB"])
+  with pytest.raises(SystemExit) as e:
+    script.parse(["--activations", "inverted-all"])
+  assert e.value.code == 2
+  capsys.readouterr()
   from models.experiments import cli
   cfg = cli.from_args(training.TrainConfig, args)
   assert (cfg.batch_size, cfg.configuration, cfg.scan_layers, cfg.memory_budget) == \
@@ -415,7 +418,7 @@ def test_divergence_stops_and_keeps_the_last_finite_checkpoint(digits, tmp_path,
 def test_resume_refuses_another_run_and_never_renames_it(digits, tmp_path):
   """A run's identity is its options and its data: --resume with other data of the same shape,
   without config.json, or with a config.json that records more, is one line naming what
-  differs, and every checkpoint stays as it was (issue 41)."""
+  differs, and every checkpoint stays as it was."""
   wd = tmp_path / "r"
   training.train(SMALL, digits, wd, progress=False, stop_after=6, devices=1)
   before = sorted(p.name for p in (wd / "checkpoints").iterdir())

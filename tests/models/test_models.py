@@ -143,23 +143,16 @@ def test_inverted_all_memory_ordering(model, extra):
   assert res["inverted-all"] < res["inverted"] < res["standard"]
 
 
-def test_deprecated_field_and_configuration_names_still_work():
+def test_configuration_names_and_their_suffixes():
   from models import options
-  with pytest.warns(DeprecationWarning, match="'activation_impl' is now called 'activation_mode'"):
-    cfg = vit.PRESETS["digits"].replace(activation_impl="inverted")
-  assert cfg.activation_mode == "inverted"
-  with pytest.warns(DeprecationWarning, match="norm_impl"):
-    cfg2 = text.TextConfig(norm_impl="fused")
-  assert cfg2.norm_mode == "fused"
-  with pytest.warns(DeprecationWarning):
-    assert cfg.activation_impl == "inverted"
-  with pytest.warns(DeprecationWarning, match="'jax-default' is now called 'standard'"):
-    assert options.configuration("jax-default") == options.CONFIGURATIONS["standard"]
   with pytest.raises(ValueError, match="unknown configuration"):
     options.configuration("fastest")
+  with pytest.raises(ValueError, match="unknown configuration 'jax-default'"):
+    options.configuration("jax-default")  # the names of 0.1 are gone
+  with pytest.raises(TypeError, match="activation_impl"):
+    vit.PRESETS["digits"].replace(activation_impl="inverted")
   assert options.configuration("inverted-all+pallas") == {
       **options.CONFIGURATIONS["inverted-all"], "implementation": "pallas"}
-  assert options.canonical_configuration("jax-default+triton") == "standard+triton"
   with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
     options.configuration("inverted+cuda")
 

@@ -1,4 +1,4 @@
-"""The generated fits are what scripts/fit_inverse.py generates (issue 12): the committed
+"""The generated fits are what scripts/fit_inverse.py generates: the committed
 module is the script's rendering of its own data, and refitting reproduces that data."""
 import pathlib
 

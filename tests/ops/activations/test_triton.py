@@ -42,7 +42,7 @@ class TritonActivationInterpretTest(TritonActivationTest):
 def test_kernels_compile_for_sm90_without_spills(name, dtype, monkeypatch, tmp_path):
   """triton.compile for GPUTarget("cuda", 90, 32) on any machine: no register spills (local
   memory), and the fitted backwards predicted at >= 85 % of H100 bandwidth by
-  ``scripts/sass_roofline.py``'s model (issue 17's target; measured on an H100 2026-11-23:
+  ``scripts/sass_roofline.py``'s model (measured on an H100 2026-11-23:
   99-113 % of a device copy)."""
   roofline = tests.load_script("sass_roofline")
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # wherever HOME is read-only

@@ -59,7 +59,7 @@ class InputValidationTest(parameterized.TestCase):
       invact_jax.gelu(jnp.ones(3), implementation="cuda")
 
   def test_triton_is_a_clear_error(self):
-    # Softmax has no Triton kernels (activations and norms do, issue 17): asking says what the
+    # Softmax has no Triton kernels (activations and norms do): asking says what the
     # op has.
     with self.assertRaisesRegex(ValueError, "implementation='triton' is not available for this op"):
       invact_jax.softmax(jnp.ones((2, 3)), implementation="triton")
