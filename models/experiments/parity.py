@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from models.experiments import checkpoints
 from models.experiments import data as data_lib
 from models.experiments import training
 
@@ -111,7 +112,7 @@ def run_one(task: Task, dtype: str, configuration: str, seed: int, workdir: path
     return {"summary": saved["summary"], "history": _read_history(path),
             "wall_s": saved["wall_s"], "cached": True}
   dataset = task.load(seed) if dataset is None else dataset
-  resume = training.latest_checkpoint_step(path) is not None
+  resume = checkpoints.latest_step(path) is not None
   t0 = time.perf_counter()
   summary = training.train(cfg, dataset, path, resume=resume, progress=False, time_steps=False)
   wall = time.perf_counter() - t0

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from invact_jax import memory
 from models import options, text, vit
+from models.experiments import checkpoints
 from models.experiments import cli
 from models.experiments import data as data_lib
 
@@ -470,62 +471,15 @@ class Trainer:
   def state(self) -> dict[str, Any]:
     return {"params": self.params, "opt_state": self.opt_state}
 
-  def restore(self, manager) -> int:
-    """Restore the latest readable checkpoint; an unreadable one is set aside with a warning
-    (renamed ``<step>.unreadable``) and the one before it is tried."""
+  def restore(self, manager, workdir: pathlib.Path) -> int:
+    """Restore the newest checkpoint that reads and verifies (:func:`checkpoints.restore`)."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state())
-    for step in sorted(manager.all_steps(), reverse=True):
-      try:
-        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-      except Exception as e:  # pylint: disable=broad-except  # orbax raises many kinds
-        other = _other_model(manager, step, abstract)
-        if other:  # a readable checkpoint of another model: never set aside
-          raise ConfigError(f"--resume: checkpoint step {step} in {manager.directory} holds "
-                            f"another model ({other}); nothing was renamed") from None
-        bad = manager.directory / str(step)
-        if jax.process_index() == 0:  # every process saw the same files; one sets them aside
-          bad.rename(bad.with_name(f"{step}.unreadable"))
-        manager.reload()
-        warnings.warn(f"checkpoint step {step} is unreadable ({type(e).__name__}: "
-                      f"{first_line(e, 200)}); moved it to {bad.name}"
-                      ".unreadable and falling back to the previous checkpoint", stacklevel=2)
-        continue
-      self.params, self.opt_state = restored["params"], restored["opt_state"]
-      self.step = step
-      return step
-    raise ConfigError(f"--resume: no readable checkpoint in {manager.directory}")
-
-
-def _other_model(manager, step: int, abstract) -> str | None:
-  """How checkpoint ``step`` differs from the model, when its metadata reads and its arrays'
-  shapes differ (another model, not a torn write); None otherwise."""
-  try:
-    meta = manager.item_metadata(step)
-    saved = {jax.tree_util.keystr(k): tuple(getattr(v, "shape", ()))
-             for k, v in jax.tree_util.tree_flatten_with_path(meta)[0]}
-  except Exception:  # pylint: disable=broad-except  # unreadable metadata: a torn checkpoint
-    return None
-  want = {jax.tree_util.keystr(k): tuple(v.shape)
-          for k, v in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-  if not saved or set(saved) != set(want):
-    return None if not saved else f"{len(saved)} arrays where the model has {len(want)}"
-  differ = [k for k in want if saved[k] != want[k]]
-  return f"{differ[0]} has shape {saved[differ[0]]}, the model {want[differ[0]]}" if differ else None
-
-
-def _checkpoint_manager(workdir: pathlib.Path, every: int):
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every, create=True)
-  return ocp.CheckpointManager(workdir.resolve() / "checkpoints", options=opts)
-
-
-def latest_checkpoint_step(workdir: pathlib.Path) -> int | None:
-  ckpt = workdir / "checkpoints"
-  if not ckpt.is_dir():
-    return None
-  steps = [int(p.name) for p in ckpt.iterdir() if p.name.isdigit()]
-  return max(steps) if steps else None
+    step, restored = checkpoints.restore(manager, workdir, abstract, config_error=ConfigError,
+                                         first_line=first_line)
+    self.params, self.opt_state = restored["params"], restored["opt_state"]
+    self.step = step
+    return step
 
 
 def _check_writable(workdir: pathlib.Path) -> None:
@@ -560,7 +514,7 @@ def prepare_workdir(cfg: TrainConfig, workdir: pathlib.Path, *, resume: bool,
   options and the same data (``data``: its fingerprint); anything else is one line naming
   what differs, and nothing is renamed or written."""
   _check_writable(workdir)
-  existing = latest_checkpoint_step(workdir)
+  existing = checkpoints.latest_step(workdir)
   cfg_file = workdir / "config.json"
   if resume:
     if existing is None:
@@ -709,9 +663,9 @@ def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, t
            time_steps: bool, main: bool) -> dict[str, Any]:
   if main:  # the other processes read it in prepare_workdir: replaced at once
     write_atomic(workdir / "config.json", json.dumps(run_identity(cfg, data), indent=1))
-  manager = _checkpoint_manager(workdir, cfg.checkpoint_every)
+  manager = checkpoints.manager(workdir, cfg.checkpoint_every)
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  start = trainer.restore(manager) if resume else 0
+  start = trainer.restore(manager, workdir) if resume else 0
   metrics_path = workdir / "metrics.jsonl"
   history = _logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
   if main:  # the lines log() wrote, as it wrote them
@@ -762,8 +716,13 @@ def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, t
       if bar is not None:
         bar.write(f"epoch {done / per_epoch:5.1f}  step {done:6d}  test_loss {ev['test_loss']:.4f}"
                   f"  test_acc {ev['test_acc']:.4f}")
-    _checkpoint_io(manager, f"the checkpoint of step {done}", lambda: manager.save(
-        done, args=ocp.args.StandardSave(trainer.state()), force=(done == trainer.total)))
+    if saving:  # its checksums first: a checkpoint never exists without them
+      _checkpoint_io(manager, f"the checksums of step {done}", lambda: checkpoints.record(
+          workdir, done, trainer.state(), main))
+      _checkpoint_io(manager, f"the checkpoint of step {done}", lambda: manager.save(
+          done, args=ocp.args.StandardSave(trainer.state()), force=True))
+      if main:
+        checkpoints.prune(workdir, set(manager.all_steps()) | {done})
     if bar is not None:
       bar.update(1)
   _checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)

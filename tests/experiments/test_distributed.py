@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from models.experiments import checkpoints
 from models.experiments import data as data_lib
 from models.experiments import supervisor
 from models.experiments import training
@@ -68,7 +69,7 @@ def _kill_mid_run(procs, run, victim: int):
   other = procs[1 - victim]
   try:
     deadline = time.monotonic() + 400
-    while training.latest_checkpoint_step(run) is None and time.monotonic() < deadline:
+    while checkpoints.latest_step(run) is None and time.monotonic() < deadline:
       assert other.poll() is None, other.communicate()[1][-2000:]
       time.sleep(0.05)
     procs[victim].kill()
@@ -101,7 +102,7 @@ def test_two_processes_train_like_one_and_resume_elsewhere(tmp_path):
   assert summary["shard_params"] is True
   assert block(outs[1][0]) is None and "run directory" not in outs[1][0]
   run = work / "inverted"
-  assert training.latest_checkpoint_step(run) == 5  # written by both processes together
+  assert checkpoints.latest_step(run) == 5  # written by both processes together
   # Resume the two-process FSDP run here: one process, 4 devices, replicated state (its
   # sharded checkpoint restores into another layout); and the same run from scratch.
   cfg = training.TrainConfig(**{k: v for k, v in json.loads((run / "config.json").read_text()).items()
@@ -137,7 +138,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_both_resume(tmp_path
                       r"[^\n]*Connection closed by peer[^\n]*)\); once all are back, continue "
                       r"with --resume", err.strip()), err[-2000:]
   assert waited < 15  # 5 s without a heartbeat, polled every 0.5 s (XLA would abort at 10 s)
-  last = training.latest_checkpoint_step(run)
+  last = checkpoints.latest_step(run)
   assert last is not None and last < 5000
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}", "--distributed-timeout",
                           "60", "--resume", "--stop-after", str(last + 5)], env)

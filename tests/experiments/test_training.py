@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.experiments import checkpoints
 from models.experiments import data as data_lib
 from models.experiments import training
 from tests import env_with_devices, load_script
@@ -31,8 +32,8 @@ def _leaves(params):
 
 
 def test_resume_after_kill_matches_uninterrupted(digits, tmp_path):
-  """Killed after step 11 (checkpoints 5 and 10), the latest checkpoint then corrupted: the
-  resume sets it aside with a warning, continues from step 5, and ends bit-identical."""
+  """Killed after step 11 (checkpoints 5 and 10), the latest checkpoint then torn: the resume
+  sets it aside with a warning, continues from step 5, and ends bit-identical."""
   full = training.train(SMALL, digits, tmp_path / "full", progress=False, devices=1)
   part = training.train(SMALL, digits, tmp_path / "part", progress=False, stop_after=11, devices=1)
   assert part["steps"] == 11 and not part["finished"]
@@ -43,10 +44,11 @@ def test_resume_after_kill_matches_uninterrupted(digits, tmp_path):
       f.write_bytes(b"torn write")
   with (tmp_path / "part" / "metrics.jsonl").open("a") as f:  # the kill cut a log line short
     f.write('{"step": 12, "lo')
-  with pytest.warns(UserWarning, match=r"checkpoint step 10 is unreadable.*falling back"):
+  with pytest.warns(UserWarning, match=r"checkpoint step 10 does not verify: it is unreadable.*"
+                                       r"falling back"):
     resumed = training.train(SMALL, digits, tmp_path / "part", resume=True, progress=False,
                              devices=1)
-  assert (ckpt / "10.unreadable").is_dir()
+  assert (ckpt / "10.corrupt").is_dir()
   assert resumed["finished"] and resumed["steps"] == SMALL.steps
   for a, b in zip(_leaves(full["trainer"].params), _leaves(resumed["trainer"].params)):
     np.testing.assert_array_equal(a, b)
@@ -88,7 +90,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(digits, tmp_path, monkeypatch
   line = str(e.value)
   assert "\n" not in line and "checkpoint of step 10" in line and "No space left" in line
   assert str(tmp_path / "w" / "checkpoints") in line
-  assert training.latest_checkpoint_step(tmp_path / "w") == 5
+  assert checkpoints.latest_step(tmp_path / "w") == 5
   monkeypatch.setattr(ocp.CheckpointManager, "save", real)
   resumed = training.train(SMALL, digits, tmp_path / "w", resume=True, progress=False, devices=1)
   assert resumed["finished"]
