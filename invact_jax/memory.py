@@ -116,8 +116,11 @@ class FloorAudit:
 
   @property
   def ratio(self) -> float:
-    """Kept bytes over the floor's (1.0: at the floor)."""
-    return self.kept_bytes / self.floor_bytes if self.floor_bytes else float("inf")
+    """Kept bytes over the floor's (1.0: at the floor; a program with nothing to keep that
+    keeps nothing is at it)."""
+    if not self.floor_bytes:
+      return 1.0 if not self.kept_bytes else float("inf")
+    return self.kept_bytes / self.floor_bytes
 
   def table(self) -> str:
     """Markdown: every kept array with its role, then the totals."""

@@ -53,6 +53,7 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import Iterable
 from typing import Sequence
 
 import numpy as np
@@ -353,7 +354,7 @@ def _milp(prog, objective, extra=(), p_upper=None):
     return None
   res = optimize.milp(objective, constraints=cons, integrality=prog["integrality"],
                       bounds=optimize.Bounds(prog["lower"], upper),
-                      options={"time_limit": 10.0, "mip_rel_gap": 0.0})
+                      options={"time_limit": 10.0, "mip_rel_gap": 0.0, "disp": False})
   return res if res.x is not None else None
 
 
@@ -417,6 +418,10 @@ def _minimum(p: LayerProfile, uniform: bool) -> int:
   return min(p.base_bytes, p.peak(*_decode(p, prog, res.x))) if res is not None else p.base_bytes
 
 
+#: A budget above every peak a model can have (bytes): larger ones mean the same.
+_NO_LIMIT = 2**62
+
+
 def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False) -> Plan:
   """The cheapest plan over ``profiles`` (configurations) whose predicted peak fits ``budget``.
 
@@ -425,15 +430,23 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
       minimum feasible budget).
     ValueError: bad arguments.
   """
+  if isinstance(profiles, LayerProfile) or not isinstance(profiles, Iterable):
+    raise TypeError("argument `profiles` must be a sequence of LayerProfile objects")
+  profiles = tuple(profiles)  # a generator is read once
   if not profiles:
     raise ValueError("argument `profiles` must hold at least one LayerProfile")
   if not all(isinstance(p, LayerProfile) for p in profiles):
     raise TypeError("argument `profiles` must hold LayerProfile objects")
+  names = [p.configuration for p in profiles]
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ValueError(f"argument `profiles`: configuration {twice[0]!r} appears more than once "
+                     "(a plan names the configuration it chose)")
   if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
     raise TypeError(f"argument `budget` must be a number of bytes, got {budget!r}")
-  if not math.isfinite(float(budget)):
+  if isinstance(budget, (float, np.floating)) and not math.isfinite(float(budget)):
     raise ValueError(f"argument `budget` must be a finite number of bytes, got {budget!r}")
-  budget = int(budget)
+  budget = min(int(budget), _NO_LIMIT)  # beyond any peak: no constraint
   t0 = time.perf_counter()
   best = None
   for p in profiles:

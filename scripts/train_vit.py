@@ -87,6 +87,10 @@ def main(argv=None) -> int:
                                  "directory for all, on a shared file system)")
     if several and args.compare:
       raise training.ConfigError("--compare runs in one process; drop --coordinator/--distributed")
+    if args.compare and args.stop_after is not None:
+      raise training.ConfigError("--stop-after does not apply to --compare (it trains both "
+                                 "configurations to the end)")
+    cfg = cli.from_args(training.TrainConfig, args)  # every option checked before any work
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout_s=args.distributed_timeout)
     dataset = data_lib.load_npz(args.data) if args.data else data_lib.load_digits(args.seed)
@@ -96,22 +100,22 @@ def main(argv=None) -> int:
           ROOT / "runs" / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
       if workdir is None:
         raise training.ConfigError(f"--resume: no earlier run of preset {args.preset!r} under runs/")
-    cfg = cli.from_args(training.TrainConfig, args)
     if several:  # every process must run the same job on the same data
       distributed.agree({**training.run_identity(cfg, data_lib.fingerprint(dataset)),
                          "workdir": str(workdir), "resume": args.resume,
                          "stop_after": args.stop_after, "shard_params": args.shard_params},
                         timeout_s=args.distributed_timeout)
     progress = not args.no_progress
-    if args.compare:
-      result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress,
+    with training.stop_on_signals():  # SIGINT/SIGTERM: the saves in flight complete, one line
+      if args.compare:
+        result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress,
+                                 shard_params=args.shard_params)
+        print(result["table"])
+        print(f"\nwrote {result['json']}\nwrote {result['png']}")
+        return 0
+      summary = training.train(cfg, dataset, workdir / cfg.configuration, resume=args.resume,
+                               progress=progress, stop_after=args.stop_after,
                                shard_params=args.shard_params)
-      print(result["table"])
-      print(f"\nwrote {result['json']}\nwrote {result['png']}")
-      return 0
-    summary = training.train(cfg, dataset, workdir / cfg.configuration, resume=args.resume,
-                             progress=progress, stop_after=args.stop_after,
-                             shard_params=args.shard_params)
     distributed.finished()
   except (data_lib.DataError, training.ConfigError) as e:
     return distributed.fail(str(e), 2)
@@ -119,6 +123,10 @@ def main(argv=None) -> int:
     return distributed.fail(str(e), 2)
   except training.TrainingDiverged as e:
     return distributed.fail(str(e), 1)
+  except training.Interrupted as e:
+    return distributed.fail(str(e), e.code)
+  except training.StopRequested as e:  # before training started: nothing was being saved
+    return distributed.fail(f"stopped by signal {e.signum} before training started", 128 + e.signum)
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise

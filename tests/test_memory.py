@@ -157,3 +157,18 @@ def test_floor_of_an_lm_head_is_its_input_and_a_statistic_per_token():
   # an unfoldable reduction (a max): the per-token head keeps its row statistic, no gradient
   assert per_token.forward_gradient_bytes == 0, per_token.table()
   assert "linear_cross_entropy row statistic" in {role for _, role in per_token.kept}
+
+
+def test_floor_of_a_cond_counts_its_branches_and_nothing_to_keep_is_at_the_floor():
+  """Autodiff of a cond keeps each branch's residuals: the floor counts every branch (before,
+  none: kept/floor was 481x); a program that keeps nothing is at its (empty) floor."""
+  def f(x, w, c):
+    h = jax.lax.cond(c, lambda h: jax.nn.gelu(h) @ w.T, lambda h: jnp.tanh(h) @ w.T, x @ w)
+    return jnp.sum(h)
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 64))
+  audit = memory.floor_audit(f, x, w, True)
+  whats = {item.what for item in audit.floor}
+  assert {"gelu output", "tanh output"} <= whats, whats
+  assert audit.ratio < 5, audit.table()
+  empty = memory.floor_audit(lambda x: jnp.sum(x * 2.0), x)
+  assert empty.kept_bytes == empty.floor_bytes == 0 and empty.ratio == 1.0

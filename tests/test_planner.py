@@ -71,10 +71,12 @@ def test_per_layer_search_falls_back_to_the_uniform_plan_and_names_the_budget(mo
   plan, m = planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=False)
   assert plan.uniform and m.compiled_temp_bytes <= budget and plan.budget == budget
   assert plan.keep == planner.solve([PROFILE], budget, uniform=True).keep
-  # When nothing fits, the error names the caller's budget, not a lowered search target.
+  # When nothing fits, the error names the caller's budget, not a lowered search target, and
+  # the least temp a plan compiles to (not the profile's prediction, which fits the budget).
   monkeypatch.setattr(planning, "measure",
                       lambda *a, **k: planning.Measured(10 ** 6, 0.0))
-  with pytest.raises(planner.InfeasibleBudget, match="memory budget 1,600 bytes .* 1,000 bytes"):
+  with pytest.raises(planner.InfeasibleBudget,
+                     match="memory budget 1,600 bytes .* 1,000,000 bytes"):
     planning.plan_for_budget(None, 8, budget, [PROFILE], uniform=False)
 
 
@@ -573,3 +575,29 @@ def test_an_offloading_plans_policy_offloads_to_pinned_host():
   # the layer's keep set alone: nothing moved
   assert "MemorySpace" not in str(jax.make_jaxpr(jax.grad(jax.checkpoint(
       f, policy=planner.policy(plan.keep[layer]))))(x))
+
+
+def test_profiles_any_iterable_budgets_beyond_any_peak_and_one_name_per_configuration():
+  """A generator of profiles is read once; a budget of 10**400 bytes plans as no limit (it
+  overflowed a float); two profiles of one configuration are refused (a plan names the one
+  it chose)."""
+  assert planner.solve((p for p in [PROFILE]), 10**400).keep == (PROFILE.tags,) * PROFILE.depth
+  with pytest.raises(ValueError, match="configuration .* appears more than once"):
+    planner.solve([PROFILE, dataclasses.replace(PROFILE, base_bytes=1)], 10**9)
+  with pytest.raises(TypeError, match="argument `profiles` must be a sequence"):
+    planner.solve(PROFILE, 10**9)
+
+
+def test_a_budget_the_plan_keeping_nothing_fits_always_gets_a_plan(monkeypatch):
+  """When the re-solve rounds end below every plan, the plans keeping nothing are compiled:
+  one that fits is returned; the error, when none does, names the least compiled temp."""
+  from models.experiments import plan_profiles
+  from models import vit
+  cfg = vit.PRESETS["digits"].replace(depth=2, scan_layers=True)
+  profiles = plan_profiles.profile(cfg, 8, configurations=("standard",))
+  least = plan_profiles.least_temp(cfg, 8, ("standard",))
+  monkeypatch.setattr(plan_profiles, "_fit_rounds", lambda *a, **k: None)  # every round fails
+  plan, m = plan_profiles.plan_for_budget(cfg, 8, least, profiles)
+  assert plan.keep == ((),) * cfg.depth and m.compiled_temp_bytes <= least
+  with pytest.raises(planner.InfeasibleBudget, match=f"is {least:,} bytes"):
+    plan_profiles.plan_for_budget(cfg, 8, least - 1, profiles)

@@ -257,6 +257,11 @@ def inverted(only: str | tuple[str, ...] | None = None, *, warn: bool = True,
   entry point is :func:`invact_jax.invert`, which also converts what this cannot reach
   (functions captured before the block, hand-written forms, other libraries).
 
+  A ``jax.jit`` function first traced inside the block keeps the inverted ops after it: JAX
+  caches the trace, and a swapped attribute is not part of its cache key (nothing the block
+  could change without changing the numerics is).  Trace it outside the block, or call
+  ``f.clear_cache()`` (JAX's) on leaving it; ``invert`` has no such state.
+
   Args:
     only: public names to replace (a name or a tuple; default: every registry name).
     warn: warn at exit if nothing was replaced.

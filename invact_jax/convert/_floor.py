@@ -252,6 +252,8 @@ class _Walker:
       self._call(n)
     elif name == "scan":
       self._scan(n)
+    elif name == "cond":
+      self._cond(n)
     elif name in _primitives.NESTED:
       closed = n.params.get("jaxpr") or n.params.get("call_jaxpr")
       if closed is not None:
@@ -290,6 +292,16 @@ class _Walker:
     w = _Walker(g2, diff, self.prefix + (int(p["length"]),), self.opts, outer,
                 frozenset(carry))
     self._merge(w.run(), id(n))
+
+  def _cond(self, n) -> None:
+    """Every branch's floor: autodiff of a ``cond`` keeps each branch's residuals (the
+    branch not taken fills its own with zeros), so the floor counts them all."""
+    operands = n.ins[1:]  # n.ins[0] chooses the branch
+    outer = {k: (self, r) for k, r in enumerate(operands)}
+    diff = {k for k, r in enumerate(operands) if not isinstance(r, Lit) and r in self.diff}
+    for b, closed in enumerate(n.params["branches"]):
+      w = _Walker(_graph.flatten(closed), diff, self.prefix, self.opts, outer)
+      self._merge(w.run(), (id(n), b))
 
   def _merge(self, w: "_Walker", tag) -> None:
     for k, item in w.items.items():

@@ -48,6 +48,8 @@ class Form:
       the same dtype).
     entry: the registry entry (activations).
     params: sentinel names read back from the program.
+    defaults: ``(name, value)`` of numeric parameters the form computes at their defaults
+      (traced without passing them: JAX then inlines the default as a literal).
   """
   name: str
   kind: str
@@ -55,6 +57,7 @@ class Form:
   build: Callable[[Any], Callable[..., Any] | None]
   entry: Any = None
   params: tuple[str, ...] = ()
+  defaults: tuple[tuple[str, float], ...] = ()
 
 
 # ------------------------------------------------------------------------ activations
@@ -65,9 +68,13 @@ def _activation_forms() -> list[Form]:
     kwargs.update({k: SENTINELS[k] for k, _ in a.params})
     label = ", ".join(f"{k}={v}" for k, v in a.selector)
     fn = functools.partial(a.original, **kwargs)
-    forms.append(Form(f"jax.nn.{a.original.__name__}" + (f"({label})" if label else ""),
-                      "activation", a.public, lambda dtype, fn=fn: fn, entry=a,
+    name = f"jax.nn.{a.original.__name__}" + (f"({label})" if label else "")
+    forms.append(Form(name, "activation", a.public, lambda dtype, fn=fn: fn, entry=a,
                       params=tuple(k for k, _ in a.params)))
+    if a.params:  # called with its defaults: a literal in the traced function, no argument
+      fn = functools.partial(a.original, **dict(a.selector))
+      forms.append(Form(f"{name} (default {', '.join(k for k, _ in a.params)})", "activation",
+                        a.public, lambda dtype, fn=fn: fn, entry=a, defaults=tuple(a.params)))
   return forms
 
 

@@ -53,8 +53,9 @@ def _is_array(leaf) -> bool:
 def _trace(fn, args, kwargs):
   """``fn(*args, **kwargs)`` as a jaxpr of its array leaves: ``(closed, vals, leaves, dyn,
   out)``; ``dyn`` the leaves' positions that are arrays (traced), ``out`` how to rebuild the
-  output (arrays are the program's outputs; anything else, a string or None in has_aux, is
-  returned as the function returned it)."""
+  output (JAX arrays are the program's outputs; anything else — a NumPy array, which cannot
+  depend on the traced inputs, a string, None in has_aux — is returned as the function
+  returned it, its dtype included)."""
   leaves, tree = jax.tree.flatten((args, kwargs))
   dyn = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
   out = {}
@@ -65,8 +66,7 @@ def _trace(fn, args, kwargs):
       ls[i] = v
     a, k = jax.tree.unflatten(tree, ls)
     out_leaves, out_tree = jax.tree.flatten(fn(*a, **k))
-    arrays = [i for i, leaf in enumerate(out_leaves)
-              if isinstance(leaf, (jax.Array, np.ndarray))]
+    arrays = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, jax.Array)]
     out.update(tree=out_tree, leaves=out_leaves, arrays=arrays)
     return [out_leaves[i] for i in arrays]
   vals = [leaves[i] for i in dyn]

@@ -29,7 +29,8 @@ def _activation_fn(match: _match.FormMatch, region, implementation):
   """The activation keeping its output and, where it is not monotone, its packed branch
   bits; the backward is the registry entry's ``f'(f^-1(y))``."""
   entry = match.pattern.form.entry
-  params = tuple((k, float(match.caught[k])) for k, _ in entry.params)
+  caught = {**dict(match.pattern.form.defaults), **match.caught}
+  params = tuple((k, float(caught[k])) for k, _ in entry.params)
   op = _act_base.Op(entry, params)
 
   @jax.custom_vjp

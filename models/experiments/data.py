@@ -12,6 +12,7 @@ import pathlib
 import sys
 import sysconfig
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -76,6 +77,31 @@ def load_digits(seed: int = 0) -> Dataset:
   return Dataset(xtr, ytr, xte, yte, 10, "digits")
 
 
+def _check_headers(path: pathlib.Path) -> None:
+  """DataError for a member whose .npy header claims more bytes than the member holds (read
+  as it is, it would allocate what its header claims) or does not read."""
+  try:
+    with zipfile.ZipFile(path) as z:
+      for info in z.infolist():
+        if not info.filename.endswith(".npy"):
+          continue
+        with z.open(info) as f:
+          try:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(f)
+          except (ValueError, OSError, EOFError, zlib.error):
+            continue  # not .npy data: said below, by name
+          need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+          if need > info.file_size:
+            raise DataError(f"cannot read {path} as .npz: its member {info.filename} claims "
+                            f"shape {tuple(shape)} ({need:,} bytes) but holds "
+                            f"{info.file_size:,} bytes")
+  except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as e:
+    raise DataError(f"cannot read {path} as .npz: {e}") from None
+
+
 def load_npz(path: str | pathlib.Path) -> Dataset:
   """Arrays ``x_train, y_train, x_test, y_test``; images [n,H,W] or [n,H,W,C], square.
 
@@ -90,10 +116,11 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
       kind = "a single .npy array" if f.read(6) == b"\x93NUMPY" else "not a zip archive"
     raise DataError(f"cannot read {path} as .npz: it is {kind}; write the data with "
                     "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
+  _check_headers(path)
   try:
     with np.load(path, allow_pickle=False) as f:
       arrays = {k: f[k] for k in f.files}
-  except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+  except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, MemoryError) as e:
     why = "it holds object (pickled) arrays; store numeric arrays" if "pickle" in str(e) else e
     raise DataError(f"cannot read {path} as .npz: {why}") from None
   missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in arrays]

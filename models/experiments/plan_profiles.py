@@ -230,9 +230,12 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
   uniform one on a tie) -- per-layer plans can fit and still recompute more than the uniform
   plan at the same budget, because the re-solve rounds lower their target (GPT-2, README).
 
+  Where the re-solve rounds find none, the plans that keep nothing are compiled: the cheapest
+  that fits is returned (so a budget the compiled ``full`` plan fits always gets a plan).
+
   Raises:
     planner.InfeasibleBudget: no plan compiles within ``budget`` (names ``budget`` and the
-      model's minimum).
+      least temp a plan compiles to).
   """
   def search(uniform_):
     return _fit_rounds(cfg, batch, budget, profiles, seq_len=seq_len, max_rounds=max_rounds,
@@ -245,9 +248,33 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
     found = search(uniform)
     if found is None and not uniform:
       found = search(True)
-  if found is None:
-    raise planner.InfeasibleBudget(int(budget), min(p.minimum_bytes for p in profiles))
+  if found is None:  # the re-solve rounds went below every plan: keeping nothing, compiled
+    found = _least_within(cfg, batch, budget, profiles, seq_len=seq_len)
   return found
+
+
+def least_temp(cfg, batch: int, configurations: Sequence[str], *, seq_len: int = 128) -> int:
+  """The least compiled temp any plan of ``configurations`` can have (every layer keeping
+  nothing): the true minimum budget, one compile per configuration."""
+  return min(compiled_temp(cfg, batch, c, ((),) * cfg.depth, seq_len=seq_len)
+             for c in configurations)
+
+
+def _least_within(cfg, batch, budget, profiles, *, seq_len):
+  """Per configuration the plan that keeps nothing, compiled: the cheapest that fits
+  ``budget``; InfeasibleBudget naming the least compiled temp when none does."""
+  tried = []
+  for p in profiles:
+    keep = ((),) * p.depth
+    peak, cost = planner.evaluate(p, ())
+    m = measure(cfg, batch, p.configuration, keep, seq_len=seq_len)
+    plan = planner.Plan(configuration=p.configuration, keep=keep, predicted_bytes=peak,
+                        predicted_cost=cost, budget=int(budget), solve_seconds=0.0)
+    tried.append((plan, m))
+  fits = [(plan, m) for plan, m in tried if m.compiled_temp_bytes <= budget]
+  if not fits:
+    raise planner.InfeasibleBudget(int(budget), min(m.compiled_temp_bytes for _, m in tried))
+  return min(fits, key=lambda f: (f[0].predicted_cost, f[1].flops))
 
 
 def _per_layer_differs(profiles, budget) -> bool:

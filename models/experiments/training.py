@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import invact_jax
 from invact_jax import memory
 from models import options, text, vit
 from models.experiments import checkpoints
@@ -41,6 +42,55 @@ class TrainingDiverged(RuntimeError):
 
 class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
+
+
+class StopRequested(BaseException):
+  """SIGINT or SIGTERM arrived (raised by the training loop between two steps, after
+  :func:`stop_on_signals`'s handler noted it; a BaseException, so that no ``except Exception``
+  swallows it)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+class Interrupted(RuntimeError):
+  """Training stopped on a signal after the checkpoint saves in flight completed.
+
+  Attributes:
+    code: the exit code (128 + the signal's number: 130 for SIGINT, 143 for SIGTERM).
+  """
+
+  def __init__(self, signum: int, step: int, workdir):
+    import signal  # pylint: disable=import-outside-toplevel
+    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; the "
+                     f"checkpoints written are intact: continue with --resume --workdir {workdir}")
+    self.code = 128 + signum
+
+
+_STOP: dict = {"signum": None}  # the signal stop_on_signals noted, if any
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+  """While the block runs, SIGINT and SIGTERM are noted (not raised where they land: inside a
+  library's code an exception could be swallowed or leave a save half done); the training
+  loop stops at its next step boundary (:class:`StopRequested`).  The previous handlers are
+  put back after the block."""
+  import signal  # pylint: disable=import-outside-toplevel
+
+  def handler(signum, frame):
+    del frame
+    _STOP["signum"] = _STOP["signum"] or signum
+  _STOP["signum"] = None
+  old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+    if _STOP["signum"] is not None:  # arrived after the last step (or before the first)
+      raise StopRequested(_STOP["signum"])
+  finally:
+    for s, h in old.items():
+      signal.signal(s, h)
 
 
 class CheckpointWriteError(OSError):
@@ -133,6 +183,12 @@ def _finite_nonnegative(v) -> str | None:
   return None if math.isfinite(v) and v >= 0 else "must be a finite number >= 0"
 
 
+def _seed(v) -> str | None:
+  if v is None or isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32:
+    return "must be an integer in [0, 2**32)"
+  return None
+
+
 def _nonnegative(v) -> str | None:
   return None if v >= 0 else "must be >= 0"
 
@@ -173,7 +229,8 @@ class TrainConfig:
   weight_decay: float = cli.option(0.05, "AdamW weight decay", check=_finite_nonnegative)
   dtype: str = cli.option("float32", "compute dtype (parameters stay float32)",
                           choices=("float32", "bfloat16", "float16"))
-  seed: int = cli.option(0, "seed of the initialisation, data order and dropout")
+  seed: int = cli.option(0, "seed of the initialisation, data order and dropout",
+                         check=_seed)
   configuration: str = cli.option(
       "inverted", "which ops run in their memory-saving form: a configuration of "
       f"models.options ({', '.join(options.CONFIGURATIONS)}), optionally +pallas or +triton",
@@ -239,6 +296,17 @@ def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> Non
                       "devices it is sharded over")
   if cfg.total_steps(n) <= 0:
     raise ConfigError("the run has no steps (check --epochs / --steps)")
+  if cfg.shift is not None and dataset.modality != "image":
+    raise ConfigError("--shift translates images; the data is text")
+  if cfg.shift is not None and cfg.shift >= min(dataset.x_train.shape[1:3]):
+    h, w = dataset.x_train.shape[1:3]
+    raise ConfigError(f"--shift {cfg.shift} would move images out of their {h}x{w} frame "
+                      f"(must be below {min(h, w)})")
+  implementation = options.configuration(cfg.configuration).get("implementation")
+  if implementation is not None:
+    ok, why = invact_jax.available(implementation)
+    if not ok:
+      raise ConfigError(f"--configuration {cfg.configuration}: {why}")
   cfg.model_config(dataset)
 
 
@@ -297,6 +365,9 @@ def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
   from invact_jax import planner  # pylint: disable=import-outside-toplevel
   from models.experiments import plan_profiles as planning  # pylint: disable=import-outside-toplevel
   cfg = model_cfg.replace(scan_layers=True)
+  least = planning.least_temp(cfg, batch, planning.PLANNED_CONFIGURATIONS, seq_len=seq_len)
+  if budget < least:  # before the profiling (minutes): no plan can fit
+    raise ConfigError(f"--memory-budget: {planner.InfeasibleBudget(int(budget), least)}")
   profiles = planning.profile(cfg, batch, seq_len=seq_len)
   try:
     plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles, seq_len=seq_len,
@@ -658,36 +729,14 @@ class RunLock:
     return False
 
 
-def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, trainer,
-           data: str, *, resume: bool, progress: bool, stop_after: int | None,
-           time_steps: bool, main: bool) -> dict[str, Any]:
-  if main:  # the other processes read it in prepare_workdir: replaced at once
-    write_atomic(workdir / "config.json", json.dumps(run_identity(cfg, data), indent=1))
-  manager = checkpoints.manager(workdir, cfg.checkpoint_every)
+def _steps(cfg: TrainConfig, trainer, manager, workdir: pathlib.Path, steps: range, log, bar,
+           step_times: list, *, time_steps: bool, main: bool, per_epoch: int) -> None:
+  """Train ``steps``: log, evaluate each epoch, checkpoint (its checksums first)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  start = trainer.restore(manager, workdir) if resume else 0
-  metrics_path = workdir / "metrics.jsonl"
-  history = _logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
-  if main:  # the lines log() wrote, as it wrote them
-    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
-  n = dataset.x_train.shape[0]
-  per_epoch = n // cfg.batch_size
-  step_times = []
-
-  bar = None
-  if progress and main:
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-    bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
-               desc=f"{cfg.preset} {cfg.configuration}")
-  def log(record):
-    history.append(record)
-    if main:
-      with metrics_path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-  t_last, n_last = time.perf_counter(), start
-  end = trainer.total if stop_after is None else min(trainer.total, stop_after)
-  for step in range(start, end):
+  t_last, n_last = time.perf_counter(), steps.start
+  for step in steps:
+    if _STOP["signum"] is not None:
+      raise StopRequested(_STOP["signum"])
     t0 = time.perf_counter()
     loss, acc = trainer.train_step(step)
     if time_steps:
@@ -725,6 +774,49 @@ def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, t
         checkpoints.prune(workdir, set(manager.all_steps()) | {done})
     if bar is not None:
       bar.update(1)
+
+
+def _train(cfg: TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, trainer,
+           data: str, *, resume: bool, progress: bool, stop_after: int | None,
+           time_steps: bool, main: bool) -> dict[str, Any]:
+  if main:  # the other processes read it in prepare_workdir: replaced at once
+    write_atomic(workdir / "config.json", json.dumps(run_identity(cfg, data), indent=1))
+  manager = checkpoints.manager(workdir, cfg.checkpoint_every)
+  start = trainer.restore(manager, workdir) if resume else 0
+  metrics_path = workdir / "metrics.jsonl"
+  history = _logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
+  if main:  # the lines log() wrote, as it wrote them
+    write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+  n = dataset.x_train.shape[0]
+  per_epoch = n // cfg.batch_size
+  step_times = []
+
+  bar = None
+  if progress and main:
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
+               desc=f"{cfg.preset} {cfg.configuration}")
+  def log(record):
+    history.append(record)
+    if main:
+      with metrics_path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+  end = trainer.total if stop_after is None else min(trainer.total, stop_after)
+  try:
+    _steps(cfg, trainer, manager, workdir, range(start, end), log, bar, step_times,
+           time_steps=time_steps, main=main, per_epoch=per_epoch)
+  except StopRequested as e:  # the saves in flight complete: what was saved stays intact
+    _STOP["signum"] = None
+    try:
+      manager.wait_until_finished()
+    finally:
+      manager.close()
+      if bar is not None:
+        bar.close()
+    raise Interrupted(e.signum, trainer.step, workdir.parent if workdir.name ==
+                      cfg.configuration else workdir) from None
+  _checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   _checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   manager.close()
   if bar is not None:

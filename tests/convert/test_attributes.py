@@ -260,3 +260,21 @@ def test_thread_outside_any_block_gets_the_originals():
   t.join(60)
   assert report.replaced == {}
   assert result["kept"] >= 3  # jax.nn's own residuals: the worker ran the original
+
+
+def test_a_jit_traced_inside_the_block_keeps_its_trace_until_its_cache_is_cleared():
+  """The documented limit of the attribute swap: JAX caches the trace made inside the block
+  (the swapped attribute is not in its key); clear_cache() traces it again as jax.nn."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from invact_jax import memory  # pylint: disable=import-outside-toplevel
+  f = jax.jit(lambda x, w: jnp.sum(jax.nn.gelu(x @ w) @ w.T))
+  args = (jnp.ones((4, 8)), jnp.ones((8, 16)))
+  kept = lambda: sorted(r.dtype for r in memory.residuals(f, *args) if not r.is_argument)  # noqa: E731
+  plain = kept()
+  f.clear_cache()
+  with invact_jax.inverted(warn=False):
+    inside = kept()
+  assert "uint8" in inside and "uint8" not in plain  # the packed bits: inverted inside
+  assert kept() == inside      # still the trace made inside
+  f.clear_cache()
+  assert kept() == plain

@@ -654,3 +654,26 @@ def test_residuals_of_a_converted_program_name_the_users_lines():
   sources = [r.source for r in memory.residuals(invact_jax.invert(loss), *args)
              if not r.is_argument]
   assert sources and all(__file__ in s for s in sources), sources
+
+
+@pytest.mark.parametrize("act, kw", [(jax.nn.elu, {}), (jax.nn.leaky_relu, {}),
+                                     (jax.nn.elu, {"alpha": 0.5}),
+                                     (jax.nn.leaky_relu, {"negative_slope": 0.2})])
+def test_activations_with_their_default_parameters_are_converted(act, kw):
+  """Called with its defaults, JAX inlines the parameter as a literal (no argument, no
+  cast): the form traced at its defaults finds it, and the backward uses that value."""
+  k = jax.random.split(jax.random.key(0), 2)
+  x, w = jax.random.normal(k[0], (8, 16)), jax.random.normal(k[1], (16, 16)) / 4
+  f = lambda x, w: jnp.sum(act(x @ w - 0.5, **kw) @ w.T)  # noqa: E731
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  assert inv.last_report.replaced == {act.__name__: 1}, inv.last_report
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+
+
+def test_numpy_outputs_keep_their_dtype():
+  """A NumPy output cannot depend on the traced inputs: returned as the function returned it
+  (a float64 array stayed float64; before, it came back float32)."""
+  f = lambda x: (jnp.sum(jax.nn.gelu(x)), np.arange(3, dtype=np.float64))  # noqa: E731
+  _, const = invact_jax.invert(f)(jnp.ones(4))
+  assert isinstance(const, np.ndarray) and const.dtype == np.float64

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import invact_jax
+
 from models.experiments import checkpoints
 from models.experiments import data as data_lib
 from models.experiments import training
@@ -197,7 +199,12 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
       (["--epochs", "0"], "--epochs must be positive"),
       (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
       (["--configuration", "inverted-some"], "--configuration must be a configuration"),
+      (["--seed", "-1"], "--seed must be an integer in [0, 2**32)"),
+      (["--shift", "8"], "--shift 8 would move images out of their 8x8 frame"),
+      (["--compare", "--stop-after", "2"], "--stop-after does not apply to --compare"),
   ]
+  if not invact_jax.available("triton")[0]:
+    cases.append((["--configuration", "inverted+triton"], "--configuration inverted+triton: "))
   for args, pattern in cases:
     code = main(["--no-progress", *args, "--workdir", wd])
     cap = capsys.readouterr()
@@ -274,9 +281,25 @@ def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
   with zipfile.ZipFile(not_npy, "w") as z:
     for k in ("x_train", "y_train", "x_test", "y_test"):
       z.writestr(f"{k}.npy", b"garbage")
+  huge = tmp_path / "huge.npz"  # a header claiming 1e11 images: read, it would allocate them
+  import io  # pylint: disable=import-outside-toplevel
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False,
+                                                "shape": (10**11, 8, 8)})
+  with zipfile.ZipFile(huge, "w") as z:
+    z.writestr("x_train.npy", header.getvalue() + bytes(640))
+  flipped = tmp_path / "flipped.npz"  # a compressed archive with damaged bytes
+  np.savez_compressed(flipped, x_train=np.arange(6400, dtype=np.uint8).reshape(100, 8, 8),
+                      y_train=np.zeros(100, int), x_test=np.zeros((4, 8, 8), np.uint8),
+                      y_test=np.zeros(4, int))
+  raw = bytearray(flipped.read_bytes())
+  raw[200] ^= 0xFF
+  flipped.write_bytes(bytes(raw))
   for path, pattern in [(npy, "single .npy array"), (text, "not a zip archive"),
                         (objects, "object (pickled) arrays"), (no_channels, "C >= 1"),
-                        (not_npy, "member x_train.npy is not .npy data")]:
+                        (not_npy, "member x_train.npy is not .npy data"),
+                        (huge, "claims shape (100000000000, 8, 8)"),
+                        (flipped, "cannot read")]:
     with pytest.raises(data_lib.DataError, match=re.escape(pattern)):
       data_lib.load_npz(path)
 
@@ -458,3 +481,33 @@ def test_one_writer_per_run_directory(digits, tmp_path):
   assert not (wd / "checkpoints").exists() and not (wd / "config.json").exists()
   (wd / ".lock").write_text("pid 1 on a-host-that-is-gone\n")  # stale: nobody holds it
   assert training.train(SMALL, digits, wd, progress=False, devices=1, stop_after=2)["steps"] == 2
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_ends_training_in_one_line_and_the_run_resumes(tmp_path, signame, code):
+  """SIGINT/SIGTERM mid-run: the saves in flight complete, one line, exit 128 + the signal;
+  --resume then finishes the run from the newest checkpoint."""
+  import signal
+  import time
+  env = env_with_devices(1, JAX_PLATFORMS="cpu")
+  run = tmp_path / "run"
+  args = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--no-progress", "--steps",
+          "60", "--batch-size", "16", "--checkpoint-every", "2", "--log-every", "50",
+          "--workdir", str(run), "--configuration", "standard"]
+  proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 240
+  while time.monotonic() < deadline and not list((run / "standard" / "checksums").glob("*.json")):
+    time.sleep(0.2)
+  proc.send_signal(getattr(signal, signame))
+  out, err = proc.communicate(timeout=240)
+  assert proc.returncode == code, (proc.returncode, err[-2000:])
+  lines = [l for l in err.strip().splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith(f"error: stopped by {signame} after step"), err
+  assert "--resume" in lines[0] and "Traceback" not in err
+  if signame == "SIGINT":
+    return
+  resumed = subprocess.run([*args, "--resume"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300, check=False)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert json.loads((run / "standard" / "summary.json").read_text())["finished"]

@@ -60,7 +60,13 @@ class SoftmaxTest(parameterized.TestCase):
     with self.assertRaisesRegex(TypeError, "argument `dtype`"):
       invact_jax.softmax(jnp.ones(3), dtype=jnp.int8)
     with self.assertRaisesRegex(TypeError, "argument `axis` must be an integer"):
-      invact_jax.softmax(jnp.ones(3), axis=(0,))
+      invact_jax.softmax(jnp.ones(3), axis=1.5)
+    with self.assertRaisesRegex(ValueError, "argument `axis` repeats"):
+      invact_jax.softmax(jnp.ones((2, 3)), axis=(1, -1))
+    with self.assertRaisesRegex(TypeError, "argument `where` must be a boolean"):
+      invact_jax.softmax(jnp.ones(3), where=jnp.ones(3))
+    with self.assertRaisesRegex(ValueError, "argument `where` of shape"):
+      invact_jax.softmax(jnp.ones((2, 3)), where=jnp.ones((4,), bool))
     with self.assertRaisesRegex(ValueError, "argument `axis` = 2 is out of range"):
       invact_jax.softmax(jnp.ones(3), axis=2)
 
@@ -71,3 +77,22 @@ class SoftmaxTest(parameterized.TestCase):
     g = jax.grad(fr)(x)
     for fn in (jax.grad(f), jax.jit(jax.grad(f)), jax.vmap(jax.grad(f)), jax.grad(jax.checkpoint(f))):
       np.testing.assert_allclose(fn(x), g, rtol=1e-5, atol=1e-6)
+
+
+  @parameterized.product(dtype=DTYPES)
+  def test_forward_is_jax_nn_softmax_bit_for_bit(self, dtype):
+    x = jax.random.normal(jax.random.key(0), (4, 3, 16)).astype(_np(dtype)) * 3
+    for kw in ({}, {"axis": 1}, {"axis": (0, 2)}):
+      np.testing.assert_array_equal(np.asarray(invact_jax.softmax(x, **kw), np.float32),
+                                    np.asarray(jax.nn.softmax(x, **kw), np.float32))
+
+  @parameterized.product(axis=(-1, (0, 2)))
+  def test_where_and_tuple_axes_match_jax_nn(self, axis):
+    x = jax.random.normal(jax.random.key(1), (4, 3, 16))
+    mask = jax.random.bernoulli(jax.random.key(2), 0.7, (4, 1, 16))
+    w = jax.random.normal(jax.random.key(3), x.shape)
+    ours = lambda x: jnp.sum(w * invact_jax.softmax(x, axis=axis, where=mask))  # noqa: E731
+    theirs = lambda x: jnp.sum(w * jax.nn.softmax(x, axis=axis, where=mask))  # noqa: E731
+    np.testing.assert_array_equal(invact_jax.softmax(x, axis=axis, where=mask),
+                                  jax.nn.softmax(x, axis=axis, where=mask))
+    np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(theirs)(x), rtol=1e-5, atol=1e-6)

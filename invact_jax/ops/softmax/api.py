@@ -6,6 +6,9 @@ in one op (the cast then costs no second copy).
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 from invact_jax.ops.softmax import base
@@ -16,17 +19,25 @@ __all__ = ["softmax", "softmax_reference"]
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
 
 
-def softmax(x, axis: int = -1, *, dtype=None, implementation=None):
-  """Softmax keeping only its output for the backward (in ``dtype``, default ``x.dtype``).
+def softmax(x, axis: int | tuple[int, ...] = -1, where=None, *, dtype=None,
+            implementation=None) -> jax.Array:
+  """Softmax keeping only its output for the backward, ``jax.nn.softmax``'s signature.
 
-  Computed in float32 (float64 for float64 inputs); fully masked rows (all -inf) give NaN
-  as ``jax.nn.softmax`` does.
+  Without ``dtype`` (or with ``x``'s) the forward is ``jax.nn.softmax`` itself, bit for bit,
+  in ``x``'s dtype; with another ``dtype`` it is computed in float32 (float64 for float64
+  inputs) and cast, so that float32 logits give, say, bfloat16 probabilities in one op.
+  Fully masked rows (all -inf) give NaN as ``jax.nn.softmax`` does.
 
   Args:
     x: floating-point array.
-    axis: the axis to normalize over (a Python or NumPy integer).
+    axis: the axis, or a tuple of axes, to normalize over (Python or NumPy integers).
+    where: elements to include (a boolean array broadcastable to ``x``); the others get
+      probability 0 and no gradient, as in ``jax.nn.softmax``.
     dtype: output dtype, also the dtype the probabilities are kept in.
     implementation: None / "xla" (softmax has no kernels).
+
+  Returns:
+    The probabilities, ``x``'s shape, in ``dtype``.
 
   Example:
     >>> import jax.numpy as jnp, invact_jax
@@ -35,10 +46,26 @@ def softmax(x, axis: int = -1, *, dtype=None, implementation=None):
   """
   x = _common.float_array("softmax", "x", x)
   out = _common.float_dtype("softmax", "dtype", x.dtype if dtype is None else dtype)
-  ax = _common.static_axis("softmax", "axis", axis, max(x.ndim, 1))
+  axes = axis if isinstance(axis, tuple) else (axis,)
+  if not axes:
+    raise ValueError("invact_jax.softmax: argument `axis` must name at least one axis")
+  ax = tuple(_common.static_axis("softmax", "axis", a, max(x.ndim, 1)) for a in axes)
+  if len(set(ax)) != len(ax):
+    raise ValueError(f"invact_jax.softmax: argument `axis` repeats an axis: {axis!r}")
   _implementation.resolve(implementation, op="softmax", implementations=IMPLEMENTATIONS,
                          options=())
-  return base.softmax(ax if x.ndim else -1, out, x.dtype, x)
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+      raise TypeError(f"invact_jax.softmax: argument `where` must be a boolean array, got "
+                      f"dtype {where.dtype}")
+    try:
+      where = jnp.broadcast_to(where, x.shape)
+    except ValueError:
+      raise ValueError(f"invact_jax.softmax: argument `where` of shape {where.shape} does not "
+                       f"broadcast to x's {x.shape}") from None
+  ax = (ax if len(ax) > 1 else ax[0]) if x.ndim else -1
+  return base.softmax(ax, out, x.dtype, x, where)
 
 
 def softmax_reference(x, axis: int = -1, *, dtype=None):

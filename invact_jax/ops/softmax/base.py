@@ -18,15 +18,26 @@ def reference(x, axis, dtype):
   return NN_SOFTMAX(x.astype(_common.compute_dtype(x.dtype)), axis=axis).astype(dtype)
 
 
+def forward(x, axis, dtype, where=None):
+  """``jax.nn.softmax`` itself where ``dtype`` is ``x``'s (bit for bit), else computed in
+  the compute dtype and cast."""
+  if jax.numpy.dtype(dtype) == x.dtype:
+    return NN_SOFTMAX(x, axis=axis, where=where)
+  return NN_SOFTMAX(x.astype(_common.compute_dtype(x.dtype)), axis=axis,
+                    where=where).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def softmax(axis: int, dtype, x_dtype, x):
+def softmax(axis, dtype, x_dtype, x, where=None):
+  """Probabilities keeping only themselves for the backward (masked-out ones are 0: their
+  gradient is 0 from ``p``)."""
   del x_dtype
-  return reference(x, axis, dtype)
+  return forward(x, axis, dtype, where)
 
 
-def _fwd(axis, dtype, x_dtype, x):
+def _fwd(axis, dtype, x_dtype, x, where=None):
   del x_dtype
-  p = reference(x, axis, dtype)
+  p = forward(x, axis, dtype, where)
   return p, p
 
 
@@ -41,7 +52,7 @@ def backward(axis: int, x_dtype, p, dp):
 
 def _bwd(axis, dtype, x_dtype, p, dp):
   del dtype
-  return (backward(axis, x_dtype, p, dp),)
+  return backward(axis, x_dtype, p, dp), None
 
 
 softmax.defvjp(_fwd, _bwd)
