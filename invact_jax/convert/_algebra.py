@@ -166,6 +166,11 @@ class NormMatch:
     return f"{kind} by its algebra (axes {self.axes}{', ' if affine else ''}{', '.join(affine)})"
 
 
+def _numeric(dtype) -> bool:
+  """A NumPy-representable number type (not a PRNG key or another extended dtype)."""
+  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
 class _Analysis:
   """The symbolic values of everything computed from ``x`` (one candidate ``x``, ``axes``)."""
 
@@ -390,6 +395,10 @@ class _Analysis:
     vals = [r.val if isinstance(r, Lit) else self.consts[r] for r in node.ins]
     if any(isinstance(v, jax.core.Tracer) for v in vals):
       return
+    if any(not _numeric(v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
+           for v in vals) or \
+        not _numeric(self.g.avals[node.outs[0]].dtype):
+      return  # PRNG keys and other extended dtypes pass through untouched
     if node.prim.name in _primitives.SHAPE | _primitives.IDENTITY and np.size(vals[0]) == 1:
       # a broadcast of one number (Flax's zero mean of an RMSNorm): that number, any shape
       self.consts[node.outs[0]] = np.asarray(vals[0]).reshape(()).astype(

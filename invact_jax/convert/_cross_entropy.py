@@ -72,6 +72,8 @@ class HeadMatch:
     sign: +1 (the loss) or -1 (its negation, the log-likelihood).
     fold: the program's reduction folded into the head, or None.
     why_not_folded: why the reduction was not folded ("" when it was).
+    soft_cap: ``c`` of the logits' ``c * tanh(z / c)``, or None.
+    logits_dtype: the 16-bit dtype the program's matmul rounds the logits to, or None.
   """
   nodes: list
   root: int
@@ -84,6 +86,8 @@ class HeadMatch:
   sign: float
   fold: Fold | None = None
   why_not_folded: str = ""
+  soft_cap: float | None = None
+  logits_dtype: str | None = None
 
   public = "linear_cross_entropy"
 
@@ -99,6 +103,8 @@ class HeadMatch:
   @property
   def name(self) -> str:
     extra = f", label smoothing {self.smoothing:g}" if self.smoothing else ""
+    if self.soft_cap is not None:
+      extra += f", logits soft-capped at {self.soft_cap:g}"
     if self.fold:
       how = "its weighted sum folded in, gradients in the forward"
     else:
@@ -135,6 +141,10 @@ class _Head:
     self.labels = None
     self.label_nodes: set = set()
     self.nshift = 0
+    self.tanh = {}                   # tanh(z / c): ref -> c (a soft cap's inside)
+    self.cap = None                  # c of c * tanh(z / c), once found
+    self.cap_nodes: set = set()      # the cap's division, tanh and product
+    self.permuted = False            # a transpose moved the token axes (reshapes keep order)
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -188,7 +198,7 @@ class _Head:
     return not isinstance(r, Lit) and any(r in t for t in self._tables())
 
   def _tables(self) -> tuple:
-    return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted)
+    return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted, self.tanh)
 
   def step(self, i: int) -> None:
     """Follow node ``i`` (in program order) if it computes from values followed so far."""
@@ -223,10 +233,11 @@ class _Head:
     src = ins[0]
     if isinstance(src, Lit):
       return
-    if n.prim.name == "transpose" and (src in self.elem or src in self.exps):
-      perm = n.params["permutation"]
-      if perm[-1] != len(perm) - 1:
+    if n.prim.name == "transpose":
+      perm = tuple(n.params["permutation"])
+      if (src in self.elem or src in self.exps) and perm[-1] != len(perm) - 1:
         return  # the vocabulary axis moved: not followed
+      self.permuted |= perm != tuple(range(len(perm)))
     for table in self._tables():
       if src in table:
         if table is self.rows and self._is_v(o):
@@ -260,11 +271,30 @@ class _Head:
       if ins[0] in table:
         table[o] = _scale(table[ins[0]], -1.0)
 
+  def _tanh(self, n, ins, o) -> None:
+    """``tanh(z / c)``: the inside of a soft cap ``c * tanh(z / c)`` (Gemma 2)."""
+    lin = self.elem.get(ins[0])
+    if self.cap is None and lin is not None and set(lin) == {"z"} and lin["z"] > 0:
+      self.tanh[o] = 1.0 / lin["z"]
+      self.cap_nodes |= {self.g.producer[ins[0]][0], self.g.producer[o][0]}
+
+  def _capped(self, o, c: float) -> None:
+    """``c * tanh(z / c)``: the capped logits become the cross-entropy's ``z``; the raw ones
+    are the cap's inside only."""
+    self.cap = c
+    self.cap_nodes.add(self.g.producer[o][0])
+    self.cap_nodes |= {self.g.producer[r][0] for r in self.elem if r in self.g.producer}
+    self.elem = {o: {"z": 1.0}}
+
   def _mul_div(self, n, ins, o) -> None:
     a, b = ins
     c = self._const(b)
     if c is None and n.prim.name == "mul" and self._const(a) is not None:
       c, a = self._const(a), b
+    if (c is not None and n.prim.name == "mul" and not isinstance(a, Lit) and a in self.tanh
+        and abs(c - self.tanh[a]) <= _TOL * abs(c)):
+      self._capped(o, c)
+      return
     if c is not None:  # a constant factor
       c = c if n.prim.name == "mul" else 1.0 / c
       for table in (self.elem, self.rows):
@@ -316,7 +346,7 @@ class _Head:
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
     if not isinstance(src, Lit) and src in self.elem and self._is_v(src):
-      labels, nodes = self._labels_of(idx)
+      labels, nodes = self._advanced_index(n, idx) or self._labels_of(idx)
       if labels is None or (self.labels is not None and self.labels != labels):
         return
       self.labels = labels
@@ -325,6 +355,29 @@ class _Head:
     elif not isinstance(src, Lit) and src in self.rows and all(
         isinstance(r, Lit) or r not in self.elem for r in ins[1:]):
       self.rows[o] = self.rows[src]  # .take(0) of a size-1 axis
+
+  def _advanced_index(self, n, idx):
+    """``z[arange(n), labels]`` (NumPy's advanced indexing: a gather whose indices are the
+    positions along every other axis and the labels along the vocabulary): ``(labels,
+    nodes)``, else None."""
+    g = self.g
+    dn = n.params["dimension_numbers"]
+    src_ndim = len(g.avals[n.ins[0]].shape)
+    if (isinstance(idx, Lit) or idx not in g.producer or tuple(dn.offset_dims)
+        or tuple(dn.start_index_map) != tuple(range(src_ndim))):
+      return None
+    cat_i = g.producer[idx][0]
+    cat = g.nodes[cat_i]
+    if cat.prim.name != "concatenate" or len(cat.ins) != src_ndim:
+      return None
+    nodes = [cat_i]
+    for axis, piece in enumerate(cat.ins[:-1]):  # the positions along the other axes
+      chain = _position_along(g, piece, axis)
+      if chain is None:
+        return None
+      nodes += chain
+    labels, label_nodes = self._labels_of(cat.ins[-1])
+    return None if labels is None else (labels, nodes + label_nodes)
 
   def _shift_step(self, n, ins, o) -> None:
     """A row constant computed from z (a max and its clamps): a shift."""
@@ -368,9 +421,37 @@ _STEPS = {
     "add": _Head._add_sub, "sub": _Head._add_sub, "neg": _Head._neg,
     "mul": _Head._mul_div, "div": _Head._mul_div, "exp": _Head._exp,
     "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
+    "tanh": _Head._tanh,
     **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "select_n",
                                       "is_finite")},
 }
+
+
+def _position_along(g: _graph.Graph, ref, axis: int) -> list | None:
+  """The nodes computing ``ref`` as each element's own position along ``axis`` (an ``iota``,
+  broadcast, with NumPy's negative-index wrap ``select(i < 0, i + n, i)``), else None."""
+  nodes, wrap = [], {"lt", "add", "select_n", "convert_element_type"}
+  r, trail = ref, []
+  while not isinstance(r, Lit) and r in g.producer:
+    i = g.producer[r][0]
+    n = g.nodes[i]
+    nodes.append(i)
+    if n.prim.name == "iota":
+      dim = n.params["dimension"]
+      for b in reversed(trail):  # the broadcasts from the iota to ``ref``, in forward order
+        dim = b.params["broadcast_dimensions"][dim]
+      return nodes if dim == axis else None
+    if n.prim.name == "broadcast_in_dim":
+      trail.append(n)
+      r = n.ins[0]
+    elif n.prim.name in wrap:
+      r = next((x for x in n.ins if not isinstance(x, Lit) and
+                jnp.issubdtype(g.avals[x].dtype, jnp.integer)), None)
+      if r is None:
+        return None
+    else:
+      return None
+  return None
 
 
 def _spread_source(g: _graph.Graph, ref):
@@ -494,7 +575,7 @@ def _region(g: _graph.Graph, h: _Head, di: int, root: int, outvars: set) -> set:
   selects), the index arithmetic and one-hot nodes only the region reads, and values computed
   in it and never read (``jax.nn.logsumexp``'s sign)."""
   members = {g.producer[r][0] for table in h._tables() for r in table  # pylint: disable=protected-access
-             if r in g.producer} | h.label_nodes | {di}
+             if r in g.producer} | h.label_nodes | h.cap_nodes | {di}
   if h.bias is not None:
     members.update(h.bias[1])
   changed = True
@@ -535,9 +616,10 @@ def _per_token(g: _graph.Graph, h: _Head, o, xs: tuple) -> tuple | None:
   token of ``x``'s leading shape against labels of that shape, else None."""
   res = h.loss(h.rows[o])
   squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
-  if res is None or squeeze(g.avals[o].shape) != squeeze(xs[:-1]) or \
-      np.prod(g.avals[o].shape) != np.prod(xs[:-1]):
+  if res is None or np.prod(g.avals[o].shape) != np.prod(xs[:-1]):
     return None
+  if h.permuted and squeeze(g.avals[o].shape) != squeeze(xs[:-1]):
+    return None  # token axes moved: the losses are not in the tokens' order
   labels = h.labels
   if tuple(np.shape(labels.val) if isinstance(labels, Lit) else g.avals[labels].shape) \
       != xs[:-1]:
@@ -560,6 +642,12 @@ def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
     fold, why = None, ("a 16-bit weight (its float32 gradient accumulator would double the "
                        "gradient's memory)")
   return fold, why, head_w
+
+
+def _rounded_to(g: _graph.Graph, dot) -> str | None:
+  """The 16-bit dtype the matmul's logits come out in (the program rounds them), or None."""
+  dtype = jnp.dtype(g.avals[dot.outs[0]].dtype)
+  return dtype.name if dtype.itemsize < 4 else None
 
 
 _USED_ELSEWHERE = "its logits are also used elsewhere (a cross-entropy found, not replaced)"
@@ -597,7 +685,7 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       fold, why, head_w = _fold(g, o, w, nodes, outvars, taken, allow_fold)
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                                None if h.bias is None else h.bias[0], h.labels, vaxis, res[1],
-                               res[0], fold, why))
+                               res[0], fold, why, h.cap, _rounded_to(g, n)))
       taken.update(matches[-1].nodes)
       escaped = False
       break

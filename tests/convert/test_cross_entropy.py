@@ -43,6 +43,15 @@ FORMS = {
     "tied_embedding_masked": lambda x, w, b, y: jnp.sum(jnp.where(
         y > 3, optax.softmax_cross_entropy_with_integer_labels(x @ w.T.T, y), 0.0)) / jnp.sum(
             y > 3),
+    # Gemma 2 / Griffin: c * tanh(z / c) before the cross-entropy
+    "soft_capped": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
+        30.0 * jnp.tanh((x @ w + b) / 30.0), y).mean(),
+    # the label's logit by NumPy advanced indexing (a gather of positions and labels)
+    "advanced_index_flat": lambda x, w, b, y: (lambda z: jnp.mean(
+        jax.nn.logsumexp(z, -1) - z[jnp.arange(B * T), y.reshape(-1)]))(
+            (x @ w).reshape(-1, w.shape[1])),
+    "advanced_index_3d": lambda x, w, b, y: (lambda z: jnp.mean(
+        jax.nn.logsumexp(z, -1) - z[jnp.arange(B)[:, None], jnp.arange(T)[None, :], y]))(x @ w),
 }
 
 
@@ -247,3 +256,39 @@ def test_a_head_inside_a_scan_keeps_the_per_token_head():
   (form,) = inv.last_report.forms
   assert "per token" in form and "loop body" in form, form
   assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+
+
+def test_an_index_that_is_not_each_tokens_position_is_no_head():
+  """z[(arange + 1) % n, labels] picks another token's logit: not a cross-entropy."""
+  x, w, b, y = _inputs()
+
+  def f(x, w):
+    z = (x @ w).reshape(-1, V)
+    return jnp.mean(jax.nn.logsumexp(z, -1) - z[(jnp.arange(B * T) + 1) % (B * T), y.reshape(-1)])
+  inv = invact_jax.invert(f)
+  jax.grad(inv, argnums=(0, 1))(x, w)
+  assert "linear_cross_entropy" not in inv.last_report.replaced
+
+
+def test_the_head_keeps_the_programs_bfloat16_rounding_of_the_logits():
+  """The converted head rounds the logits (and adds the bias) in the dtype the program's
+  matmul produced them in: the loss within 1e-6 relative of the original's (the chunked
+  log-sum-exp's summation order); before, float32 logits moved it by ~7e-5."""
+  k = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(k[0], (4, 64, 32)).astype(jnp.bfloat16)
+  w = (jax.random.normal(k[1], (32, 500)) / 5).astype(jnp.bfloat16)
+  b = (jax.random.normal(k[2], (500,)) / 5).astype(jnp.bfloat16)
+  y = jax.random.randint(k[3], (4, 64), 0, 500)
+
+  def bias(x, w, b):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        (x @ w + b).astype(jnp.float32), y).mean()
+
+  def master(x, w):  # a float32 weight cast where used: the head reads the float32 weight
+    return optax.softmax_cross_entropy_with_integer_labels(
+        (x @ w.astype(jnp.bfloat16)).astype(jnp.float32), y).mean()
+  for f, args in ((bias, (x, w, b)), (master, (x, w.astype(jnp.float32)))):
+    inv = invact_jax.invert(f)
+    got, want = float(jax.jit(inv)(*args)), float(jax.jit(f)(*args))
+    assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)

@@ -677,3 +677,25 @@ def test_numpy_outputs_keep_their_dtype():
   f = lambda x: (jnp.sum(jax.nn.gelu(x)), np.arange(3, dtype=np.float64))  # noqa: E731
   _, const = invact_jax.invert(f)(jnp.ones(4))
   assert isinstance(const, np.ndarray) and const.dtype == np.float64
+
+
+def test_closed_over_constants_of_any_dtype_pass_through():
+  """A PRNG key the loss closes over (hk.transform's apply: fold_in and split of a constant
+  key), integer and boolean constants: conversion leaves them as they are (a key folded like
+  a number raised a TypeError)."""
+  key, table, flags = jax.random.key(0), jnp.arange(16), jnp.arange(16) % 3 == 0
+
+  def loss(w, x):
+    h = x @ w
+    m = jnp.mean(h, -1, keepdims=True)
+    h = (h - m) * jax.lax.rsqrt(jnp.mean((h - m) ** 2, -1, keepdims=True) + 1e-5)
+    k1, k2 = jax.random.split(jax.random.fold_in(key, 3))
+    keep = jax.random.bernoulli(k1, 0.9, h.shape) & flags & (table[None] < 12)
+    return jnp.sum(jnp.where(keep, jax.nn.gelu(h), 0.0)) + jax.random.uniform(k2)
+  w = jax.random.normal(jax.random.key(1), (8, 16))
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+  inv = invact_jax.invert(loss)
+  np.testing.assert_array_equal(jax.jit(inv)(w, x), jax.jit(loss)(w, x))
+  g = jax.jit(jax.grad(inv))(w, x)
+  assert inv.last_report.replaced == {"gelu": 1, "layer_norm": 1}, inv.last_report
+  assert_at_float32_floor(loss, (w, x), g)

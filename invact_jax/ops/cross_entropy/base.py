@@ -68,6 +68,9 @@ class Options:
       gradient ("forward": a tile holds its tokens' logits over the whole vocabulary).
     gradients: ``"forward"`` (computed with the loss, :mod:`.in_forward`; scalar losses) or
       ``"backward"`` (the backward recomputes the logits, this module).
+    logits_dtype: the dtype the logits (and the bias added to them) are rounded to before
+      the loss, as the program :func:`invact_jax.invert` replaced did (its matmul's output
+      dtype); None: float32 throughout.
   """
   vocab_axis: int
   reduction: str
@@ -78,6 +81,7 @@ class Options:
   chunk_size: int
   vocab_chunk_size: int
   gradients: str = "backward"
+  logits_dtype: str | None = None
 
 
 def _token_tile(tokens: int, limit: int) -> int:
@@ -115,10 +119,16 @@ def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
 
 # ------------------------------------------------------------------------ the formula
 def _logits(x, w, b, opts: Options, cd):
-  """``x @ w (+ b)`` in ``cd`` (float32 accumulation), soft-capped: ``(z, raw / cap)``."""
+  """``x @ w (+ b)`` in ``cd`` (float32 accumulation; rounded to ``opts.logits_dtype`` first
+  where the program it replaces rounded them), soft-capped: ``(z, raw / cap)``."""
   contract = (1,) if opts.vocab_axis == 0 else (0,)
   z = jax.lax.dot_general(x, w, (((1,), contract), ((), ())), preferred_element_type=cd)
-  if b is not None:
+  if opts.logits_dtype is not None:
+    z = z.astype(opts.logits_dtype)
+    if b is not None:
+      z = z + b.astype(opts.logits_dtype)
+    z = z.astype(cd)
+  elif b is not None:
     z = z + b.astype(cd)
   t = None
   if opts.logit_soft_cap is not None:
