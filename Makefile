@@ -18,10 +18,13 @@ test: $(VENV)/.installed
 gpu-report:
 	PYTHONPATH=. $(PYTHON) scripts/gpu_report.py $(ARGS)
 
-$(VENV)/.installed: pyproject.toml
+# keras-hub (its backbones, for the conversion's tests) goes in without the TensorFlow its
+# tokenizers need (pip extras cannot say --no-deps), at the versions keras-hub pins itself.
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps keras-hub==0.32.0 kagglehub==1.0.3 kagglesdk==0.1.28
 	$(BIN)/python -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'invact_jax_checkout.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
 	touch $@
 

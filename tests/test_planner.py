@@ -589,15 +589,19 @@ def test_profiles_any_iterable_budgets_beyond_any_peak_and_one_name_per_configur
 
 
 def test_a_budget_the_plan_keeping_nothing_fits_always_gets_a_plan(monkeypatch):
-  """When the re-solve rounds end below every plan, the plans keeping nothing are compiled:
-  one that fits is returned; the error, when none does, names the least compiled temp."""
-  from models.experiments import plan_profiles
-  from models import vit
-  cfg = vit.PRESETS["digits"].replace(depth=2, scan_layers=True)
-  profiles = plan_profiles.profile(cfg, 8, configurations=("standard",))
-  least = plan_profiles.least_temp(cfg, 8, ("standard",))
-  monkeypatch.setattr(plan_profiles, "_fit_rounds", lambda *a, **k: None)  # every round fails
-  plan, m = plan_profiles.plan_for_budget(cfg, 8, least, profiles)
-  assert plan.keep == ((),) * cfg.depth and m.compiled_temp_bytes <= least
-  with pytest.raises(planner.InfeasibleBudget, match=f"is {least:,} bytes"):
-    plan_profiles.plan_for_budget(cfg, 8, least - 1, profiles)
+  """When the re-solve rounds end below every plan (plans compile far above their prediction),
+  the plans keeping nothing are compiled: one that fits is returned; the error, when none
+  does, names the least compiled temp."""
+  def measure(cfg, batch, configuration, keep, *, seq_len=128):
+    keep = tuple(keep) if len(keep) == PROFILE.depth else tuple(keep) * PROFILE.depth
+    kept = any(keep)  # keeping anything compiles 3x its prediction; nothing, as predicted
+    return planning.Measured(int(PROFILE.peak(keep) * (3 if kept else 1)), 0.0)
+  monkeypatch.setattr(planning, "measure", measure)
+  least = PROFILE.peak(((),) * PROFILE.depth)
+  budget = least + 100  # the predicted plans keep tags; compiled, none of those fits
+  plan, m = planning.plan_for_budget(None, 8, budget, [PROFILE])
+  assert plan.keep == ((),) * PROFILE.depth and m.compiled_temp_bytes == least
+  assert plan.budget == budget
+  monkeypatch.setattr(planning, "measure", lambda *a, **k: planning.Measured(10 ** 6, 0.0))
+  with pytest.raises(planner.InfeasibleBudget, match="is 1,000,000 bytes"):
+    planning.plan_for_budget(None, 8, budget, [PROFILE])

@@ -19,6 +19,7 @@ from invact_jax.convert import _graph
 from invact_jax.convert import _report
 from invact_jax.convert import _rule
 from invact_jax.convert._graph import Lit
+from invact_jax.convert._rule_deferred_softmax import DeferredSoftmaxRule
 from invact_jax.convert._rule_forms import FormRule
 from invact_jax.convert._rule_head import HeadRule
 from invact_jax.convert._rule_norm import NormRule
@@ -28,7 +29,8 @@ __all__ = ["RULES", "candidates", "kinds", "Options", "Found", "find", "plan", "
            "options_for_analysis"]
 
 #: The recognizers in claim order: a node claimed by one is not offered to the next.
-RULES: tuple[_rule.Rule, ...] = (HeadRule(), NormRule(), SoftmaxRule(), FormRule())
+RULES: tuple[_rule.Rule, ...] = (HeadRule(), NormRule(), SoftmaxRule(), DeferredSoftmaxRule(),
+                                 FormRule())
 
 
 def candidates() -> dict[str, str]:
@@ -38,7 +40,7 @@ def candidates() -> dict[str, str]:
 
 def kinds() -> tuple[str, ...]:
   """The names ``invert(only=...)`` takes besides the activations' (the other rules')."""
-  return tuple(p for r in RULES if r.kind != "form" for p in r.publics)
+  return tuple(dict.fromkeys(p for r in RULES if r.kind != "form" for p in r.publics))
 
 
 @dataclasses.dataclass

@@ -39,8 +39,9 @@ def test_dry_run_fills_every_section(dry_report):
       group["peaks"]["standard"]["compiled_temp_bytes"]
   assert set(group["step_time_s"]) == {"standard", "inverted-all"}
   fr = report["frontier"]
-  assert {r["model"] for r in fr["rows"]} == {"dry-llama", "dry-llama3"}
-  rows = [r for r in fr["rows"] if r["framework"] == "jax" and r["model"] == "dry-llama"]
+  assert {r["model"] for r in fr["rows"]} == {"dry-llama3"}
+  rows = [r for r in fr["rows"] if r["framework"] == "jax" and r["head"] != "tokamax"
+          and not r["configuration"].startswith("plan")]
   assert {(r["configuration"], r["invact"]) for r in rows} == {
       (c, i) for c in ("default", "full", "dots_no_batch") for i in (False, True)}
   assert all(r["activation_bytes"] > 0 and r["step_ms"] > 0 for r in rows), rows
