@@ -40,8 +40,12 @@ def main(argv=None) -> int:
                  help="also invact_jax with these tiles: gradients in the forward (TOKENS per "
                       "chunk, VOCAB per weight-gradient update) or, after backward:, the "
                       "recomputing backward's tiles")
-  p.add_argument("--json", help="also write the rows here")
+  p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
+  why = lm_head.too_large(a.tokens, a.d, a.vocab)
+  if why:
+    print(f"error: --tokens/--d/--vocab: {why}", file=sys.stderr)
+    return 2
   rows = lm_head.rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats, tiles=a.tiles)
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "tokens": a.tokens, "d": a.d, "vocab": a.vocab, "repeats": a.repeats,

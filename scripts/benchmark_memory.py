@@ -26,7 +26,7 @@ def main(argv=None) -> int:
   p.add_argument("--models", default="vit-b16,bert-base,gpt2,llama-small")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--batches", default="8")
-  p.add_argument("--seq-len", type=int, default=512, help="text models")
+  p.add_argument("--seq-len", type=cli.positive_int, default=512, help="text models")
   p.add_argument("--activations", default="preset",
                  help="comma list of registry activations to sweep (e.g. gelu_tanh,gelu_erf,silu) or "
                       "'preset'")
@@ -35,9 +35,15 @@ def main(argv=None) -> int:
   p.add_argument("--dropout", type=float, default=None,
                  help="override the presets' dropout rate (e.g. 0.1)")
   p.add_argument("--unrolled", action="store_true", help="unrolled layers instead of lax.scan")
-  p.add_argument("--time", type=int, default=0, help="timed steps per row (0: no timing)")
-  p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "memory")
+  p.add_argument("--time", type=cli.nonnegative_int, default=0,
+                 help="timed steps per row (0: no timing)")
+  p.add_argument("--out", type=cli.output_file, default=ROOT / "bench" / "memory",
+                 help="path prefix of the .json, .md and .png written")
   args = p.parse_args(argv)
+  why = _check(args)
+  if why:
+    print(f"error: {why}", file=sys.stderr)
+    return 2
   for m in args.models.split(","):
     if m not in benchmark.MODELS:
       print(f"error: unknown model {m!r}; choose from {sorted(benchmark.MODELS)}", file=sys.stderr)
@@ -69,6 +75,26 @@ def main(argv=None) -> int:
   _plot(rows, args.out.with_suffix(".png"))
   print(f"\nwrote {args.out.with_suffix('.json')}, .md, .png")
   return 0
+
+
+def _check(args) -> str | None:
+  """Why the options cannot run (one line), before any work; None if they can."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.activations import registry  # pylint: disable=import-outside-toplevel
+  for d in args.dtypes.split(","):
+    if d not in ("bfloat16", "float16", "float32", "float64"):
+      return f"--dtypes: unknown dtype {d!r}; choose from bfloat16, float16, float32, float64"
+    if d == "float64" and not jax.config.jax_enable_x64:
+      return "--dtypes: float64 needs JAX_ENABLE_X64=1 (without it JAX computes in float32)"
+  for b in args.batches.split(","):
+    if not b.isdigit() or int(b) < 1:
+      return f"--batches: {b!r} is not a positive integer"
+  for a in args.activations.split(","):
+    if a != "preset" and a not in registry.ACTIVATIONS:
+      return f"--activations: unknown activation {a!r}; choose from {sorted(registry.ACTIVATIONS)}"
+  if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+    return f"--dropout must be in [0, 1), got {args.dropout}"
+  return None
 
 
 def _plot(rows, path):

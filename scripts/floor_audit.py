@@ -90,7 +90,7 @@ def main(argv=None) -> int:
   p.add_argument("--models", nargs="*", default=list(PROJECT_MODELS), choices=PROJECT_MODELS)
   p.add_argument("--third-party", nargs="*", default=list(third_party.ALL_MODELS),
                  choices=third_party.ALL_MODELS)
-  p.add_argument("--json", help="also write the rows here")
+  p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
   warnings.filterwarnings("ignore", message=".*Transformers v5.*")
   names = third_party.installed(a.third_party)

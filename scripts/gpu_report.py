@@ -39,8 +39,12 @@ def write_docs(paths, doc_path: pathlib.Path) -> int:
     if not p.is_file():
       print(f"error: --docs: no such file {str(p)!r}", file=sys.stderr)
       return 2
-  parts = [gpu_report.markdown(json.loads(p.read_text()))
-           for p in gpu_report.newest_per_section(paths)]
+  try:
+    parts = [gpu_report.markdown(json.loads(p.read_text()))
+             for p in gpu_report.newest_per_section(paths)]
+  except (ValueError, KeyError, TypeError, AttributeError) as e:  # not a GPU report's JSON
+    print(f"error: --docs: not a GPU report JSON ({type(e).__name__}: {e})", file=sys.stderr)
+    return 2
   text = doc_path.read_text()
   if BEGIN not in text or END not in text:
     print(f"error: {doc_path} has no {BEGIN} ... {END} block", file=sys.stderr)
@@ -59,7 +63,8 @@ def main(argv=None) -> int:
   p.add_argument("--stacks", default=None,
                  help="frontier: comma list of stacks (default: llama3-1b,llama3-8b,llama,gpt2-medium,vit-l16)")
   p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: exercise every path")
-  p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget, seconds")
+  p.add_argument("--budget-s", type=cli.positive_float, default=480.0,
+                 help="wall-clock budget, seconds")
   p.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench")
   p.add_argument("--docs", type=pathlib.Path, nargs="+", default=None,
                  help="regenerate docs/gpu-report.md's report block from these report JSONs "
@@ -83,9 +88,6 @@ def main(argv=None) -> int:
   if args.stacks and any(s not in frontier.STACKS for s in args.stacks):
     print(f"error: --stacks: unknown {[s for s in args.stacks if s not in frontier.STACKS]}; "
           f"choose from {list(frontier.STACKS)}", file=sys.stderr)
-    return 2
-  if args.budget_s <= 0:
-    print("error: --budget-s must be positive", file=sys.stderr)
     return 2
   import jax  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() == "gpu"

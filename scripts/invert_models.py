@@ -69,7 +69,7 @@ def main(argv=None) -> int:
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--fallback", choices=("temp",),
                  help="invert's fallback: leave alone the sites that raise the compiled temp")
-  p.add_argument("--json", help="also write the rows here")
+  p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
   warnings.filterwarnings("ignore", message=".*Transformers v5.*")
   models = third_party.installed(a.models)

@@ -17,6 +17,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import pathlib
 import subprocess
 import sys
 import types
@@ -153,6 +155,32 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
   """An argparse ``type``: an integer >= 0."""
   return _int_at_least(text, 0)
+
+
+def positive_float(text: str) -> float:
+  """An argparse ``type``: a finite number > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+  return value
+
+
+def output_file(text: str) -> pathlib.Path:
+  """An argparse ``type``: a file path the script can write (its directory exists and is
+  writable, it is not a directory, an existing file is writable) — checked before any work,
+  so that nothing is measured and then lost."""
+  path = pathlib.Path(text)
+  folder = path.parent if str(path.parent) else pathlib.Path(".")
+  if path.is_dir():
+    raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+  if not folder.is_dir():
+    raise argparse.ArgumentTypeError(f"the directory {str(folder)!r} does not exist")
+  if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+  return path
 
 
 def error_row(e: BaseException, **fields) -> dict:

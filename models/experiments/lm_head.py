@@ -33,7 +33,7 @@ import optax
 import invact_jax
 
 __all__ = ["Head", "VARIANTS", "make_head", "compile_step", "rows", "torch_rows",
-           "tile_variants", "parse_tile"]
+           "tile_variants", "parse_tile", "too_large", "device_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,30 @@ def _tokamax(implementation: str) -> Callable | None:
   def loss(x, w, labels):
     return fn(x, labels, w, reduction="mean", implementation=implementation)
   return loss
+
+
+def device_bytes() -> int:
+  """The memory the benchmark's device has: the allocator's limit on a GPU, the machine's
+  RAM on a CPU."""
+  import os  # pylint: disable=import-outside-toplevel
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def too_large(tokens: int, d: int, vocab: int) -> str | None:
+  """Why a head of this shape cannot be benchmarked here (each axis below 2**31; the plain
+  head's float32 logits, their gradient and the float64 reference's gradients within the
+  device's memory), else None."""
+  if max(tokens, d, vocab) >= 2**31:
+    return f"each must be below 2**31, got {tokens} x {d} x {vocab}"
+  need = 3 * 4 * tokens * vocab + 8 * (tokens + vocab) * d
+  have = device_bytes()
+  if need > have:
+    return (f"the plain head at {tokens} x {d} x {vocab} needs about {need / 2**30:,.1f} GiB "
+            f"(float32 logits and their gradient); this device has {have / 2**30:,.1f} GiB")
+  return None
 
 
 def parse_tile(text: str) -> tuple[str, int, int]:
