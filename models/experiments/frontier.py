@@ -855,7 +855,8 @@ def earlier_rows(out_dir, device: str) -> list[dict]:
 def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.inf,
         stacks=None, progress: Callable[[str], None] = lambda _: None) -> dict:
   """The frontier section: rows for :data:`GPU_STACKS` (``dry``: :data:`DRY_STACKS`, three
-  policies, in this process), continuing from the device's newest frontier JSON in
+  policies, no plans — tests/experiments/test_frontier.py runs those —, in this process),
+  continuing from the device's newest frontier JSON in
   ``out_dir`` (its rows carried over), their Pareto front, ``frontier_<device>_<date>.json``
   (``device``, ``rows``), ``.md`` and ``.png`` in ``out_dir``."""
   import pathlib  # pylint: disable=import-outside-toplevel
@@ -865,7 +866,7 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
                    policies=["none", "full", "dots_no_batch"] if dry else None,
                    repeats=2 if dry else 7, in_process=dry,
                    torch_variants=("eager", "checkpoint") if dry else None,
-                   deadline=deadline, progress=progress, date=date,
+                   deadline=deadline, progress=progress, date=date, plans=not dry,
                    done=() if dry else earlier_rows(out_dir, device)))
   out = pathlib.Path(out_dir) / f"frontier_{re.sub(r'[^a-z0-9]+', '-', device.lower())}_{date}"
   out.parent.mkdir(parents=True, exist_ok=True)
