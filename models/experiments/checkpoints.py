@@ -4,8 +4,9 @@ Orbax (TensorStore's OCDBT files) records no checksum of the arrays it writes: a
 in a data file is restored without a word.  So every save records, beside the checkpoint, two
 32-bit sums of every array's bits (``checksums/<step>.json`` in the run directory: the plain
 sum of its 32-bit words, which changes with any single flipped bit, and their sum weighted by
-odd position factors, which also changes when words move), computed on the device by a
-jitted reduction (exact integer arithmetic, so the same on every process and every sharding).
+odd position factors, which also changes when words move), in exact integer arithmetic: on
+the host where the state is whole in one process, else on the device by a jitted reduction
+(the same words and sums: the same on every process and every sharding).
 A resume restores the newest checkpoint whose arrays read and whose sums match; one that does
 not (unreadable, torn, truncated, corrupted, its sums missing) is set aside as
 ``<step>.corrupt`` with one warning line naming why, and the one before it is tried.  Nothing
@@ -80,12 +81,39 @@ def _sums(leaves):
   return out
 
 
+def _host_words(a: np.ndarray) -> np.ndarray:
+  """:func:`_words` in NumPy (the same words in the same order)."""
+  if a.dtype == np.bool_:
+    return a.astype(np.uint32).reshape(-1)
+  flat = np.ascontiguousarray(a).reshape(-1)
+  size = a.dtype.itemsize
+  if size in (4, 8):
+    return flat.view(np.uint32)
+  return (flat.view(np.uint16) if size == 2 else flat.view(np.uint8)).astype(np.uint32)
+
+
+def _host_sums(a: np.ndarray) -> np.ndarray:
+  w = _host_words(a)
+  odd = 2 * np.arange(w.size, dtype=np.uint32) + 1
+  return np.array([np.sum(w, dtype=np.uint32), np.sum(w * odd, dtype=np.uint32)])
+
+
+def _addressable(v) -> bool:
+  return not isinstance(v, jax.Array) or v.is_fully_addressable
+
+
 def checksums(tree) -> dict[str, list[int]]:
-  """Per array of ``tree`` (by its key path), its two 32-bit sums."""
+  """Per array of ``tree`` (by its key path), its two 32-bit sums: computed on the host where
+  every array is whole in this process (no compile), else on the device (a global, exact
+  reduction: the same on every process)."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  sums = _sums([v for _, v in flat])
-  return {jax.tree_util.keystr(k): [int(v) for v in np.asarray(s)]
-          for (k, _), s in zip(flat, sums)}
+  leaves = [jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)
+            else v for _, v in flat]
+  if all(_addressable(v) for v in leaves):
+    sums = [_host_sums(np.asarray(v)) for v in leaves]
+  else:
+    sums = [np.asarray(x) for x in _sums(leaves)]
+  return {jax.tree_util.keystr(k): [int(v) for v in x] for (k, _), x in zip(flat, sums)}
 
 
 def _path(workdir: pathlib.Path, step: int) -> pathlib.Path:
