@@ -7,14 +7,19 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: train test gpu-report clean
+.PHONY: train test gpu-test gpu-report clean
 train: $(VENV)/.installed
 	$(BIN)/python scripts/train_vit.py $(ARGS)
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist loadfile README.md docs invact_jax pallas_kernels models tests $(ARGS)
 
-# On a GPU machine with JAX installed (no downloads needed): every GPU figure, ~8 minutes.
+# On a GPU machine with JAX installed (no downloads needed): the tests that exercise the device
+# (ops, memory, models; the compiled kernels run only there), then every GPU figure.
+gpu-test:
+	PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON) -m pytest -m gpu -n 12 tests $(ARGS)
+
+# Every GPU figure, ~8 minutes.
 gpu-report:
 	PYTHONPATH=. $(PYTHON) scripts/gpu_report.py $(ARGS)
 

@@ -47,7 +47,7 @@ os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "16")
 # from fresh closures).  A new directory per run, removed at the end, so nothing carries over
 # between runs; one per worker, because JAX writes entries without a lock when the cache has no
 # size limit (so the two processes of a multi-process test each get a directory of their own:
-# tests/experiments/test_distributed.py).  Every compilation is kept, however short: a script
+# tests/training/test_distributed.py).  Every compilation is kept, however short: a script
 # the tests start compiles ~60 small programs (parameter initialisation, optimizer set-up) that
 # took 1.8 s of its 8.4 s when each launch compiled them again.  A cache directory the user set
 # is left alone.
@@ -105,14 +105,30 @@ def pytest_pyfunc_call(pyfuncitem):
 
 # The longest files first: pytest-xdist (``--dist loadfile``) hands files out in collection
 # order, so a long file collected last runs alone at the end while the other worker idles.
-# Measured per-file times, 2 cores, 2026-11-25 (``--junitxml`` of ``make test``).
-_LONG_FILES = ("tests/experiments/test_distributed.py", "tests/experiments/test_training.py",
+# Ordered by measured per-file time, 2 cores, 2026-11-26 (``--junitxml`` of ``make test``).
+_LONG_FILES = ("tests/training/test_distributed.py", "tests/training/test_training.py",
                "tests/ops/activations/test_pallas.py", "tests/test_planner.py",
-               "tests/ops/activations/test_xla.py", "tests/models/test_models.py",
-               "tests/ops/activations/test_triton.py", "tests/convert/test_third_party.py",
-               "tests/experiments/test_parity.py", "tests/experiments/test_gpu_report.py")
+               "tests/convert/test_keras_penzai.py", "tests/models/test_models.py",
+               "tests/convert/test_attributes.py", "tests/ops/activations/test_triton.py",
+               "tests/ops/activations/test_xla.py", "tests/benchmarks/test_gpu_report.py",
+               "tests/convert/test_program.py", "tests/convert/test_fusion.py",
+               "tests/benchmarks/test_frontier.py", "tests/convert/test_third_party.py",
+               "tests/benchmarks/test_parity.py", "tests/ops/test_cross_entropy.py",
+               "tests/training/test_training_cli.py", "tests/ops/activations/test_fits.py",
+               "tests/convert/test_cross_entropy.py", "tests/training/test_checkpoints.py")
+
+
+# ``pytest -m gpu`` (``make gpu-test`` on a GPU machine): the tests whose outcome depends on the
+# device -- the ops (compiled kernels run only on a GPU), memory and the models -- less the
+# interpret-mode classes (CPU stand-ins for the kernels) and the slow ones.
+_DEVICE_PATHS = ("tests/ops/", "tests/test_memory.py", "tests/models/")
 
 
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  import pytest
+  for item in items:
+    if (item.nodeid.startswith(_DEVICE_PATHS) and "Interpret" not in item.nodeid
+        and item.get_closest_marker("slow") is None):
+      item.add_marker(pytest.mark.gpu)
   rank = {f: i for i, f in enumerate(_LONG_FILES)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

@@ -20,14 +20,28 @@ _SHIFTS = np.arange(8, dtype=np.uint8)
 
 
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-  """Shape of the packed mask for an array of ``shape``."""
+  """Shape of the packed mask for an array of ``shape``.
+
+  Args:
+    shape: the boolean array's shape.
+
+  Returns:
+    ``shape`` with its last axis ``ceil(n / 8)``.
+  """
   if len(shape) == 0:
     return (1,)
   return (*shape[:-1], math.ceil(shape[-1] / 8))
 
 
 def pack_bits(bits: jnp.ndarray) -> jnp.ndarray:
-  """Packs a boolean array along its last axis into uint8 (see module doc)."""
+  """Packs a boolean array along its last axis into uint8 (see module doc).
+
+  Args:
+    bits: boolean array [..., n].
+
+  Returns:
+    uint8 array [..., ceil(n / 8)]: bit ``k`` of byte ``j`` holds element ``8j + k``.
+  """
   if bits.ndim == 0:
     bits = bits.reshape(1)
   n = bits.shape[-1]
@@ -39,7 +53,15 @@ def pack_bits(bits: jnp.ndarray) -> jnp.ndarray:
 
 
 def unpack_bits(packed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
-  """Inverse of :func:`pack_bits` for an original array of ``shape``."""
+  """Inverse of :func:`pack_bits` for an original array of ``shape``.
+
+  Args:
+    packed: uint8 array from :func:`pack_bits`.
+    shape: the original boolean array's shape.
+
+  Returns:
+    The boolean array of ``shape``.
+  """
   if packed.shape != packed_shape(tuple(shape)):
     raise ValueError(f"packed mask of shape {packed.shape} does not match an array of shape "
                      f"{tuple(shape)} (expected {packed_shape(tuple(shape))})")

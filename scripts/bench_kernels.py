@@ -12,20 +12,14 @@ bandwidth; without one, Pallas runs in interpret mode (correctness only, its tim
 nothing) and is left out unless named.  Prints a markdown table and writes JSON
 (default bench/kernels.json) with the device, JAX version and date.
 """
-from __future__ import annotations
-
-import datetime
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from models import cli
+from models.benchmarks import op_speed
 
 
 def main(argv=None) -> int:
-  import jax  # pylint: disable=import-outside-toplevel
-  from invact_jax.ops.activations import registry  # pylint: disable=import-outside-toplevel
-  from models.experiments import op_speed  # pylint: disable=import-outside-toplevel
-  from models.experiments import cli  # pylint: disable=import-outside-toplevel
   p = cli.parser(__doc__)
   p.add_argument("--activations", default="gelu_tanh,gelu_erf,silu")
   p.add_argument("--min-log2", type=int, default=20)
@@ -51,76 +45,7 @@ def main(argv=None) -> int:
                  help="JSON path (default bench/kernels.json, bench/activation_cost.json or "
                  "bench/activation_cost_split.json)")
   args = p.parse_args(argv)
-  on_gpu = jax.default_backend() == "gpu"
-  impls = (args.implementations.split(",") if args.implementations
-           else ["xla", "pallas"] if on_gpu else ["xla"])
-  for a in args.activations.split(","):
-    if a not in registry.ACTIVATIONS:
-      print(f"error: unknown activation {a!r}; choose from {sorted(registry.ACTIVATIONS)}",
-            file=sys.stderr)
-      return 2
-    if args.cost_split and not registry.ACTIVATIONS[a].nonmonotone:
-      print(f"error: --cost-split times a fitted backward; --activations {a!r} has none (choose "
-            f"from {sorted(n for n, e in registry.ACTIVATIONS.items() if e.nonmonotone)})",
-            file=sys.stderr)
-      return 2
-  if not 3 <= args.min_log2 <= args.max_log2:
-    print("error: need 3 <= --min-log2 <= --max-log2", file=sys.stderr)
-    return 2
-  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-  meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-          "command": " ".join(sys.argv)}
-  if args.cost:
-    return _cost(args, meta, op_speed, tqdm)
-  if args.cost_split:
-    return _cost_split(args, meta, op_speed, tqdm)
-  args.out = args.out or ROOT / "bench" / "kernels.json"
-  sizes = [1 << k for k in range(args.min_log2, args.max_log2 + 1)]
-  rows = []
-  with tqdm(desc="bench", unit="row") as bar:
-    def progress(msg):
-      bar.set_postfix_str(msg)
-      bar.update()
-    for a in args.activations.split(","):
-      rows += op_speed.measure(activation=a, sizes=sizes, dtypes=args.dtypes.split(","),
-                                   implementations=impls, repeats=args.repeats,
-                                   inner=args.inner or (10 if on_gpu else 1),
-                                   progress=progress)
-  print(op_speed.table(rows))
-  op_speed.write_report(args.out, meta, [r.as_dict() for r in rows])
-  return 0
-
-
-def _cost(args, meta, op_speed, tqdm) -> int:
-  names = args.activations.split(",")
-  with tqdm(total=len(names) * len(args.dtypes.split(",")), desc="cost", unit="row") as bar:
-    def progress(msg):
-      bar.set_postfix_str(msg)
-      bar.update()
-    rows = op_speed.cpu_rows(names, args.dtypes.split(","), elements=args.elements,
-                             rounds=args.repeats, progress=progress)
-  return _write_table(args.out or ROOT / "bench" / "activation_cost.json", meta, rows,
-                      op_speed.cpu_table(rows), op_speed)
-
-
-def _cost_split(args, meta, op_speed, tqdm) -> int:
-  names = args.activations.split(",")
-  rows = []
-  for name in tqdm(names, desc="cost split", unit="activation"):
-    for dt in args.dtypes.split(","):
-      rows += op_speed.cost_split(name, dt, elements=args.elements, rounds=args.repeats)
-  return _write_table(args.out or ROOT / "bench" / "activation_cost_split.json", meta, rows,
-                      op_speed.split_table(rows), op_speed)
-
-
-def _write_table(out, meta, rows, md, op_speed) -> int:
-  """Print ``md`` and write ``out`` (JSON) and its .md with the device/versions/command line."""
-  print(md)
-  op_speed.write_report(out, meta, rows, md,
-                        f"{meta['platform']} ({meta['device']}), JAX {meta['jax']}, "
-                        f"{meta['date']}; `{meta['command']}`")
-  return 0
+  return op_speed.benchmark(args)
 
 
 if __name__ == "__main__":

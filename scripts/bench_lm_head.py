@@ -10,24 +10,16 @@ process, the steps timed interleaved.
 Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
 (on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
 
-See models/experiments/lm_head.py.
+See models/benchmarks/lm_head.py.
 """
-from __future__ import annotations
-
-import datetime
-import json
-import os
 import sys
 
-# PyTorch's rows (where torch is importable) run in child processes on the same device.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-import jax  # pylint: disable=wrong-import-position
-
-from models.experiments import cli  # pylint: disable=wrong-import-position
-from models.experiments import lm_head  # pylint: disable=wrong-import-position
+from models import cli
+from models.benchmarks import lm_head
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   p = cli.parser(__doc__)
   p.add_argument("--tokens", type=cli.positive_int, default=2048)
   p.add_argument("--d", type=cli.positive_int, default=256)
@@ -42,22 +34,7 @@ def main(argv=None) -> int:
                       "recomputing backward's tiles")
   p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
-  why = lm_head.too_large(a.tokens, a.d, a.vocab)
-  if why:
-    print(f"error: --tokens/--d/--vocab: {why}", file=sys.stderr)
-    return 2
-  rows = lm_head.rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats, tiles=a.tiles)
-  meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-          "tokens": a.tokens, "d": a.d, "vocab": a.vocab, "repeats": a.repeats,
-          "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
-          "command": "python scripts/bench_lm_head.py " + " ".join(argv or sys.argv[1:])}
-  print(f"JAX {meta['jax']}, {meta['device']}, Python {meta['python']}, N={a.tokens} "
-        f"d={a.d} V={a.vocab}, median of {a.repeats}, {meta['date']}")
-  print(lm_head.table(rows))
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump({"meta": meta, "rows": rows}, f, indent=1)
-  return 0
+  return lm_head.run(a, argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ the committed benchmarks; docs/ holds the topic pages (their examples run as doc
 import pathlib
 import re
 
-from models.experiments import headline
+from models.benchmarks import headline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -35,7 +35,7 @@ def test_one_example_per_entry_point():
 
 
 def test_lm_head_tables_are_generated_from_the_committed_benchmarks():
-  from models.experiments import lm_head  # pylint: disable=import-outside-toplevel
+  from models.benchmarks import lm_head  # pylint: disable=import-outside-toplevel
   page = (ROOT / "docs" / "lm-head.md").read_text()
   assert len(lm_head.DOCS_BLOCK.findall(page)) >= 2
-  assert page == lm_head.render_docs(page, ROOT), "python -m models.experiments.lm_head"
+  assert page == lm_head.render_docs(page, ROOT), "python -m models.benchmarks.lm_head"

@@ -43,19 +43,22 @@ def _imports(path):
 
 
 def test_import_arrows_point_down():
-  """scripts -> models.experiments -> models -> invact_jax -> pallas_kernels, never back."""
+  """scripts -> models.benchmarks -> models.training -> models -> invact_jax -> pallas_kernels,
+  never back."""
   forbidden = {"pallas_kernels": ("invact_jax", "models"), "invact_jax": ("models",),
-               "models": ("models.experiments",)}
+               "models": ("models.training", "models.benchmarks"),
+               "models/training": ("models.benchmarks",)}
   for pkg, above in forbidden.items():
     for path in (ROOT / pkg).rglob("*.py"):
-      if pkg == "models" and "experiments" in path.parts:
+      if pkg == "models" and {"training", "benchmarks"} & set(path.relative_to(ROOT / pkg).parts):
         continue
       for mod in _imports(path):
         assert not any(mod == a or mod.startswith(a + ".") for a in above), (path, mod)
 
 
 def test_no_private_names_across_modules():
-  pattern = re.compile(r"\b(?:benchmark|training|planning|op_speed|model_memory|trainer)\._[a-z]\w*")
+  pattern = re.compile(r"\b(?:benchmark|training|planning|op_speed|model_memory|trainer|trainer_lib|"
+                       r"run_dir|loop|config|errors|checkpoints|data_lib|child|presets)\._[a-z]\w*")
   for path in list((ROOT / "models").rglob("*.py")) + list((ROOT / "scripts").glob("*.py")):
     assert not pattern.findall(path.read_text()), path
 

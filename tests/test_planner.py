@@ -12,8 +12,9 @@ from flax import nnx
 
 from invact_jax import memory, planner
 from models import options, vit
-from models.experiments import model_memory as benchmark
-from models.experiments import plan_profiles as planning
+from models import presets
+from models.benchmarks import model_memory as benchmark
+from models import planning
 import tests
 from tests import load_script
 
@@ -279,7 +280,7 @@ def test_runs_compile_to_their_largest_phase():
 def frontier():
   # One configuration and the tags of the fixed policies except "nothing", to keep CI short; the
   # script profiles every tag and both configurations.
-  cfg = benchmark.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
+  cfg = presets.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
                                num_classes=5, hidden=32, depth=4, heads=4, mlp_dim=128)
   tags = planning.FIXED_POLICIES["minimal"]
   profiles = planning.profile(cfg, 8, configurations=("inverted",), tags=tags)
@@ -315,7 +316,7 @@ def test_frontier_beats_or_matches_fixed_policies(frontier):
 
 
 def test_every_configuration_compiles_under_a_plan():
-  cfg = benchmark.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
+  cfg = presets.model_config("vit-b16", image_size=16, patch_size=4, channels=3,
                                num_classes=5, hidden=32, depth=2, heads=4, mlp_dim=64)
   temps = {v: planning.measure(cfg, 2, v, (("query", "mlp_pre"),)).compiled_temp_bytes
            for v in planning.PLANNED_CONFIGURATIONS}
@@ -326,7 +327,7 @@ def test_every_configuration_compiles_under_a_plan():
 
 def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
   import json
-  from models.experiments import plan_memory as script
+  script = load_script("plan_memory")
   _, _, _, fr = frontier
   saved = tmp_path / "frontier.json"
   saved.write_text(json.dumps({"meta": {}, "results": {"tiny-vit": fr}}, default=list))
@@ -367,10 +368,8 @@ SMALL_VIT = dict(image_size=16, patch_size=4, channels=3, num_classes=5, hidden=
 
 def test_device_peak_check(monkeypatch, capsys):
   """GPU-side verification: allocator peak per plan, one child process per row."""
-  import json
-  import subprocess
   import types
-  cfg = benchmark.model_config("vit-b16", **SMALL_VIT)
+  cfg = presets.model_config("vit-b16", **SMALL_VIT)
   if not memory.reports_peak():
     with pytest.raises(RuntimeError, match="memory_stats"):
       planning.device_peak(cfg, 2, "inverted", (("query",),))
@@ -378,45 +377,46 @@ def test_device_peak_check(monkeypatch, capsys):
     got = planning.device_peak(cfg, 2, "inverted", (("query",),))
     temp = planning.measure(cfg, 2, "inverted", (("query",),)).compiled_temp_bytes
     assert abs((got["peak_increase"] - got["output_bytes"]) / temp - 1) <= 0.10, (got, temp)
-  from models.experiments import plan_memory as script
-  # Child: one row in, the allocator's figures out as JSON.
+  from models.benchmarks import child
+  from models.benchmarks import plan_memory
+  # Child: one row in, the allocator's figures out.
   monkeypatch.setattr(planning, "device_peak", lambda *a, **k: {
       "peak_bytes_in_use": 900, "peak_increase": 700, "output_bytes": 200})
   row = {"model": "gpt2", "dtype": "float32", "batch": 2, "seq_len": 8,
          "configuration": "inverted", "keep": [["query"]], "overrides": {"depth": 2}}
-  assert script.main(["--peak-of", json.dumps(row)]) == 0
-  child_out = capsys.readouterr().out
-  assert json.loads(child_out)["peak_increase"] == 700
+  child_row = plan_memory.device_peak_row(row)
+  assert child_row["peak_increase"] == 700
   # Parent: runs the child, records the device temp and the prediction's error against it.
   calls = []
-  def fake_run(cmd, **kw):
-    calls.append(json.loads(cmd[cmd.index("--peak-of") + 1]))
-    return types.SimpleNamespace(returncode=0, stdout=child_out, stderr="")
-  monkeypatch.setattr(subprocess, "run", fake_run)
+  def fake_child(module, spec, timeout_s):
+    assert module == "models.benchmarks.plan_memory"
+    calls.append(spec)
+    return child_row
+  monkeypatch.setattr(child, "run_child", fake_child)
   args = types.SimpleNamespace(dtype="float32", batch=2, seq_len=8)
   plan_row = {"budget": 1000, "configuration": "inverted", "keep": [["query"], []],
               "predicted_bytes": 550}
   fixed_row = {"policy": "full", "configuration": "inverted", "keep": [], "predicted_bytes": 450}
-  script._add_device_peak(plan_row, "gpt2", args, {"depth": 2})  # pylint: disable=protected-access
-  script._add_device_peak(fixed_row, "gpt2", args, {})  # pylint: disable=protected-access
+  plan_memory._add_device_peak(plan_row, "gpt2", args, {"depth": 2})  # pylint: disable=protected-access
+  plan_memory._add_device_peak(fixed_row, "gpt2", args, {})  # pylint: disable=protected-access
   assert calls[0]["keep"] == [["query"], []] and calls[1]["keep"] == [[]]
   assert calls[0]["overrides"] == {"depth": 2}
   assert plan_row["device_temp_bytes"] == 500
   assert plan_row["device_prediction_error"] == pytest.approx(0.1)
   assert fixed_row["device_prediction_error"] == pytest.approx(-0.1)
-  monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(
-      returncode=1, stdout="", stderr="CUDA out of memory"))
+  monkeypatch.setattr(child, "run_child", lambda *a: {"error": "RuntimeError: CUDA out of memory"})
   with pytest.raises(RuntimeError, match="CUDA out of memory"):
-    script._add_device_peak(dict(plan_row), "gpt2", args, {})  # pylint: disable=protected-access
+    plan_memory._add_device_peak(dict(plan_row), "gpt2", args, {})  # pylint: disable=protected-access
   # No allocator statistics on this device: a clear error, before any compiling.
   if not memory.reports_peak():
-    assert script.main(["--device-peak", "--models", "gpt2"]) == 2
+    assert load_script("plan_memory").main(["--device-peak", "--models", "gpt2"]) == 2
     assert "--device-peak needs a device" in capsys.readouterr().err
 
 
 def test_plan_run_shapes_script_covers_both_orders_and_lone_layers(capsys):
   script = load_script("plan_run_shapes")
-  shapes = script.shapes(6)
+  from models.benchmarks import plan_memory
+  shapes = plan_memory.shapes(6)
   assert all(sum(n for _, n in runs) == 6 for runs in shapes.values())
   assert {"Ex4+Cx2", "Cx2+Ex4", "Bx4+Cx2", "Cx2+Bx4"} <= set(shapes)  # runs of >= 2, both orders
   assert {"Ex5+A", "A+Ex5", "Bx5+C", "C+Bx5"} <= set(shapes)          # a lone layer last, first
@@ -468,7 +468,7 @@ def test_configuration_names_carry_the_head_variant():
 
 
 def test_text_profiles_per_head_variant_carry_its_recompute():
-  cfg = benchmark.model_config("gpt2", hidden=32, depth=2, heads=4, mlp_dim=64, vocab=512,
+  cfg = presets.model_config("gpt2", hidden=32, depth=2, heads=4, mlp_dim=64, vocab=512,
                                max_len=16)
   profiles = planning.profile(cfg, 2, seq_len=16, configurations=("inverted",),
                               tags=("mlp_pre",), head_modes=("standard", "chunked"))
@@ -479,7 +479,7 @@ def test_text_profiles_per_head_variant_carry_its_recompute():
   # the chunked head never holds the [tokens, vocab] logits and their gradient
   assert by["inverted+head=chunked"].base_bytes < by["inverted+head=standard"].base_bytes
   with pytest.raises(ValueError, match="argument `head_modes`: only the text models"):
-    planning.profile(benchmark.model_config("vit-ti16"), 2, head_modes=("chunked",))
+    planning.profile(presets.model_config("vit-ti16"), 2, head_modes=("chunked",))
   with pytest.raises(ValueError, match="argument `head_modes`: expected some of"):
     planning.profile(cfg, 2, head_modes=("fused",))
 

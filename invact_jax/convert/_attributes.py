@@ -267,6 +267,12 @@ def inverted(only: str | tuple[str, ...] | None = None, *, warn: bool = True,
     warn: warn at exit if nothing was replaced.
     norms: also swap softmax and Flax's LayerNorm/RMSNorm (see the module doc).
 
+  Yields:
+    The block's :class:`ConversionReport` (what was replaced, filled in as the block runs).
+
+  Returns:
+    A context manager.
+
   Example:
     >>> import jax, jax.numpy as jnp, invact_jax
     >>> def mlp(x, w):               # unmodified code calling jax.nn.gelu

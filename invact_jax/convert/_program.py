@@ -14,7 +14,7 @@ loops) is left alone and reported.  ``fallback="temp"`` (:mod:`._fallback`) meas
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -149,8 +149,9 @@ class _Conversion:
     return _rebuild(out, outs), report
 
 
-def invert(fn: Callable[..., Any], *, only=None, norms: bool = True,
-           implementation=None, floor: bool = True, fallback: str | None = None,
+def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: bool = True,
+           implementation: _implementation.ImplementationLike = None, floor: bool = True,
+           fallback: str | None = None,
            argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
   """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from typing import ClassVar, Mapping
+from typing import ClassVar, Mapping, Union
 
 import jax
 
-__all__ = ["Implementation", "ImplementationBase", "Xla", "XLA", "NAMES", "resolve", "available"]
+__all__ = ["Implementation", "ImplementationBase", "ImplementationLike", "Xla", "XLA", "NAMES",
+           "resolve", "available"]
 
 #: Every implementation name (each family has a subset: its ``IMPLEMENTATIONS`` keys).
 NAMES = ("xla", "pallas", "triton")
@@ -64,6 +65,10 @@ class Implementation:
     if self.name == "xla" and (self.block_rows or self.num_warps or self.interpret):
       raise ValueError("Implementation: name='xla' takes no kernel options (block_rows, "
                        "num_warps, interpret)")
+
+
+#: What ``implementation=`` accepts: None (XLA), a name, or an :class:`Implementation`.
+ImplementationLike = Union[str, Implementation, None]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 import invact_jax
 from invact_jax import memory
-from models.experiments.floor import flash_attention  # keeps q, k, v, o and a row lse
+from models.reference_layers import flash_attention  # keeps q, k, v, o and a row lse
 from tests import jit
 from tests.convert.test_program import assert_at_float32_floor
 

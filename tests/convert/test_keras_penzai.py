@@ -132,7 +132,7 @@ def test_penzai_and_keras_hub_models(name):
   tanh soft caps) and GPT-NeoX (two norms of one input), and keras-hub backbones where
   keras-hub is installed (it is a benchmark dependency): every norm, softmax and activation
   converted, none left alone, the forward bit-identical, at most 60 % of the bytes kept."""
-  from models.experiments import third_party  # pylint: disable=import-outside-toplevel
+  from models import third_party  # pylint: disable=import-outside-toplevel
   pytest.importorskip(third_party.requirement(name))
   loss, params = third_party.build(name, "test")
   inv = invact_jax.invert(loss)

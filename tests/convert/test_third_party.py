@@ -2,7 +2,7 @@
 Llama; an Equinox block; a Flax NNX block), against the same models converted by hand."""
 import pytest
 
-from models.experiments import third_party
+from models import third_party
 
 
 @pytest.mark.parametrize("name", third_party.MODELS)

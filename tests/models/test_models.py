@@ -6,7 +6,8 @@ import pytest
 from flax import nnx
 
 from models import text, vit
-from models.experiments import model_memory as benchmark
+from models import presets
+from models.benchmarks import model_memory as benchmark
 
 SMALL_TEXT = dict(vocab=128, max_len=32, hidden=32, depth=2, heads=4, mlp_dim=64)
 SMALL_VIT = dict(image_size=16, patch_size=4, channels=3, num_classes=5, hidden=32, depth=2,
@@ -78,7 +79,7 @@ def test_memory_ordering_small_configs(model, extra):
   if model.startswith("llama"):
     # SwiGLU: the product act(gate) * up keeps act's output whichever way the activation is
     # saved, so inverted = checkpointed + its bit mask (but no recompute in the backward).
-    cfg = benchmark.model_config(model, **extra)
+    cfg = presets.model_config(model, **extra)
     mask = 4 * 32 * cfg.mlp_dim // 8  # batch * seq * mlp_dim / 8 bytes per layer
     assert temp["inverted"] < temp["standard"]
     assert temp["checkpointed"] < temp["standard"]

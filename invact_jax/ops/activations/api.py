@@ -31,7 +31,7 @@ IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
     "xla": base.XLA, "pallas": pallas.PallasActivation(), "triton": triton.TritonActivation()}
 
 Array = jax.Array
-ImplementationLike = Any  # None | str | invact_jax.Implementation
+ImplementationLike = _implementation.ImplementationLike
 
 
 def _selector(public: str, arg: str, value) -> bool:
@@ -250,52 +250,125 @@ def relu(x: Array, *, implementation: ImplementationLike = None) -> Array:
 
 # ---------------------------------------------------------------- the references
 def gelu_reference(x: Array, approximate: bool = True) -> Array:
-  """``jax.nn.gelu`` with JAX's own autodiff (keeps x): the baseline of :func:`gelu`."""
+  """``jax.nn.gelu`` with JAX's own autodiff (keeps x): the baseline of :func:`gelu`.
+
+  Args:
+    x: floating-point array.
+    approximate: as for :func:`gelu`.
+
+  Returns:
+    ``jax.nn.gelu`` of ``x``, differentiated by JAX.
+  """
   return _reference("gelu", x, {"approximate": approximate})
 
 
 def silu_reference(x: Array) -> Array:
-  """``jax.nn.silu`` with JAX's own autodiff: the baseline of :func:`silu`."""
+  """``jax.nn.silu`` with JAX's own autodiff: the baseline of :func:`silu`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.silu`` of ``x``, differentiated by JAX.
+  """
   return _reference("silu", x)
 
 
 def swish_reference(x: Array) -> Array:
-  """``jax.nn.swish`` with JAX's own autodiff: the baseline of :func:`swish`."""
+  """``jax.nn.swish`` with JAX's own autodiff: the baseline of :func:`swish`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.swish`` of ``x``, differentiated by JAX.
+  """
   return _reference("swish", x)
 
 
 def mish_reference(x: Array) -> Array:
-  """``jax.nn.mish`` with JAX's own autodiff: the baseline of :func:`mish`."""
+  """``jax.nn.mish`` with JAX's own autodiff: the baseline of :func:`mish`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.mish`` of ``x``, differentiated by JAX.
+  """
   return _reference("mish", x)
 
 
 def sigmoid_reference(x: Array) -> Array:
-  """``jax.nn.sigmoid`` with JAX's own autodiff: the baseline of :func:`sigmoid`."""
+  """``jax.nn.sigmoid`` with JAX's own autodiff: the baseline of :func:`sigmoid`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.sigmoid`` of ``x``, differentiated by JAX.
+  """
   return _reference("sigmoid", x)
 
 
 def tanh_reference(x: Array) -> Array:
-  """``jax.nn.tanh`` with JAX's own autodiff: the baseline of :func:`tanh`."""
+  """``jax.nn.tanh`` with JAX's own autodiff: the baseline of :func:`tanh`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.tanh`` of ``x``, differentiated by JAX.
+  """
   return _reference("tanh", x)
 
 
 def softplus_reference(x: Array) -> Array:
-  """``jax.nn.softplus`` with JAX's own autodiff: the baseline of :func:`softplus`."""
+  """``jax.nn.softplus`` with JAX's own autodiff: the baseline of :func:`softplus`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.softplus`` of ``x``, differentiated by JAX.
+  """
   return _reference("softplus", x)
 
 
 def elu_reference(x: Array, alpha: float = 1.0) -> Array:
-  """``jax.nn.elu`` with JAX's own autodiff: the baseline of :func:`elu`."""
+  """``jax.nn.elu`` with JAX's own autodiff: the baseline of :func:`elu`.
+
+  Args:
+    x: floating-point array.
+    alpha: as for :func:`elu`.
+
+  Returns:
+    ``jax.nn.elu`` of ``x``, differentiated by JAX.
+  """
   return _reference("elu", x, alpha=alpha)
 
 
 def leaky_relu_reference(x: Array, negative_slope: float = 1e-2) -> Array:
-  """``jax.nn.leaky_relu`` with JAX's own autodiff: the baseline of :func:`leaky_relu`."""
+  """``jax.nn.leaky_relu`` with JAX's own autodiff: the baseline of :func:`leaky_relu`.
+
+  Args:
+    x: floating-point array.
+    negative_slope: as for :func:`leaky_relu`.
+
+  Returns:
+    ``jax.nn.leaky_relu`` of ``x``, differentiated by JAX.
+  """
   return _reference("leaky_relu", x, negative_slope=negative_slope)
 
 
 def relu_reference(x: Array) -> Array:
-  """``jax.nn.relu`` with JAX's own autodiff: the baseline of :func:`relu`."""
+  """``jax.nn.relu`` with JAX's own autodiff: the baseline of :func:`relu`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.relu`` of ``x``, differentiated by JAX.
+  """
   return _reference("relu", x)
 
 

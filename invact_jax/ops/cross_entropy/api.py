@@ -15,6 +15,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
@@ -144,12 +145,15 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
   return x.reshape(n, d), w, bias, labels.reshape(n), opts, lead
 
 
-def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
+def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
+                         bias: ArrayLike | None = None, reduction: str = "mean",
                          ignore_index: int | None = None, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_soft_cap: float | None = None,
                          vocab_axis: int = -1, chunk_size: int | None = None,
                          vocab_chunk_size: int | None = None, gradients: str | None = None,
-                         return_correct: bool = False, implementation=None):
+                         return_correct: bool = False,
+                         implementation: _implementation.ImplementationLike = None
+                         ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Cross-entropy of ``x @ w (+ bias)`` against integer labels, never holding the logits.
 
   The same loss as the plain formula (``optax.softmax_cross_entropy_with_integer_labels``
@@ -224,12 +228,20 @@ def linear_cross_entropy(x, w, labels, *, bias=None, reduction: str = "mean",
   return (out, correct.reshape(lead)) if return_correct else out
 
 
-def linear_cross_entropy_reference(x, w, labels, *, bias=None, reduction: str = "mean",
+def linear_cross_entropy_reference(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
+                                   bias: ArrayLike | None = None, reduction: str = "mean",
                                    ignore_index: int | None = None,
                                    label_smoothing: float = 0.0, z_loss: float = 0.0,
                                    logit_soft_cap: float | None = None,
                                    vocab_axis: int = -1) -> jax.Array:
   """The plain formula (all logits at once, JAX's own autodiff): the baseline, same options.
+
+  Args:
+    x, w, labels, bias, reduction, ignore_index, label_smoothing, z_loss, logit_soft_cap,
+      vocab_axis: as for :func:`linear_cross_entropy`.
+
+  Returns:
+    The loss :func:`linear_cross_entropy` computes, from the whole [tokens, V] logits.
 
   Example:
     >>> import jax.numpy as jnp, invact_jax

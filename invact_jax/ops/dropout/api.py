@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+from jax.typing import ArrayLike
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
@@ -12,6 +13,9 @@ __all__ = ["dropout", "dropout_reference", "MODES"]
 #: How this op can run: XLA only (no kernels).
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
 MODES = ("regenerate", "bits")
+
+Array = jax.Array
+ImplementationLike = _implementation.ImplementationLike
 
 
 def _rate(fn, rate) -> float:
@@ -29,13 +33,25 @@ def _key(fn, key):
   return key
 
 
-def dropout(x, rate: float, key, *, mode: str = "regenerate", implementation=None):
+def dropout(x: ArrayLike, rate: float, key: jax.Array | None, *, mode: str = "regenerate",
+            implementation: ImplementationLike = None) -> Array:
   """Dropout scaled at training time (keep with prob. ``1 - rate``, scale by ``1/(1 - rate)``).
 
   Same mask as :func:`dropout_reference` for the same key.  ``mode="regenerate"`` keeps
   nothing but the key; ``"bits"`` keeps the mask packed 8 per byte.  ``key=None`` or
   ``rate=0`` is the identity.  ``rate`` must be a static number (the backward is
   specialised on it).
+
+  Args:
+    x: floating-point array.
+    rate: the probability of dropping an element, in [0, 1) (a static number).
+    key: a JAX PRNG key, or None (the identity).
+    mode: "regenerate" (keep the key, redraw the mask in the backward) or "bits" (keep the
+      mask, 8 elements per byte).
+    implementation: None / "xla" (dropout has no kernels).
+
+  Returns:
+    ``x`` with the dropped elements zero and the kept ones scaled by ``1 / (1 - rate)``.
 
   Example:
     >>> import jax, jax.numpy as jnp, invact_jax
@@ -55,8 +71,15 @@ def dropout(x, rate: float, key, *, mode: str = "regenerate", implementation=Non
   return base.dropout(r, mode, x, key)
 
 
-def dropout_reference(x, rate: float, key):
-  """``jnp.where(bernoulli(key), x / (1 - rate), 0)`` with JAX's autodiff (keeps a bool mask)."""
+def dropout_reference(x: ArrayLike, rate: float, key: jax.Array | None) -> Array:
+  """``jnp.where(bernoulli(key), x / (1 - rate), 0)`` with JAX's autodiff (keeps a bool mask).
+
+  Args:
+    x, rate, key: as for :func:`dropout`.
+
+  Returns:
+    What :func:`dropout` returns for the same key.
+  """
   r = _rate("dropout_reference", rate)
   if _key("dropout_reference", key) is None or r == 0.0:
     return x

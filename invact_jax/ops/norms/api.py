@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
@@ -24,6 +26,9 @@ __all__ = ["layer_norm", "rms_norm", "layer_norm_reference", "rms_norm_reference
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
     "xla": base.XLA, "pallas": pallas.PallasNorm(), "triton": triton.TritonNorm()}
 _OPTIONS = ("interpret",)
+
+Array = jax.Array
+ImplementationLike = _implementation.ImplementationLike
 
 
 def _check(fn: str, x, scale, bias, dtype, epsilon):
@@ -52,8 +57,9 @@ def _implementation_of(fn, implementation):
                                  options=_OPTIONS)
 
 
-def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
-               implementation=None):
+def layer_norm(x: ArrayLike, scale: ArrayLike | None = None, bias: ArrayLike | None = None, *,
+               epsilon: float = 1e-6, dtype: DTypeLike | None = None,
+               implementation: ImplementationLike = None) -> Array:
   """LayerNorm over the last axis that keeps only ``xhat`` (output dtype) and float32 ``rstd``.
 
   Forward matches ``flax.nnx.LayerNorm`` to rounding; gradients are exact for every
@@ -67,6 +73,9 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
     implementation: None / "xla", "pallas" (row kernels; interpret mode without a GPU),
       "triton" (raw Triton row kernels; a CUDA GPU), or an :class:`invact_jax.Implementation`.
 
+  Returns:
+    ``(x - mean) * rstd * scale + bias`` over the last axis, in ``dtype``.
+
   Example:
     >>> import jax, jax.numpy as jnp, invact_jax
     >>> x = jnp.arange(12.0).reshape(3, 4)
@@ -78,8 +87,19 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None,
   return base.norm(_implementation_of("layer_norm", implementation), False, eps, out, x.dtype, x, scale, bias)
 
 
-def rms_norm(x, scale=None, *, epsilon: float = 1e-6, dtype=None, implementation=None):
+def rms_norm(x: ArrayLike, scale: ArrayLike | None = None, *, epsilon: float = 1e-6,
+             dtype: DTypeLike | None = None, implementation: ImplementationLike = None) -> Array:
   """RMSNorm over the last axis keeping only ``xhat`` and float32 ``rstd`` (see layer_norm).
+
+  Args:
+    x: floating-point array [..., n].
+    scale: [n] array or None.
+    epsilon: added to the mean square (a static number).
+    dtype: output dtype (default: ``x.dtype``); also the dtype ``xhat`` is kept in.
+    implementation: as for :func:`layer_norm`.
+
+  Returns:
+    ``x * rstd * scale`` over the last axis, in ``dtype``.
 
   Example:
     >>> import jax.numpy as jnp, invact_jax
@@ -91,15 +111,32 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, dtype=None, implementation
   return base.norm(_implementation_of("rms_norm", implementation), True, eps, out, x.dtype, x, scale, None)
 
 
-def layer_norm_reference(x, scale=None, bias=None, *, epsilon: float = 1e-6, dtype=None):
-  """Plain-jnp LayerNorm with JAX's own autodiff (Flax's formulation): the baseline."""
+def layer_norm_reference(x: ArrayLike, scale: ArrayLike | None = None,
+                         bias: ArrayLike | None = None, *, epsilon: float = 1e-6,
+                         dtype: DTypeLike | None = None) -> Array:
+  """Plain-jnp LayerNorm with JAX's own autodiff (Flax's formulation): the baseline.
+
+  Args:
+    x, scale, bias, epsilon, dtype: as for :func:`layer_norm`.
+
+  Returns:
+    What :func:`layer_norm` returns, differentiated by JAX (it keeps ``x``).
+  """
   out = jnp.dtype(x.dtype if dtype is None else dtype)
   xhat, _ = base.normalize(x, False, epsilon)
   return base.affine(xhat, scale, bias, out)
 
 
-def rms_norm_reference(x, scale=None, *, epsilon: float = 1e-6, dtype=None):
-  """Plain-jnp RMSNorm with JAX's own autodiff: the baseline."""
+def rms_norm_reference(x: ArrayLike, scale: ArrayLike | None = None, *, epsilon: float = 1e-6,
+                       dtype: DTypeLike | None = None) -> Array:
+  """Plain-jnp RMSNorm with JAX's own autodiff: the baseline.
+
+  Args:
+    x, scale, epsilon, dtype: as for :func:`rms_norm`.
+
+  Returns:
+    What :func:`rms_norm` returns, differentiated by JAX (it keeps ``x``).
+  """
   out = jnp.dtype(x.dtype if dtype is None else dtype)
   xhat, _ = base.normalize(x, True, epsilon)
   return base.affine(xhat, scale, None, out)
@@ -123,13 +160,25 @@ def _check_dense(fn, x, kernels, biases):
   return kernels, biases
 
 
-def layer_norm_dense(x, scale, bias, kernels: Sequence, biases: Sequence | None = None, *,
-                     epsilon: float = 1e-6, dtype=None, implementation=None):
+def layer_norm_dense(x: ArrayLike, scale: ArrayLike | None, bias: ArrayLike | None,
+                     kernels: Sequence[ArrayLike], biases: Sequence[ArrayLike | None] | None = None,
+                     *, epsilon: float = 1e-6, dtype: DTypeLike | None = None,
+                     implementation: ImplementationLike = None) -> tuple[Array, ...]:
   """``tuple(LN(x) @ W_i + b_i)`` keeping only ``xhat`` + ``rstd`` for the backward.
 
   The affine output is recomputed in the backward for the weight gradients, so norm and
   matmul(s) together keep one [..., n] tensor (in ``dtype``) plus a float32 per row.
   ``implementation`` chooses how the norm part runs (the matmuls are XLA's).
+
+  Args:
+    x: floating-point array [..., n].
+    scale, bias: [n] arrays or None.
+    kernels: [n, m_i] weights.
+    biases: [m_i] biases or None, one per kernel (default: none).
+    epsilon, dtype, implementation: as for :func:`layer_norm`.
+
+  Returns:
+    One [..., m_i] array per kernel, in ``dtype``.
 
   Example:
     >>> import jax.numpy as jnp, invact_jax
@@ -144,18 +193,39 @@ def layer_norm_dense(x, scale, bias, kernels: Sequence, biases: Sequence | None 
                          x, scale, bias, kernels, biases)
 
 
-def rms_norm_dense(x, scale, kernels: Sequence, biases: Sequence | None = None, *,
-                   epsilon: float = 1e-6, dtype=None, implementation=None):
-  """``tuple(RMSNorm(x) @ W_i + b_i)`` keeping only ``xhat`` + ``rstd`` (see layer_norm_dense)."""
+def rms_norm_dense(x: ArrayLike, scale: ArrayLike | None, kernels: Sequence[ArrayLike],
+                   biases: Sequence[ArrayLike | None] | None = None, *, epsilon: float = 1e-6,
+                   dtype: DTypeLike | None = None,
+                   implementation: ImplementationLike = None) -> tuple[Array, ...]:
+  """``tuple(RMSNorm(x) @ W_i + b_i)`` keeping only ``xhat`` + ``rstd`` (see layer_norm_dense).
+
+  Args:
+    x, scale, kernels, biases, epsilon, dtype, implementation: as for :func:`layer_norm_dense`
+      (no norm bias).
+
+  Returns:
+    One [..., m_i] array per kernel, in ``dtype``.
+  """
   x, out, eps = _check("rms_norm_dense", x, scale, None, dtype, epsilon)
   kernels, biases = _check_dense("rms_norm_dense", x, kernels, biases)
   return base.norm_dense(_implementation_of("rms_norm_dense", implementation), True, eps, out, x.dtype,
                          x, scale, None, kernels, biases)
 
 
-def norm_dense_reference(x, scale, bias, kernels, biases=None, *, rms: bool = False,
-                         epsilon: float = 1e-6, dtype=None):
-  """The unfused baseline of :func:`layer_norm_dense` / :func:`rms_norm_dense`."""
+def norm_dense_reference(x: ArrayLike, scale: ArrayLike | None, bias: ArrayLike | None,
+                         kernels: Sequence[ArrayLike],
+                         biases: Sequence[ArrayLike | None] | None = None, *, rms: bool = False,
+                         epsilon: float = 1e-6, dtype: DTypeLike | None = None
+                         ) -> tuple[Array, ...]:
+  """The unfused baseline of :func:`layer_norm_dense` / :func:`rms_norm_dense`.
+
+  Args:
+    x, scale, bias, kernels, biases, epsilon, dtype: as for :func:`layer_norm_dense`.
+    rms: RMSNorm (``bias`` ignored) instead of LayerNorm.
+
+  Returns:
+    One [..., m_i] array per kernel, differentiated by JAX.
+  """
   out = jnp.dtype(x.dtype if dtype is None else dtype)
   biases = (None,) * len(kernels) if biases is None else biases
   xhat, _ = base.normalize(x, rms, epsilon)

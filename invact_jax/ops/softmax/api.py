@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
@@ -19,8 +20,9 @@ __all__ = ["softmax", "softmax_reference"]
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
 
 
-def softmax(x, axis: int | tuple[int, ...] = -1, where=None, *, dtype=None,
-            implementation=None) -> jax.Array:
+def softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike | None = None, *,
+            dtype: DTypeLike | None = None,
+            implementation: _implementation.ImplementationLike = None) -> jax.Array:
   """Softmax keeping only its output for the backward, ``jax.nn.softmax``'s signature.
 
   Without ``dtype`` (or with ``x``'s) the forward is ``jax.nn.softmax`` itself, bit for bit,
@@ -68,8 +70,18 @@ def softmax(x, axis: int | tuple[int, ...] = -1, where=None, *, dtype=None,
   return base.softmax(ax, out, x.dtype, x, where)
 
 
-def softmax_reference(x, axis: int = -1, *, dtype=None):
-  """``jax.nn.softmax`` in float32, cast to ``dtype``: the baseline (keeps f32 + cast)."""
+def softmax_reference(x: ArrayLike, axis: int = -1, *, dtype: DTypeLike | None = None
+                      ) -> jax.Array:
+  """``jax.nn.softmax`` in float32, cast to ``dtype``: the baseline (keeps f32 + cast).
+
+  Args:
+    x: floating-point array.
+    axis: the axis to normalize over.
+    dtype: output dtype (default: ``x.dtype``).
+
+  Returns:
+    The probabilities, differentiated by JAX.
+  """
   x = _common.float_array("softmax_reference", "x", x)
   return base.reference(x, axis, x.dtype if dtype is None else _common.float_dtype(
       "softmax_reference", "dtype", dtype))

@@ -1,24 +1,18 @@
-"""The generated fits are what scripts/fit_inverse.py generates: the committed
+"""The generated fits are what scripts/fitting.py generates: the committed
 module is the script's rendering of its own data, and refitting reproduces that data."""
 import pathlib
 
 import numpy as np
-import pytest
 
 from invact_jax.ops.activations import _fits
-from tests import load_script
+from invact_jax.ops.activations import fitting
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def fit_inverse():
-  return load_script("fit_inverse")
-
-
-def test_committed_module_is_the_scripts_rendering(fit_inverse):
+def test_committed_module_is_the_scripts_rendering():
   text = (ROOT / "invact_jax" / "ops" / "activations" / "_fits.py").read_text()
-  assert text == fit_inverse.render_module(_fits.FITS, _fits.DEGREE, _fits.TOL, _fits.ERFCX,
+  assert text == fitting.render_module(_fits.FITS, _fits.DEGREE, _fits.TOL, _fits.ERFCX,
                                           _fits.RATIONAL)
 
 
@@ -58,23 +52,23 @@ def _assert_close(a, b, path="", *, tol):
     np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-15, err_msg=path)
 
 
-def test_refitting_reproduces_the_committed_fits(fit_inverse):
-  _assert_close(fit_inverse.fit_all(_fits.DEGREE, _fits.TOL, progress=lambda m: None), _fits.FITS,
+def test_refitting_reproduces_the_committed_fits():
+  _assert_close(fitting.fit_all(_fits.DEGREE, _fits.TOL, progress=lambda m: None), _fits.FITS,
                 tol=_fits.TOL)
-  _assert_close(fit_inverse.fit_erfcx(), _fits.ERFCX, "ERFCX", tol=fit_inverse.ERFCX_TOL)
+  _assert_close(fitting.fit_erfcx(), _fits.ERFCX, "ERFCX", tol=fitting.ERFCX_TOL)
 
 
-def test_refitting_reproduces_the_committed_rational_fits(fit_inverse):
-  got = fit_inverse.fit_all_rational(progress=lambda m: None)
+def test_refitting_reproduces_the_committed_rational_fits():
+  got = fitting.fit_all_rational(progress=lambda m: None)
   assert got.keys() == _fits.RATIONAL.keys()
   for name in got:
     for cls, tol in _fits.RATIONAL_TOL.items():
       _assert_close(got[name][cls], _fits.RATIONAL[name][cls], f"RATIONAL.{name}.{cls}", tol=tol)
-  assert fit_inverse.RATIONAL_TOL == _fits.RATIONAL_TOL
+  assert fitting.RATIONAL_TOL == _fits.RATIONAL_TOL
 
 
-def test_erfcx_fit_meets_its_tolerance_as_the_kernels_evaluate_it(fit_inverse):
+def test_erfcx_fit_meets_its_tolerance_as_the_kernels_evaluate_it():
   from scipy import special  # pylint: disable=import-outside-toplevel
   a = np.linspace(0.0, _fits.ERFCX["a_end"], 100_001).astype(np.float32)
-  err = np.abs(fit_inverse.erfcx32(_fits.ERFCX, a) / special.erfcx(a.astype(np.float64)) - 1)
-  assert err.max() <= fit_inverse.ERFCX_TOL
+  err = np.abs(fitting.erfcx32(_fits.ERFCX, a) / special.erfcx(a.astype(np.float64)) - 1)
+  assert err.max() <= fitting.ERFCX_TOL

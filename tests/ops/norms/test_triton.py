@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("triton")
 
 # pylint: disable=wrong-import-position
-from models.experiments import sass
+from models.benchmarks import sass
 from pallas_kernels import norms
 from pallas_kernels import triton_elementwise
 from pallas_kernels import triton_norms

@@ -1,0 +1,201 @@
+"""The frontier's PyTorch rows: the same stacks and language models in PyTorch, one process
+per row.
+
+``python -m models.benchmarks.frontier_torch SPEC_JSON`` builds the stack of
+``spec["shape"]`` (:class:`models.benchmarks.frontier.Shape`'s fields) and measures one
+variant: ``eager``; ``checkpoint`` (``torch.utils.checkpoint`` per layer); ``liger`` (Liger-
+Kernel's fused RMSNorm / LayerNorm, SwiGLU and RoPE — what its Llama patch replaces in a
+decoder layer — and, for a language model, its fused linear cross-entropy head, on a CUDA
+GPU with liger-kernel importable); ``liger+checkpoint``; ``compile`` (``torch.compile``).
+A language model (``vocab`` > 0) runs from the tokens through the embedding, the layers
+(grouped-query attention where ``kv_heads`` is set), the final RMSNorm and the head (the
+embedding table where ``tied``) to the mean cross-entropy, its parameters in the compute
+dtype.  Attention is
+``scaled_dot_product_attention`` (flash on a GPU).  The activation bytes are, on a GPU, the
+allocator's peak during a step minus what was resident before it and the gradients; on a CPU,
+the bytes autograd saves for the backward (``saved_tensors_hooks``, each storage once).  The
+row is the last line printed.  Only this module imports torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+
+VARIANTS = ("eager", "checkpoint", "liger", "liger+checkpoint", "compile")
+
+
+def importable() -> bool:
+  return importlib.util.find_spec("torch") is not None
+
+
+def _model(shape: dict, variant: str, dtype, device):
+  import torch  # pylint: disable=import-outside-toplevel
+  from torch import nn  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  d, heads, ff, kind = shape["d"], shape["heads"], shape["ff"], shape["kind"]
+  kv_heads = shape.get("kv_heads") or heads
+  kv = kv_heads * (d // heads)
+  vocab = shape.get("vocab", 0)
+  liger = variant.startswith("liger")
+  if liger:
+    from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm  # pylint: disable=import-outside-toplevel
+    from liger_kernel.transformers import LigerSwiGLUMLP  # pylint: disable=import-outside-toplevel
+    from liger_kernel.transformers import liger_rotary_pos_emb  # pylint: disable=import-outside-toplevel
+
+  def tables(x):
+    """cos, sin [T, dh / 2] of the rotary embedding, in ``x``'s dtype."""
+    t, dh = x.shape[2], x.shape[3]
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, device=x.device).float() / dh))
+    ang = torch.arange(t, device=x.device).float()[:, None] * inv[None]
+    return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+
+  def rope(q, k):
+    """The rotary embedding of q and k [B, heads, T, dh] (halves rotated, as the JAX stack's;
+    with Liger, its fused kernel on the same tables, doubled as Hugging Face's are)."""
+    cos, sin = tables(q)
+    if liger:
+      return liger_rotary_pos_emb(q, k, torch.cat([cos, cos], -1)[None],
+                                  torch.cat([sin, sin], -1)[None])
+
+    def one(x):
+      x1, x2 = x.chunk(2, dim=-1)
+      return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return one(q), one(k)
+
+  class SwiGLU(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.gate_proj = nn.Linear(d, ff, bias=False)
+      self.up_proj = nn.Linear(d, ff, bias=False)
+      self.down_proj = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+      return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+  class Block(nn.Module):
+    def __init__(self):
+      super().__init__()
+      bias = kind != "llama"
+      self.qkv = nn.Linear(d, d + 2 * kv, bias=bias)
+      self.out = nn.Linear(d, d, bias=bias)
+      if kind == "llama":
+        norm = (lambda: LigerRMSNorm(d)) if liger else (lambda: nn.RMSNorm(d))
+        if liger:
+          cfg = type("Cfg", (), {"hidden_size": d, "intermediate_size": ff, "hidden_act": "silu"})
+          self.mlp = LigerSwiGLUMLP(cfg)
+        else:
+          self.mlp = SwiGLU()
+      else:
+        norm = (lambda: LigerLayerNorm(d)) if liger else (lambda: nn.LayerNorm(d))
+        self.mlp = nn.Sequential(nn.Linear(d, ff), nn.GELU(approximate="tanh"), nn.Linear(ff, d))
+      self.n1, self.n2 = norm(), norm()
+
+    def forward(self, x):
+      b, t, _ = x.shape
+      q, k, v = self.qkv(self.n1(x)).split([d, kv, kv], dim=-1)
+      q = q.view(b, t, heads, d // heads).transpose(1, 2)
+      k, v = (a.view(b, t, kv_heads, d // heads).transpose(1, 2) for a in (k, v))
+      if kind == "llama":
+        q, k = rope(q, k)
+      if kv_heads != heads:
+        k, v = (a.repeat_interleave(heads // kv_heads, dim=1) for a in (k, v))
+      o = F.scaled_dot_product_attention(q, k, v, is_causal=kind != "vit")
+      x = x + self.out(o.transpose(1, 2).reshape(b, t, d))
+      return x + self.mlp(self.n2(x))
+
+  class StackModel(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.blocks = nn.ModuleList(Block() for _ in range(shape["layers"]))
+      if vocab:
+        self.embed = nn.Embedding(vocab, d)
+        self.norm = LigerRMSNorm(d) if liger else nn.RMSNorm(d)
+        self.head = None if shape.get("tied", True) else nn.Linear(d, vocab, bias=False)
+        if liger:
+          from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
+          self.fused = LigerFusedLinearCrossEntropyLoss()
+
+    def layers(self, x):
+      for blk in self.blocks:
+        if variant.endswith("checkpoint"):
+          from torch.utils.checkpoint import checkpoint  # pylint: disable=import-outside-toplevel
+          x = checkpoint(blk, x, use_reentrant=False)
+        else:
+          x = blk(x)
+      return x
+
+    def forward(self, x):
+      if not vocab:  # a stack: the mean square of its output
+        return self.layers(x).float().pow(2).mean()
+      h = self.norm(self.layers(self.embed(x[:, :-1])))
+      w = self.embed.weight if self.head is None else self.head.weight  # [V, d]
+      labels = x[:, 1:].reshape(-1)
+      if liger:
+        return self.fused(w, h.reshape(-1, d), labels)
+      return F.cross_entropy((h @ w.T).float().reshape(-1, vocab), labels)
+  model = StackModel().to(device=device, dtype=dtype)
+  return torch.compile(model) if variant == "compile" else model
+
+
+def measure(spec: dict) -> dict:
+  import torch  # pylint: disable=import-outside-toplevel
+  shape, variant = spec["shape"], spec["variant"]
+  cuda = torch.cuda.is_available()
+  if variant.startswith("liger") and (not cuda or importlib.util.find_spec("liger_kernel") is None):
+    return {"error": "Liger-Kernel needs a CUDA GPU and the liger-kernel package"}
+  device = "cuda" if cuda else "cpu"
+  dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec["dtype"]]
+  torch.manual_seed(0)
+  model = _model(shape, variant, dtype, device)
+  if shape.get("vocab"):
+    x = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), device=device)
+  else:
+    x = torch.randn(shape["batch"], shape["seq"], shape["d"], device=device, dtype=dtype)
+
+  def step():
+    model.zero_grad(set_to_none=True)
+    loss = model(x)
+    loss.backward()
+    return loss
+  step()  # compile, allocate the gradients
+  if cuda:
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    activation = torch.cuda.max_memory_allocated() - before - grads
+    how = "device peak"
+  else:
+    free = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    free.add(x.untyped_storage().data_ptr())  # parameters and inputs: not activations
+    seen, total = set(), [0]
+
+    def pack(t):
+      storage = t.untyped_storage()
+      if storage.data_ptr() not in free and storage.data_ptr() not in seen:
+        seen.add(storage.data_ptr())
+        total[0] += storage.nbytes()
+      return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+      step()
+    activation, how = total[0], "saved tensors"
+  times = []
+  for _ in range(spec.get("repeats", 5)):
+    if cuda:
+      torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    if cuda:
+      torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+  return {"activation_bytes": int(activation), "step_ms": 1e3 * statistics.median(times),
+          "memory": how, "torch": torch.__version__}
+
+
+if __name__ == "__main__":
+  from models.benchmarks import child  # pylint: disable=import-outside-toplevel
+  child.child_main(measure)

@@ -1,0 +1,87 @@
+"""Side-by-side training of standard vs inverted activations from the same seed."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+
+from invact_jax import memory
+from models.training import data as data_lib
+from models.training import config
+from models.training import loop
+from models.training import run_dir
+from models.training import trainer as trainer_lib
+
+def _impls(cfg) -> tuple[str, str]:
+  """standard vs the configured implementation ("inverted" when that is "standard")."""
+  return ("standard", "inverted" if cfg.configuration == "standard" else cfg.configuration)
+
+
+def _device_peak(trainer: trainer_lib.Trainer) -> int | None:
+  if not memory.reports_peak():
+    return None
+  return trainer.device_peak()["peak_bytes_in_use"]
+
+
+def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, *,
+            resume: bool = False, progress: bool = True,
+            shard_params: bool = False) -> dict[str, Any]:
+  """Train both implementations; write compare.json and compare.png; return the table."""
+  workdir = pathlib.Path(workdir)
+  impls = _impls(cfg)
+  for impl in impls:  # check both run directories before training either
+    config.validate(dataclasses.replace(cfg, configuration=impl), dataset, len(jax.devices()))
+    run_dir.prepare_workdir(dataclasses.replace(cfg, configuration=impl), workdir / impl,
+                             resume=resume, data=data_lib.fingerprint(dataset))
+  runs = {}
+  for impl in impls:
+    c = dataclasses.replace(cfg, configuration=impl)
+    s = loop.train(c, dataset, workdir / impl, resume=resume, progress=progress,
+                       shard_params=shard_params)
+    trainer = s.pop("trainer")
+    s["compiled_temp_bytes"] = trainer.compiled_memory().temp
+    s["device_peak_bytes"] = _device_peak(trainer)
+    runs[impl] = s
+  rows = [("final test accuracy", "final_test_acc", "{:.4f}"),
+          ("final test loss", "final_test_loss", "{:.4f}"),
+          ("final train loss", "final_train_loss", "{:.4f}"),
+          ("compiled temp bytes (train step)", "compiled_temp_bytes", "{:,}"),
+          ("device peak bytes", "device_peak_bytes", "{:,}"),
+          ("median step time (s)", "step_time_s_median", "{:.4f}")]
+  lines = [f"| {cfg.preset} ({cfg.dtype}, {runs['standard']['platform']}, "
+           f"{runs['standard']['devices']} device(s)) | standard | {impls[1]} |", "|---|---:|---:|"]
+  for label, key, fmt in rows:
+    vals = [runs[i][key] for i in impls]
+    lines.append(f"| {label} | " + " | ".join("n/a" if v is None else fmt.format(v) for v in vals) + " |")
+  acc_gap = abs(runs["standard"]["final_test_acc"] - runs[impls[1]]["final_test_acc"])
+  table = "\n".join(lines) + f"\n\naccuracy gap: {100 * acc_gap:.2f} percentage points"
+  out_json = workdir / "compare.json"
+  out_json.write_text(json.dumps({"table": table, "accuracy_gap": acc_gap,
+                                  "runs": runs, "config": dataclasses.asdict(cfg)}, indent=1))
+  out_png = workdir / "compare.png"
+  _plot(runs, out_png)
+  return {"table": table, "json": out_json, "png": out_png, "runs": runs, "accuracy_gap": acc_gap}
+
+
+def _plot(runs, path):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+  for impl, s in runs.items():
+    tr = [h for h in s["history"] if "loss" in h]
+    ev = [h for h in s["history"] if "test_acc" in h]
+    ax1.plot([h["step"] for h in tr], [h["loss"] for h in tr], label=f"{impl} (train)")
+    ax1.plot([h["step"] for h in ev], [h["test_loss"] for h in ev], "--", label=f"{impl} (test)")
+    ax2.plot([h["step"] for h in ev], [h["test_acc"] for h in ev], label=impl)
+  ax1.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
+  ax2.set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0.5, 1.0))
+  for ax in (ax1, ax2):
+    ax.legend()
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
