@@ -1,6 +1,7 @@
 """Memory planner: the integer program, plans as model configs, predictions vs XLA."""
 import dataclasses
 import itertools
+import pathlib
 import re
 import time
 
@@ -337,6 +338,17 @@ def test_plan_memory_script_redraws_table_and_png(frontier, tmp_path, capsys):
   assert saved.with_suffix(".png").stat().st_size > 10_000
   assert script.main(["--replot", str(tmp_path / "missing.json")]) == 2
   assert "--replot: no such file" in capsys.readouterr().err
+  # Beside a JSON in a directory this user cannot write (a read-only checkout): one line.
+  import os
+  real_access = os.access
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(os, "access", lambda p, m: False if pathlib.Path(p) == tmp_path
+               else real_access(p, m))
+    assert script.main(["--replot", str(saved)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--replot: cannot write" in err[0] and "not writable" in err[0]
+    assert script.main(["--models", "gpt2", "--out", str(tmp_path / "p")]) == 2
+    assert "--out: cannot write" in capsys.readouterr().err
   assert script.main(["--models", "resnet"]) == 2
   assert "unknown model" in capsys.readouterr().err
   assert script.main(["--points", "1"]) == 2

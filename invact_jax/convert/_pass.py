@@ -9,9 +9,11 @@ with the units swapped in, converting nested ``jit``, ``scan``, ``cond``, ``chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _fusion
@@ -231,6 +233,42 @@ def _rebound(node: _graph.Node, invals, **params):
                                  eqn=node.eqn), invals)
 
 
+def _gains_under_remat(node: _graph.Node, graph: _graph.Graph, opts: Options) -> bool:
+  """Whether converting a ``jax.checkpoint`` body lowers its gradient's compiled temp.
+
+  Under a remat the policy decides what is kept; converting the body can lower what the
+  recomputed forward holds (the layer's saved inputs, the recomputed residuals) or, where the
+  policy recomputes the sites anyway, only change how it recomputes them and raise the temp.
+  So the body is compiled both ways (one layer: cheap beside the program) and converted only
+  where that is strictly lower; otherwise its sites are left alone with the two figures."""
+  p = node.params
+  structs = _graph.shape_structs(p["jaxpr"].in_avals)
+  probe = dataclasses.replace(opts, report=_report.ProgramReport(),
+                              recomputable=list(opts.recomputable))
+  remat = functools.partial(jax.checkpoint, prevent_cse=p["prevent_cse"], policy=p["policy"])
+  converted = jax.make_jaxpr(lambda *a: remat(lambda *b: run(graph, b, probe))(*a))(*structs)
+  if not (probe.report.converted or probe.report.recomputed):
+    return True  # nothing found inside: as it is (its own nested bodies reported themselves)
+  body = p["jaxpr"]  # (open: a checkpoint's body takes its constants as inputs)
+  jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
+  original = jax.make_jaxpr(remat(lambda *a: jax.core.eval_jaxpr(jaxpr, consts, *a)))(*structs)
+  from invact_jax.convert import _fallback  # pylint: disable=import-outside-toplevel  # (a cycle)
+  positions = [i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact)]
+  ours, theirs = (_fallback.gradient_temp(c, _graph.flatten(c), structs, positions, None)
+                  for c in (converted, original))
+  if ours < theirs:
+    return True
+  opts.recomputable[:] = probe.recomputable  # the sites keep their numbers
+  why = (f"inside jax.checkpoint its policy decides what is kept: converting the body "
+         f"{'gains nothing' if ours == theirs else 'raises'} its gradient's compiled temp "
+         f"({ours:,} vs {theirs:,} bytes per call); left as written")
+  sites = ([(public, where) for public, _, where in probe.report.converted]
+           + [(public, where) for public, where, _ in probe.report.recomputed])
+  opts.report.left_alone.extend((public, where, why) for public, where in sites)
+  opts.report.left_alone.extend(probe.report.left_alone)
+  return False
+
+
 def nested(opts: Options):
   """The hook :func:`_graph.evaluate` calls per nested call: its converted outputs, or None
   to run it as it is."""
@@ -238,6 +276,8 @@ def nested(opts: Options):
     name, p = node.prim.name, node.params
     if name in ("checkpoint", "remat", "remat2"):
       graph = _graph.flatten(p["jaxpr"])
+      if not _gains_under_remat(node, graph, opts):
+        return None
       body = jax.checkpoint(lambda *a: run(graph, a, opts), prevent_cse=p["prevent_cse"],
                             policy=p["policy"])
       return list(body(*invals))

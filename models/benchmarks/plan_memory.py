@@ -227,6 +227,17 @@ def device_peak_row(spec: dict) -> dict:
                               seq_len=spec["seq_len"])
 
 
+def _cannot_write(paths: list[pathlib.Path]) -> str | None:
+  """Why one of ``paths`` cannot be written (its directory made if missing), or None."""
+  for path in paths:
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      cli.output_file(str(path))
+    except (OSError, argparse.ArgumentTypeError) as e:
+      return f"cannot write {str(path)!r} ({e})"
+  return None
+
+
 def run(args: Options) -> int:
   """``scripts/plan_memory.py``'s job for its parsed command line ``args``; the exit code."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -249,10 +260,18 @@ def run(args: Options) -> int:
       print(f"error: --replot: {str(args.replot)!r} is not a complete JSON written by this "
             f"script ({type(e).__name__}: {e})", file=sys.stderr)
       return 2
+    why = _cannot_write([args.replot.with_suffix(".png")])
+    if why:
+      print(f"error: --replot: {why} (the PNG is drawn beside the JSON)", file=sys.stderr)
+      return 2
     print(table)
     _plot(results, args.replot.with_suffix(".png"))
     print(f"wrote {args.replot.with_suffix('.png')}")
     return 0
+  why = _cannot_write([args.out.with_suffix(x) for x in (".json", ".md", ".png")])
+  if why:  # before any compiling: nothing measured and then lost
+    print(f"error: --out: {why}", file=sys.stderr)
+    return 2
   models = args.models.split(",")
   for m in models:
     if m not in presets.MODELS:

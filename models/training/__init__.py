@@ -13,13 +13,13 @@ library: the entry point ``scripts/train_vit.py`` parses flags and calls :func:`
 * :mod:`.main`: the command line's job (flags -> one exit code).
 """
 from models.training.config import TrainConfig, validate
-from models.training.errors import (ConfigError, Interrupted, StopRequested, TrainingDiverged,
-                                    first_line, stop_on_signals)
+from models.training.errors import (ConfigError, Interrupted, RunDirectoryLost, StopRequested,
+                                    TrainingDiverged, first_line, stop_on_signals)
 from models.training.checkpoints import CheckpointWriteError
 from models.training.loop import train
 from models.training.run_dir import run_identity
 from models.training.trainer import Trainer
 
 __all__ = ["TrainConfig", "validate", "ConfigError", "Interrupted", "StopRequested",
-           "TrainingDiverged", "first_line", "stop_on_signals", "CheckpointWriteError", "train",
-           "run_identity", "Trainer"]
+           "TrainingDiverged", "RunDirectoryLost", "first_line", "stop_on_signals",
+           "CheckpointWriteError", "train", "run_identity", "Trainer"]

@@ -256,6 +256,9 @@ def checkpoint_io(manager, what: str, call):
         manager.wait_until_finished()
       except Exception:  # pylint: disable=broad-except  # reported below as not intact
         what += " (and an earlier one still being written)"
+    workdir = pathlib.Path(manager.directory).parent
+    if not (workdir / "config.json").is_file():  # not a storage failure: the run is gone
+      raise errors.RunDirectoryLost(workdir, what) from None
     raise CheckpointWriteError(
         f"could not write {what} in {manager.directory}: {cause}; the checkpoints written "
         "before are intact: free space (or fix the directory) and continue with --resume"

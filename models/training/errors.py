@@ -17,6 +17,17 @@ class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
 
 
+class RunDirectoryLost(OSError):
+  """The run directory (its ``config.json``) vanished while training: nothing more is written
+  there, so that no checkpoint, log or summary appears in a directory that no longer says which
+  run it holds (message names the directory)."""
+
+  def __init__(self, workdir, what: str):
+    super().__init__(f"the run directory {workdir} was removed while training (its config.json "
+                     f"is gone, found before {what}); nothing more was written: restore it and "
+                     "continue with --resume, or start the run again")
+
+
 class StopRequested(BaseException):
   """SIGINT or SIGTERM arrived (raised by the training loop between two steps, after
   :func:`stop_on_signals`'s handler noted it; a BaseException, so that no ``except Exception``
@@ -42,6 +53,18 @@ class Interrupted(RuntimeError):
 
 
 _STOP: dict = {"signum": None}  # the signal stop_on_signals noted, if any
+
+
+def raise_if_stop_requested() -> None:
+  """Raise :class:`StopRequested` if :func:`stop_on_signals` noted a signal (the training loop
+  calls this at each step boundary)."""
+  if _STOP["signum"] is not None:
+    raise StopRequested(_STOP["signum"])
+
+
+def clear_stop() -> None:
+  """Forget the noted signal (once the stop it asked for is under way)."""
+  _STOP["signum"] = None
 
 
 @contextlib.contextmanager

@@ -74,8 +74,7 @@ def _steps(cfg: config.TrainConfig, trainer, manager, workdir: pathlib.Path, ste
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   t_last, n_last = time.perf_counter(), steps.start
   for step in steps:
-    if errors._STOP["signum"] is not None:
-      raise errors.StopRequested(errors._STOP["signum"])
+    errors.raise_if_stop_requested()
     t0 = time.perf_counter()
     loss, acc = trainer.train_step(step)
     if time_steps:
@@ -105,6 +104,7 @@ def _steps(cfg: config.TrainConfig, trainer, manager, workdir: pathlib.Path, ste
         bar.write(f"epoch {done / per_epoch:5.1f}  step {done:6d}  test_loss {ev['test_loss']:.4f}"
                   f"  test_acc {ev['test_acc']:.4f}")
     if saving:  # its checksums first: a checkpoint never exists without them
+      run_dir.check_present(workdir, f"the checkpoint of step {done}")
       checkpoints.checkpoint_io(manager, f"the checksums of step {done}", lambda: checkpoints.record(
           workdir, done, trainer.state(), main))
       checkpoints.checkpoint_io(manager, f"the checkpoint of step {done}", lambda: manager.save(
@@ -138,6 +138,7 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
   def log(record):
     history.append(record)
     if main:
+      run_dir.check_present(workdir, f"the metrics of step {record['step']}")
       with metrics_path.open("a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -146,7 +147,7 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
     _steps(cfg, trainer, manager, workdir, range(start, end), log, bar, step_times,
            time_steps=time_steps, main=main, per_epoch=per_epoch)
   except errors.StopRequested as e:  # the saves in flight complete: what was saved stays intact
-    errors._STOP["signum"] = None
+    errors.clear_stop()
     try:
       manager.wait_until_finished()
     finally:
@@ -155,7 +156,6 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
         bar.close()
     raise errors.Interrupted(e.signum, trainer.step, workdir.parent if workdir.name ==
                       cfg.configuration else workdir) from None
-  checkpoints.checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   checkpoints.checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   manager.close()
   if bar is not None:
@@ -178,6 +178,7 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
           "keep": [list(k) for k in trainer.plan.save_names()],
           "predicted_bytes": trainer.plan.predicted_bytes},
   }
+  run_dir.check_present(workdir, "the summary")  # (the last save may have recreated it)
   if main:
     run_dir.write_atomic(workdir / "summary.json", json.dumps(summary, indent=1))
   summary["history"] = history

@@ -146,3 +146,15 @@ class RunLock:
     fcntl.flock(self.file, fcntl.LOCK_UN)
     self.file.close()
     return False
+
+
+def check_present(workdir: pathlib.Path, what: str) -> None:
+  """Raise :class:`errors.RunDirectoryLost` if ``workdir``'s config.json is gone (the directory
+  was removed, or removed and recreated by a writer), before writing ``what`` there.
+
+  Args:
+    workdir: the run directory.
+    what: what is about to be written (for the message).
+  """
+  if not (workdir / "config.json").is_file():
+    raise errors.RunDirectoryLost(workdir, what)

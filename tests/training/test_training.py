@@ -93,6 +93,42 @@ def test_a_full_disk_is_one_line_and_loses_nothing(digits, tmp_path, monkeypatch
   assert resumed["finished"]
 
 
+@pytest.mark.parametrize("moment", ["before the first checkpoint", "between checkpoints",
+                                    "during a checkpoint's save", "after the last step"])
+def test_a_vanished_run_directory_stops_with_one_line_and_writes_nothing_more(
+    digits, tmp_path, monkeypatch, moment):
+  """The run directory removed mid-run (rm -rf while training): one RunDirectoryLost naming it
+  (an OSError: the command line's exit 2) at the next write, whatever the moment; before, orbax
+  recreated the directory for its next save and the run ended with exit 0 and no config.json."""
+  import shutil
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  work = tmp_path / "w"
+  at = {"before the first checkpoint": 3, "between checkpoints": 7, "after the last step": 11}
+  real_step, real_save = training.Trainer.train_step, ocp.CheckpointManager.save
+
+  def remove():  # (orbax's threads may be writing in it meanwhile)
+    while work.exists():
+      shutil.rmtree(work, ignore_errors=True)
+
+  def step(self, i):
+    out = real_step(self, i)
+    if i == at.get(moment):
+      remove()
+    return out
+
+  def save(self, done, *args, **kwargs):
+    if moment == "during a checkpoint's save" and done == 10:
+      remove()
+    return real_save(self, done, *args, **kwargs)
+  monkeypatch.setattr(training.Trainer, "train_step", step)
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+  with pytest.raises(training.RunDirectoryLost) as e:
+    training.train(SMALL, digits, work, progress=False, devices=1)
+  assert isinstance(e.value, OSError) and "\n" not in str(e.value)
+  assert f"the run directory {work} was removed" in str(e.value)
+  assert not (work / "summary.json").exists() and not (work / "metrics.jsonl").exists()
+
+
 def test_a_metrics_log_it_cannot_read_is_one_line_naming_it(tmp_path):
   """On resume: a last line cut short by a kill is dropped; any other line that is not UTF-8,
   not JSON or has no integer step stops the resume with the file and the line."""
