@@ -12,10 +12,10 @@ import importlib as _importlib
 from invact_jax.ops import *  # noqa: F401,F403
 from invact_jax.ops import __all__ as _ops
 from invact_jax.bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
-from invact_jax.convert import ConversionReport, ProgramReport, invert, inverted  # noqa: F401
+from invact_jax.convert import ConversionReport, invert, inverted  # noqa: F401
 
 __version__ = "0.2.0"
-__all__ = [*_ops, "pack_bits", "packed_shape", "unpack_bits", "ConversionReport", "ProgramReport", "invert",
+__all__ = [*_ops, "pack_bits", "packed_shape", "unpack_bits", "ConversionReport", "invert",
            "inverted", "memory", "planner", "accuracy", "flax", "registry"]
 
 # Submodules reachable as attributes after ``import invact_jax``, imported on first use.

@@ -40,9 +40,9 @@ NORM_MODES = ("standard", "inverted", "fused")
 SOFTMAX_MODES = ("standard", "inverted")
 DROPOUT_MODES = ("standard", "regenerate", "bits")
 HEAD_MODES = ("standard", "chunked")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product")
+ATTENTION_CHOICES = ("auto", "xla", "dot_product")
 #: ``implementation``: how the invact_jax ops run (None: the library's default, XLA).
-IMPLEMENTATIONS = (None, *_IMPLEMENTATION_NAMES)
+IMPLEMENTATION_CHOICES = (None, *_IMPLEMENTATION_NAMES)
 
 #: Named memory configurations (model-config overrides).  "standard" is the baseline.
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
@@ -78,11 +78,11 @@ def configuration(name: str) -> dict[str, Any]:
         raise ValueError(f"configuration {full!r}: unknown operator variant {extra!r}; choose "
                          f"from {[f'head={m}' for m in HEAD_MODES]}")
       out["head_mode"] = value
-    elif extra in IMPLEMENTATIONS[1:]:
+    elif extra in IMPLEMENTATION_CHOICES[1:]:
       out["implementation"] = extra
     else:
       raise ValueError(f"configuration {full!r}: unknown implementation {extra!r}; "
-                       f"choose from {IMPLEMENTATIONS[1:]}")
+                       f"choose from {IMPLEMENTATION_CHOICES[1:]}")
   return out
 
 
@@ -137,8 +137,8 @@ def validate(cfg) -> None:
   for field, allowed in (("activation_mode", ACTIVATION_MODES), ("norm_mode", NORM_MODES),
                          ("softmax_mode", SOFTMAX_MODES), ("dropout_mode", DROPOUT_MODES),
                          ("head_mode", HEAD_MODES),
-                         ("attention", ATTENTION_IMPLEMENTATIONS),
-                         ("implementation", IMPLEMENTATIONS), ("remat", tuple(REMAT_POLICIES))):
+                         ("attention", ATTENTION_CHOICES),
+                         ("implementation", IMPLEMENTATION_CHOICES), ("remat", tuple(REMAT_POLICIES))):
     _one_of(cfg, field, allowed)
   if cfg.activation not in registry.ACTIVATIONS:
     raise ValueError(f"activation must be one of {tuple(registry.ACTIVATIONS)}, got "

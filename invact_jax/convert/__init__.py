@@ -25,7 +25,8 @@ in ``_pass.RULES`` and its own test file (docs/conversion.md has a worked exampl
 primitive-name sets every stage reads are in ``_primitives.py``; the floor *audit*
 (``memory.floor_audit``) is ``_floor.py``.
 """
-from invact_jax.convert._attributes import ConversionReport, inverted, replaceable  # noqa: F401
-from invact_jax.convert._program import ProgramReport, invert  # noqa: F401
+from invact_jax.convert._attributes import inverted, replaceable  # noqa: F401
+from invact_jax.convert._program import invert  # noqa: F401
+from invact_jax.convert._report import ConversionReport  # noqa: F401
 
-__all__ = ["inverted", "invert", "ConversionReport", "ProgramReport"]
+__all__ = ["inverted", "invert", "ConversionReport"]

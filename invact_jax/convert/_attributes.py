@@ -17,7 +17,6 @@ What it cannot catch: a function captured before the block (a dataclass default
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -29,13 +28,14 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
+from invact_jax.convert._report import ConversionReport
 from invact_jax.ops.activations import api as _acts
 from invact_jax.ops.activations import registry
 from invact_jax.ops.norms import api as _norms
 from invact_jax.ops.softmax import api as _softmax
 from invact_jax.ops.softmax import base as _softmax_base
 
-__all__ = ["inverted", "ConversionReport", "replaceable"]
+__all__ = ["inverted", "replaceable"]
 
 # Modules whose attributes model code commonly calls.
 _MODULES = ("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
@@ -50,27 +50,6 @@ def replaceable() -> dict[str, Callable[..., Any]]:
 def _originals() -> dict[int, str]:
   """id of each jax.nn original (captured at import by the registry) -> public name."""
   return {id(entries[0].original): entries[0].public for entries in registry.PUBLIC.values()}
-
-
-@dataclasses.dataclass
-class ConversionReport:
-  """What a conversion replaced: call counts by qualified name, and what it left alone."""
-  calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  patched: list[str] = dataclasses.field(default_factory=list)
-  left_alone: list[str] = dataclasses.field(default_factory=list)
-
-  @property
-  def replaced(self) -> dict[str, int]:
-    return dict(self.calls)
-
-  def __str__(self) -> str:
-    if not self.calls:
-      return ("invact_jax.inverted: no activation call was replaced (activations captured "
-              "before the block, imported by name, or traced by jax.jit outside it?)")
-    text = "invact_jax replaced: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.calls.items()))
-    if self.left_alone:
-      text += "; left alone: " + "; ".join(self.left_alone)
-    return text
 
 
 @dataclasses.dataclass
@@ -93,9 +72,9 @@ def _blocks_for(public: str | None, norms: bool) -> list[_Block]:
   return [b for b in _active() if (public is None or public in b.names) and (b.norms or not norms)]
 
 
-def _count(blocks, qual: str) -> None:
+def _count(blocks, public: str, qual: str) -> None:
   for b in blocks:
-    b.report.calls[qual] += 1
+    b.report.converted.append((public, qual, ""))
 
 
 def _activation_dispatcher(qual: str, public: str, original, inverted_fn):
@@ -104,7 +83,7 @@ def _activation_dispatcher(qual: str, public: str, original, inverted_fn):
     blocks = _blocks_for(public, norms=False)
     if not blocks:
       return original(*args, **kwargs)
-    _count(blocks, qual)
+    _count(blocks, public, qual)
     return inverted_fn(*args, **kwargs)
   dispatch.__invact_original__ = original
   return dispatch
@@ -121,7 +100,7 @@ def _softmax_dispatcher(qual: str, original):
       out = _softmax.softmax(x, axis=axis)
     except (TypeError, ValueError):  # e.g. a tuple of axes: not expressible, keep the original
       return original(x, axis=axis, where=where, **kwargs)
-    _count(blocks, qual)
+    _count(blocks, "softmax", qual)
     return out
   dispatch.__invact_original__ = original
   return dispatch
@@ -159,7 +138,7 @@ def linen_norm_call(original, rms: bool, qual: str | None):
     bias = (self.param("bias", self.bias_init, (n,), self.param_dtype)
             if not rms and self.use_bias else None)
     if blocks:
-      _count(blocks, qual)
+      _count(blocks, "softmax", qual)
     return output_saving_norm(self, x, scale, bias, rms)
   # What linen does to a @compact __call__ at class creation (scopes, parameter creation).
   from flax.linen import module as linen_module  # pylint: disable=import-outside-toplevel
@@ -176,7 +155,7 @@ def nnx_norm_call(original, rms: bool, qual: str | None):
     scale = self.scale[...] if self.scale is not None else None
     bias = None if rms or self.bias is None else self.bias[...]
     if blocks:
-      _count(blocks, qual)
+      _count(blocks, "softmax", qual)
     return output_saving_norm(self, x, scale, bias, rms)
   return __call__
 
@@ -279,8 +258,8 @@ def inverted(only: str | tuple[str, ...] | None = None, *, warn: bool = True,
     ...   return jnp.sum(jax.nn.gelu(x @ w))
     >>> with invact_jax.inverted() as report:
     ...   g = jax.grad(mlp, argnums=1)(jnp.ones((2, 4)), jnp.ones((4, 8)))
-    >>> report.replaced
-    {'jax.nn.gelu': 1}
+    >>> report.replaced, report.forms
+    ({'gelu': 1}, {'jax.nn.gelu': 1})
   """
   block = _Block(ConversionReport(), _names(only), norms)
   with _installed() as undo:
@@ -291,5 +270,5 @@ def inverted(only: str | tuple[str, ...] | None = None, *, warn: bool = True,
       yield block.report
     finally:
       _LOCAL.blocks = stack
-  if warn and not block.report.calls:
+  if warn and not block.report.converted:
     warnings.warn(str(block.report), stacklevel=3)

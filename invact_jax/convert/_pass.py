@@ -63,7 +63,7 @@ class Options:
   names: frozenset
   activation: Any
   norm: Any
-  report: _report.ProgramReport
+  report: _report.ConversionReport
   floor: bool = True
   skip: frozenset = frozenset()
   recompute: frozenset = frozenset()
@@ -91,7 +91,7 @@ def options_for_analysis() -> Options:
   from invact_jax.ops.norms import api as norm_api  # pylint: disable=import-outside-toplevel
   names = frozenset(registry.PUBLIC[n][0].public for n in registry.PUBLIC) | set(kinds())
   return Options(names, act_api.IMPLEMENTATIONS["xla"], norm_api.IMPLEMENTATIONS["xla"],
-                 _report.ProgramReport(), False)
+                 _report.ConversionReport(), False)
 
 
 @dataclasses.dataclass
@@ -243,7 +243,7 @@ def _gains_under_remat(node: _graph.Node, graph: _graph.Graph, opts: Options) ->
   where that is strictly lower; otherwise its sites are left alone with the two figures."""
   p = node.params
   structs = _graph.shape_structs(p["jaxpr"].in_avals)
-  probe = dataclasses.replace(opts, report=_report.ProgramReport(),
+  probe = dataclasses.replace(opts, report=_report.ConversionReport(),
                               recomputable=list(opts.recomputable))
   remat = functools.partial(jax.checkpoint, prevent_cse=p["prevent_cse"], policy=p["policy"])
   converted = jax.make_jaxpr(lambda *a: remat(lambda *b: run(graph, b, probe))(*a))(*structs)

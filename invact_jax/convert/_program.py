@@ -23,13 +23,13 @@ import numpy as np
 from invact_jax.convert import _fallback
 from invact_jax.convert import _graph
 from invact_jax.convert import _pass
-from invact_jax.convert._report import ProgramReport
+from invact_jax.convert._report import ConversionReport
 from invact_jax.ops import _implementation
 from invact_jax.ops.activations import api as _act_api
 from invact_jax.ops.activations import registry
 from invact_jax.ops.norms import api as _norm_api
 
-__all__ = ["invert", "ProgramReport"]
+__all__ = ["invert", "ConversionReport"]
 
 
 def _names(only, norms: bool) -> frozenset:
@@ -114,11 +114,11 @@ class _Conversion:
                   for table in (_act_api.IMPLEMENTATIONS, _norm_api.IMPLEMENTATIONS)]
     self.cache: dict = {}
 
-  def options(self, report: ProgramReport, choice: _fallback.Choice) -> _pass.Options:
+  def options(self, report: ConversionReport, choice: _fallback.Choice) -> _pass.Options:
     return _pass.Options(self.names, *self.impls, report, bool(self.floor) and choice.floor,
                          choice.skip, choice.recompute)
 
-  def choose(self, closed, args, leaves, dyn, report: ProgramReport) -> _fallback.Choice:
+  def choose(self, closed, args, leaves, dyn, report: ConversionReport) -> _fallback.Choice:
     """``fallback="temp"``'s choice for this trace signature (measured once), else none."""
     if self.fallback != "temp":
       return _fallback.Choice()
@@ -132,7 +132,7 @@ class _Conversion:
     key = (str(closed), tuple(positions))
     if key not in self.cache:
       self.cache[key] = _fallback.choose(
-          closed, positions, lambda c: self.options(ProgramReport(), c)) \
+          closed, positions, lambda c: self.options(ConversionReport(), c)) \
           if positions else _fallback.Choice()
     if self.floor and not self.cache[key].floor:
       report.left_alone.append(("floor pass", "", "its matmul fusions raised the gradient's "
@@ -143,7 +143,7 @@ class _Conversion:
   def __call__(self, args, kwargs) -> tuple:
     """``(fn's output converted, the report)``."""
     closed, vals, leaves, dyn, out = _trace(self.fn, args, kwargs)
-    report = ProgramReport()
+    report = ConversionReport()
     choice = self.choose(closed, args, leaves, dyn, report)
     outs = _pass.run(_graph.flatten(closed), vals, self.options(report, choice))
     return _rebuild(out, outs), report
@@ -196,7 +196,7 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
 
   Returns:
     The converted function; after each call (or trace) its ``last_report``
-    (:class:`ProgramReport`) says what was converted and what was left alone, and why.
+    (:class:`ConversionReport`) says what was converted and what was left alone, and why.
 
   Example:
     >>> import functools, jax, jax.numpy as jnp, invact_jax

@@ -62,8 +62,8 @@ def test_linen_model_converted_same_outputs_params_fewer_residuals():
   chex.assert_trees_all_equal(params, params2)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
   chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
-  assert report.replaced.get("flax.linen.gelu", 0) > 0
-  assert report.replaced.get("jax.nn.silu", 0) > 0
+  assert report.forms.get("flax.linen.gelu", 0) > 0
+  assert report.forms.get("jax.nn.silu", 0) > 0
   assert len(saved) < len(_hidden_residuals(loss, params, x))
   assert jax.nn.gelu is not report  # restored after the block
   assert "invact" not in getattr(jax.nn.gelu, "__module__", "")
@@ -97,7 +97,7 @@ def test_only_and_bad_names():
   with invact_jax.inverted(only=("silu",), warn=False) as report:
     jax.nn.gelu(jnp.ones(3))
     jax.nn.silu(jnp.ones(3))
-  assert report.replaced == {"jax.nn.silu": 1}
+  assert report.forms == {"jax.nn.silu": 1}
   with pytest.raises(ValueError, match="argument `only`"):
     with invact_jax.inverted(only=("softmax",)):
       pass
@@ -137,7 +137,7 @@ def test_norms_and_softmax_converted_same_params_and_gradients_fewer_residuals()
     g1 = jax.grad(loss)(params, x)
     params1 = m.init(jax.random.key(0), x)
     kept1 = sum(r.bytes for r in memory.residuals(loss, params, x) if not r.is_argument)
-  assert {"flax.linen.LayerNorm", "flax.linen.RMSNorm", "jax.nn.softmax"} <= set(report.replaced)
+  assert {"flax.linen.LayerNorm", "flax.linen.RMSNorm", "jax.nn.softmax"} <= set(report.forms)
   chex.assert_trees_all_equal_shapes_and_dtypes(params, params1)
   chex.assert_trees_all_close(g1, g0, rtol=1e-5, atol=1e-5)
   kept0 = sum(r.bytes for r in memory.residuals(loss, params, x) if not r.is_argument)
@@ -146,7 +146,7 @@ def test_norms_and_softmax_converted_same_params_and_gradients_fewer_residuals()
   assert jax.nn.softmax is softmax_before and nn.LayerNorm.__call__ is ln_call_before
   with invact_jax.inverted(norms=False) as report:
     jax.grad(loss)(params, x)
-  assert "flax.linen.LayerNorm" not in report.replaced
+  assert "flax.linen.LayerNorm" not in report.forms
 
 
 def test_nnx_norms_converted_and_unsupported_calls_fall_back():
@@ -165,7 +165,7 @@ def test_nnx_norms_converted_and_unsupported_calls_fall_back():
   g0 = nnx.state(nnx.grad(f)(net, x))
   with invact_jax.inverted() as report:
     g1 = nnx.state(nnx.grad(f)(net, x))
-  assert report.replaced == {"flax.nnx.LayerNorm": 1, "flax.nnx.RMSNorm": 1}
+  assert report.forms == {"flax.nnx.LayerNorm": 1, "flax.nnx.RMSNorm": 1}
   chex.assert_trees_all_close(jax.tree.leaves(g1), jax.tree.leaves(g0), rtol=1e-5, atol=1e-5)
 
 
@@ -198,10 +198,10 @@ def test_only_accepts_a_single_name_and_tanh_is_converted():
   with invact_jax.inverted(only="silu", warn=False) as report:
     jax.nn.silu(jnp.ones(3))
     jax.nn.gelu(jnp.ones(3))
-  assert report.replaced == {"jax.nn.silu": 1}
+  assert report.forms == {"jax.nn.silu": 1}
   with invact_jax.inverted(warn=False) as report:
     nn.tanh(jnp.ones(3))
-  assert report.replaced == {"flax.linen.tanh": 1}
+  assert report.forms == {"flax.linen.tanh": 1}
 
 
 def test_nested_blocks_count_in_every_report():
@@ -209,7 +209,7 @@ def test_nested_blocks_count_in_every_report():
   with invact_jax.inverted() as outer:
     with invact_jax.inverted() as inner:
       jax.grad(lambda w: jnp.sum(jax.nn.gelu(x @ w)))(w)
-  assert outer.replaced == inner.replaced == {"jax.nn.gelu": 1}
+  assert outer.forms == inner.forms == {"jax.nn.gelu": 1}
   inner = invact_jax.invert(lambda w: jnp.sum(jax.nn.silu(x @ w)))
   f = invact_jax.invert(inner)  # the outer conversion sees the inner one's custom_vjp
   jax.grad(f)(w)
@@ -225,7 +225,7 @@ def test_other_threads_are_unaffected_and_nothing_deadlocks():
   def other():  # runs while the main thread is inside a block, and waits for nothing
     with invact_jax.inverted(warn=False) as r:
       jax.nn.relu(x)
-    seen["other_report"] = r.replaced
+    seen["other_report"] = r.forms
 
   with invact_jax.inverted(warn=False) as report:
     t = threading.Thread(target=other)
@@ -234,7 +234,7 @@ def test_other_threads_are_unaffected_and_nothing_deadlocks():
     assert not t.is_alive()
     jax.nn.gelu(x)
   assert seen["other_report"] == {"jax.nn.relu": 1}
-  assert report.replaced == {"jax.nn.gelu": 1}   # the other thread's relu is not counted here
+  assert report.forms == {"jax.nn.gelu": 1}   # the other thread's relu is not counted here
   assert jax.nn.gelu(x) is not None
 
 

@@ -372,6 +372,6 @@ def relu_reference(x: Array) -> Array:
   return _reference("relu", x)
 
 
-#: public name -> (the op, its reference); a test checks it against :data:`registry.PUBLIC`.
-PUBLIC = {name: (globals()[name], globals()[f"{name}_reference"]) for name in __all__
+#: public name -> (the op, its reference); a test checks its names against :data:`registry.PUBLIC`.
+OPS = {name: (globals()[name], globals()[f"{name}_reference"]) for name in __all__
           if not name.endswith("_reference")}

@@ -13,8 +13,8 @@ from invact_jax.ops.activations import api, registry
 
 
 def test_public_functions_and_registry_name_the_same_ops():
-  assert set(api.PUBLIC) == set(registry.PUBLIC)
-  for name, (fn, ref) in api.PUBLIC.items():
+  assert set(api.OPS) == set(registry.PUBLIC)
+  for name, (fn, ref) in api.OPS.items():
     assert getattr(invact_jax, name) is fn and getattr(invact_jax, f"{name}_reference") is ref
     assert fn.__name__ == name and fn.__module__ == api.__name__  # a real def, found by grep
     assert fn.__doc__ and "Args:" in fn.__doc__ and "Returns:" in fn.__doc__
@@ -23,7 +23,7 @@ def test_public_functions_and_registry_name_the_same_ops():
 
 @pytest.mark.parametrize("name", sorted(registry.PUBLIC))
 def test_signatures_mirror_jax_nn(name):
-  fn, ref = api.PUBLIC[name]
+  fn, ref = api.OPS[name]
   original = registry.PUBLIC[name][0].original
   nn = inspect.signature(original).parameters
   ours = inspect.signature(fn).parameters
