@@ -83,53 +83,19 @@ def _kill_mid_run(procs, run, victim: int):
       p.kill()
 
 
-def test_two_processes_train_like_one_and_resume_elsewhere(tmp_path):
-  if len(jax.devices()) < 4:
-    pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
-  work = tmp_path / "run"
-  # Each process sees 2 CPU devices: a global mesh of 4.
-  env = env_with_devices(2)
-  argv = [sys.executable, str(ROOT / "scripts" / "train_vit.py"), "--steps", "12",
-          "--batch-size", "32", "--checkpoint-every", "5", "--warmup-steps", "3", "--no-progress",
-          "--workdir", str(work), "--coordinator", f"localhost:{_free_port()}",
-          "--num-processes", "2", "--stop-after", "6", "--distributed-timeout", "60",
-          "--shard-params"]
-  procs = _launch(argv, env)
-  outs = _finish(procs, 400)
-  assert [p.returncode for p in procs] == [0, 0], _stderrs(outs)
-  # stdout: the summary (process 0 only) among gloo's connection messages.
-  block = lambda out: re.search(r"^\{$.*?^\}$", out, re.S | re.M)  # noqa: E731
-  summary = json.loads(block(outs[0][0]).group(0))
-  assert (summary["devices"], summary["processes"], summary["steps"]) == (4, 2, 6)
-  assert summary["shard_params"] is True
-  assert block(outs[1][0]) is None and "run directory" not in outs[1][0]
-  run = work / "inverted"
-  assert checkpoints.latest_step(run) == 5  # written by both processes together
-  # Resume the two-process FSDP run here: one process, 4 devices, replicated state (its
-  # sharded checkpoint restores into another layout); and the same run from scratch.
-  cfg = training.TrainConfig(**{k: v for k, v in json.loads((run / "config.json").read_text()).items()
-                                if k != "data"})
-  digits = data_lib.load_digits(cfg.seed)
-  resumed = training.train(cfg, digits, run, resume=True, progress=False, devices=4)
-  fresh = training.train(cfg, digits, tmp_path / "fresh", progress=False, devices=4)
-  assert resumed["finished"] and resumed["steps"] == fresh["steps"] == 12
-  assert abs(resumed["final_train_loss"] / fresh["final_train_loss"] - 1) <= 1e-3
-  # Parameters: as close as 1 vs 4 devices in one process (max |diff| 3.1e-3 after these 12
-  # steps: AdamW turns reduction-order noise in near-zero early gradients into lr-sized steps).
-  for a, b in zip(jax.tree.leaves(resumed["trainer"].params), jax.tree.leaves(fresh["trainer"].params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5e-3)
-
-
-def test_a_killed_process_stops_the_other_with_one_line_and_both_resume(tmp_path):
-  """2 processes x 2 devices: process 1 killed mid-run (a run far longer than the test waits)
-  -> process 0 stops with one line and exit 1 within the watchdog's bound; both resume from
-  the last checkpoint and stop 5 steps later."""
+def test_a_killed_process_stops_the_other_and_the_sharded_run_resumes_in_two_processes_or_one(
+    tmp_path):
+  """2 processes x 2 devices, FSDP (parameters and optimizer state sharded over the 4):
+  process 1 killed mid-run (a run far longer than the test waits) -> process 0 stops with one
+  line and exit 1 within the watchdog's bound; both resume from the last checkpoint and stop at
+  the next, writing it together; that sharded checkpoint then resumes here, one
+  process, 4 devices, replicated state, and trains as the same run from scratch does."""
   if len(jax.devices()) < 4:
     pytest.skip("needs 4 (virtual) devices; conftest.py sets 8")
   work = tmp_path / "run"
   run = work / "inverted"
   env = env_with_devices(2)
-  base = _long_run(work)
+  base = _long_run(work) + ["--shard-params"]
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}",
                           "--distributed-timeout", "10"], env)
   err, waited = _kill_mid_run(procs, run, victim=1)
@@ -137,17 +103,41 @@ def test_a_killed_process_stops_the_other_with_one_line_and_both_resume(tmp_path
   # Whichever notices first: the watchdog (no heartbeat for 5 s) or a collective whose peer's
   # connection closed (CPU collectives: Gloo) — one line either way, nothing after it.
   assert re.fullmatch(r"error: lost the other processes \((process 1 stopped answering for 5 s|"
-                      r"[^\n]*Connection closed by peer[^\n]*)\); once all are back, continue "
+                      r"[^\n]*Connection (?:closed|reset) by peer[^\n]*)\); once all are back, continue "
                       r"with --resume", err.strip()), err[-2000:]
   assert waited < 15  # 5 s without a heartbeat, polled every 0.5 s (XLA would abort at 10 s)
-  last = checkpoints.latest_step(run)
+  last = checkpoints.latest_step(run)  # (orbax writes the first step it is asked about)
   assert last is not None and last < 5000
+  target = (last // 5 + 1) * 5  # the next checkpoint (--checkpoint-every 5)
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}", "--distributed-timeout",
-                          "60", "--resume", "--stop-after", str(last + 5)], env)
+                          "60", "--resume", "--stop-after", str(target)], env)
   outs = _finish(procs, 400)
   assert [p.returncode for p in procs] == [0, 0], _stderrs(outs)
-  summary = json.loads(re.search(r"^\{$.*?^\}$", outs[0][0], re.S | re.M).group(0))
-  assert (summary["processes"], summary["steps"]) == (2, last + 5)
+  # stdout: the summary (process 0 only) among gloo's connection messages.
+  block = lambda out: re.search(r"^\{$.*?^\}$", out, re.S | re.M)  # noqa: E731
+  summary = json.loads(block(outs[0][0]).group(0))
+  assert (summary["devices"], summary["processes"], summary["steps"]) == (4, 2, target)
+  assert summary["shard_params"] is True
+  assert block(outs[1][0]) is None and "run directory" not in outs[1][0]
+  assert checkpoints.latest_step(run) == target  # written by both processes together
+  # Here: one process, 4 devices, replicated state (the sharded checkpoint restores into
+  # another layout), 2 steps on; and the same run from scratch to the same step.
+  cfg = training.TrainConfig(**{k: v for k, v in json.loads((run / "config.json").read_text()).items()
+                                if k != "data"})
+  digits = data_lib.load_digits(cfg.seed)
+  stop = target + 2
+  resumed = training.train(cfg, digits, run, resume=True, progress=False, devices=4,
+                           stop_after=stop)
+  fresh = training.train(cfg, digits, tmp_path / "fresh", progress=False, devices=4,
+                         stop_after=stop)
+  assert resumed["steps"] == fresh["steps"] == stop
+  # Parameters: as close as 1 vs 4 devices in one process (AdamW turns reduction-order noise
+  # in near-zero early gradients into lr-sized steps): max |diff| 2.9e-3 measured at step 7
+  # (the kill lands after orbax's first checkpoint, step 1; 2026-11-26), 3.1e-3 after 12 steps
+  # of a 12-step schedule before.
+  diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+      jax.tree.leaves(resumed["trainer"].params), jax.tree.leaves(fresh["trainer"].params)))
+  assert diff <= 5e-3, (diff, last)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -316,6 +316,10 @@ class ActivationTestBase(ImplementationTestCase):
     """The kernel backward from the XLA path's residuals: within one rounding of its dx."""
     if self.IMPLEMENTATION == "xla":
       self.skipTest("kernels only")
+    if self.INTERPRET and block_rows and shape != (257, 24):
+      # (CI time) the interpreter's ragged last block is the (257, 24) case's; compiled
+      # kernels run every case
+      self.skipTest("interpret mode: small blocks on the (257, 24) case")
     case = self.case(name)
     op = case.op
     x = inputs(shape, dtype)
