@@ -3,7 +3,7 @@
 RATIONAL: per storage-dtype class, one minimax rational per branch of f'(f^-1(y))
 (float32, float16 and bfloat16 outputs; invact_jax/ops/activations/_rational.py).
 FITS: piecewise Chebyshev fits (degree 12, tol 1e-06) per branch, for float64
-outputs (invact_jax/ops/activations/_piecewise.py).  scripts/fit_inverse.py documents
+outputs (invact_jax/ops/activations/_piecewise.py).  fitting.py documents
 the variables.
 """
 

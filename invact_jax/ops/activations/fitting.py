@@ -294,7 +294,7 @@ def render_module(fits, degree, tol, erfcx, rational) -> str:
           "RATIONAL: per storage-dtype class, one minimax rational per branch of f'(f^-1(y))\n"
           "(float32, float16 and bfloat16 outputs; invact_jax/ops/activations/_rational.py).\n"
           f"FITS: piecewise Chebyshev fits (degree {degree}, tol {tol:g}) per branch, for float64\n"
-          "outputs (invact_jax/ops/activations/_piecewise.py).  scripts/fit_inverse.py documents\n"
+          "outputs (invact_jax/ops/activations/_piecewise.py).  fitting.py documents\n"
           'the variables.\n"""\n\n'
           f"DEGREE = {degree}\nTOL = {tol!r}\n\nFITS = {body}\n\n"
           f"RATIONAL_TOL = {RATIONAL_TOL!r}\n\n"

@@ -101,6 +101,7 @@ class ActivationTestBase(ImplementationTestCase):
   # ------------------------------------------------------------------------ forward
   @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=SHAPES)
   def test_forward_and_bits(self, name, dtype, shape):
+    self.skip_interpreted_float16(dtype)
     case = self.case(name)
     x = inputs(shape, dtype)
     y = jax.jit(case.fn(self.impl))(x)
@@ -143,6 +144,7 @@ class ActivationTestBase(ImplementationTestCase):
   # ----------------------------------------------------------------------- gradients
   @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=SHAPES[1:])
   def test_gradient_vs_float64(self, name, dtype, shape):
+    self.skip_interpreted_float16(dtype)
     case = self.case(name)
     x = inputs(shape, dtype, seed=2)
     dy = jnp.ones(shape, x.dtype)
@@ -316,6 +318,7 @@ class ActivationTestBase(ImplementationTestCase):
     """The kernel backward from the XLA path's residuals: within one rounding of its dx."""
     if self.IMPLEMENTATION == "xla":
       self.skipTest("kernels only")
+    self.skip_interpreted_float16(dtype)
     if self.INTERPRET and block_rows and shape != (257, 24):
       # (CI time) the interpreter's ragged last block is the (257, 24) case's; compiled
       # kernels run every case
