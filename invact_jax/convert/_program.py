@@ -208,6 +208,8 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
     >>> inv.last_report.replaced
     {'gelu': 1}
   """
+  if not callable(fn):
+    raise TypeError(f"invact_jax.invert: argument `fn` must be callable, got {type(fn).__name__}")
   conversion = _Conversion(fn, _names(only, norms), implementation, floor, fallback,
                           _checked(fallback, argnums))
 

@@ -196,11 +196,12 @@ def _left_ratio(name, q):
   return g / (y * q)
 
 
-def _fit_side(fn, weight, tol, max_degree):
-  """The lowest-degree (n, n) fit whose float32 evaluation errs <= tol with Q > 0."""
+def _fit_side(fn, weight, tol, max_degree, min_degree=1):
+  """The lowest-degree (n, n) fit, n >= ``min_degree``, whose float32 evaluation errs <= tol
+  with Q > 0."""
   u = np.linspace(-1.0, 1.0, RATIONAL_CHECK)
   f, w = fn(u), (np.ones_like(u) if weight is None else weight(u))
-  for n in range(1, max_degree + 1):
+  for n in range(min_degree, max_degree + 1):
     res = minimax_rational(fn, n, weight=weight)
     if res is None:
       continue
@@ -212,8 +213,9 @@ def _fit_side(fn, weight, tol, max_degree):
   raise RuntimeError(f"no rational fit of degree <= {max_degree} reaches {tol:g}")
 
 
-def fit_rational(name, tol, *, max_degree=10) -> dict:
-  """One dtype class's fits of ``name``: the two branches' rationals and their domains.
+def fit_rational(name, tol, *, max_degree=10, min_degrees=(1, 1)) -> dict:
+  """One dtype class's fits of ``name``: the two branches' rationals and their domains
+  (``min_degrees``: the (right, left) degrees the searches start at; default from 1).
 
   * right (x >= x_min): g = s P/Q(u), u = s / s_end * 2 - 1, s = sqrt(y - y_min) in
     [0, s_end]; beyond s_end, g = 1 (|f' - 1| < tol/8 there).
@@ -227,10 +229,10 @@ def fit_rational(name, tol, *, max_degree=10) -> dict:
   s_end = right_end(name, tol)
   q_end = float(np.sqrt(np.log(-y_min / (tol / 40.0))))
   right = _fit_side(lambda u: _right_target(name, (u + 1) * s_end / 2),
-                    lambda u: (u + 1) * s_end / 2, tol, max_degree)
+                    lambda u: (u + 1) * s_end / 2, tol, max_degree, min_degrees[0])
   left = _fit_side(lambda u: _left_ratio(name, (u + 1) * q_end / 2),
                    lambda u: -y_min * (u + 1) * q_end / 2 * np.exp(-((u + 1) * q_end / 2) ** 2),
-                   tol, max_degree)
+                   tol, max_degree, min_degrees[1])
   return {"s_end": s_end, "q_end": q_end, "right": right, "left": left}
 
 

@@ -59,11 +59,19 @@ def test_refitting_reproduces_the_committed_fits():
 
 
 def test_refitting_reproduces_the_committed_rational_fits():
-  got = fitting.fit_all_rational(progress=lambda m: None)
-  assert got.keys() == _fits.RATIONAL.keys()
-  for name in got:
+  """Per activation, dtype class and branch: the degree below the committed one misses the
+  tolerance and the committed degree refits to the committed coefficients (the search from
+  degree 1, ``fitting.fit_all_rational``, passes through both; starting one below keeps CI
+  short: the low degrees fit fastest and fail as the one below does)."""
+  for name, classes in _fits.RATIONAL.items():
     for cls, tol in _fits.RATIONAL_TOL.items():
-      _assert_close(got[name][cls], _fits.RATIONAL[name][cls], f"RATIONAL.{name}.{cls}", tol=tol)
+      committed = classes[cls]
+      degrees = tuple(max(1, len(committed[side]["q"]) - 2) for side in ("right", "left"))
+      got = fitting.fit_rational(name, tol, min_degrees=degrees)
+      for side, start in zip(("right", "left"), degrees):
+        if start < len(committed[side]["q"]) - 1:  # the one below was tried, and failed
+          assert len(got[side]["q"]) == len(committed[side]["q"]), (name, cls, side)
+      _assert_close(got, committed, f"RATIONAL.{name}.{cls}", tol=tol)
   assert fitting.RATIONAL_TOL == _fits.RATIONAL_TOL
 
 
