@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from models.benchmarks import gpu_report
+from tests import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -129,15 +130,14 @@ def test_docs_take_each_section_from_the_newest_report_that_has_it(tmp_path):
   assert gpu_report.newest_per_device([a1, a2, a3, b1, b2]) == [a3, b2]
 
 
-def test_without_a_gpu_it_says_so():
-  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"),
-                         "--sections", "kernels"], capture_output=True, text=True, check=False,
-                        cwd=ROOT)
-  assert done.returncode == 2 and "no GPU" in done.stderr
-  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"), "--dry-run",
-                         "--sections", "bogus"], capture_output=True, text=True, check=False,
-                        cwd=ROOT)
-  assert done.returncode == 2 and "--sections" in done.stderr
+def test_without_a_gpu_it_says_so(monkeypatch, capsys):
+  for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "PYTHONUNBUFFERED"):
+    monkeypatch.setenv(k, os.environ.get(k, ""))  # (the report sets them for its children)
+  script = load_script("gpu_report")
+  assert script.main(["--sections", "kernels"]) == 2
+  assert "no GPU" in capsys.readouterr().err
+  assert script.main(["--dry-run", "--sections", "bogus"]) == 2
+  assert "--sections" in capsys.readouterr().err
 
 
 def test_largest_batch_says_when_no_probe_fitted():
@@ -151,12 +151,10 @@ def test_largest_batch_says_when_no_probe_fitted():
                               "probes": []}) == "1040 (fails at 1056)"
 
 
-def test_kernel_blocks_needs_a_gpu(tmp_path):
-  done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_blocks.py"), "--out",
-                         str(tmp_path / "k.json")], capture_output=True, text=True, check=False,
-                        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert done.returncode == 2
-  assert done.stderr.strip().splitlines() == ["error: needs a GPU (JAX backend 'cpu')"]
+def test_kernel_blocks_needs_a_gpu(tmp_path, capsys):
+  assert load_script("kernel_blocks").main(["--out", str(tmp_path / "k.json")]) == 2
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "error: needs a GPU (JAX backend 'cpu')"]
   assert not (tmp_path / "k.json").exists()
 
 

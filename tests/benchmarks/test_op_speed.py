@@ -1,13 +1,12 @@
 """models.benchmarks.op_speed (the logic of scripts/bench_kernels.py) on tiny sizes."""
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 import invact_jax
 from models.benchmarks import op_speed
+from tests import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -42,11 +41,9 @@ def test_measure_rejects_bad_arguments():
 
 def test_script_writes_json(tmp_path):
   out = tmp_path / "k.json"
-  r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"),
-                      "--activations", "silu", "--min-log2", "10", "--max-log2", "10",
-                      "--dtypes", "float32", "--repeats", "1", "--out", str(out)],
-                     capture_output=True, text=True, check=False)
-  assert r.returncode == 0, r.stderr
+  assert load_script("bench_kernels").main([
+      "--activations", "silu", "--min-log2", "10", "--max-log2", "10", "--dtypes", "float32",
+      "--repeats", "1", "--out", str(out)]) == 0
   data = json.loads(out.read_text())
   assert data["meta"]["jax"] and data["meta"]["device"]
   assert {row["implementation"] for row in data["rows"]} == {"copy", "jax.nn", "xla"}
@@ -108,10 +105,7 @@ def test_cost_split_rejects_monotone_activations():
     op_speed.cost_split("relu", "float32", elements=1024)
   with pytest.raises(ValueError, match="argument `dtype`"):
     op_speed.lookup_table(op_speed.op("silu"), "float32")
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "scripts" / "bench_kernels.py")
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
+  script = load_script("bench_kernels")
   assert script.main(["--cost-split", "--activations", "relu"]) == 2
   with pytest.raises(SystemExit) as exit_info:  # argparse: not allowed together
     script.main(["--cost", "--cost-split"])
