@@ -109,3 +109,17 @@ def test_nothing_runs_a_script_as_a_child_process():
       text = path.read_text()
       assert '"scripts"' not in text and "scripts/" not in "".join(
           l for l in text.splitlines() if "subprocess" in l or "sys.executable" in l), path
+
+
+def test_the_library_has_no_function_over_80_lines_and_a_short_program_module():
+  """#51's facts a reader can check: every function in invact_jax/ fits on a screen, and
+  convert/_program.py (tracing, options, the call) stays at most 400 lines."""
+  import ast  # pylint: disable=import-outside-toplevel
+  long = []
+  for path in (ROOT / "invact_jax").rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if node.end_lineno - node.lineno + 1 > 80:
+          long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+  assert not long, long
+  assert len((ROOT / "invact_jax/convert/_program.py").read_text().splitlines()) <= 400

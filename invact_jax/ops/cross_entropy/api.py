@@ -22,6 +22,8 @@ from invact_jax.ops import _implementation
 from invact_jax.ops.cross_entropy import base
 from invact_jax.ops.cross_entropy import in_forward
 
+ImplementationLike = _implementation.ImplementationLike
+
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
 #: How this op can run: XLA (a chunked loop; kernels only where they beat it on a GPU).
@@ -151,8 +153,7 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
                          z_loss: float = 0.0, logit_soft_cap: float | None = None,
                          vocab_axis: int = -1, chunk_size: int | None = None,
                          vocab_chunk_size: int | None = None, gradients: str | None = None,
-                         return_correct: bool = False,
-                         implementation: _implementation.ImplementationLike = None
+                         return_correct: bool = False, implementation: ImplementationLike = None
                          ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Cross-entropy of ``x @ w (+ bias)`` against integer labels, never holding the logits.
 
