@@ -233,40 +233,53 @@ def _rebound(node: _graph.Node, invals, **params):
                                  eqn=node.eqn), invals)
 
 
-def _gains_under_remat(node: _graph.Node, graph: _graph.Graph, opts: Options) -> bool:
-  """Whether converting a ``jax.checkpoint`` body lowers its gradient's compiled temp.
+def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
+  """A ``jax.checkpoint`` call converted (a closed jaxpr holding the re-wrapped call), or None
+  to run it as written.
 
   Under a remat the policy decides what is kept; converting the body can lower what the
   recomputed forward holds (the layer's saved inputs, the recomputed residuals) or, where the
   policy recomputes the sites anyway, only change how it recomputes them and raise the temp.
   So the body is compiled both ways (one layer: cheap beside the program) and converted only
-  where that is strictly lower; otherwise its sites are left alone with the two figures."""
+  where that is strictly lower; otherwise its sites are left alone with the two figures.  The
+  body is converted once, for the measurement; the chosen call is that conversion."""
   p = node.params
   structs = _graph.shape_structs(p["jaxpr"].in_avals)
   probe = dataclasses.replace(opts, report=_report.ConversionReport(),
                               recomputable=list(opts.recomputable))
   remat = functools.partial(jax.checkpoint, prevent_cse=p["prevent_cse"], policy=p["policy"])
-  converted = jax.make_jaxpr(lambda *a: remat(lambda *b: run(graph, b, probe))(*a))(*structs)
-  if not (probe.report.converted or probe.report.recomputed):
-    return True  # nothing found inside: as it is (its own nested bodies reported themselves)
-  body = p["jaxpr"]  # (open: a checkpoint's body takes its constants as inputs)
-  jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
-  original = jax.make_jaxpr(remat(lambda *a: jax.core.eval_jaxpr(jaxpr, consts, *a)))(*structs)
-  from invact_jax.convert import _fallback  # pylint: disable=import-outside-toplevel  # (a cycle)
-  positions = [i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact)]
-  ours, theirs = (_fallback.gradient_temp(c, _graph.flatten(c), structs, positions, None)
-                  for c in (converted, original))
-  if ours < theirs:
-    return True
-  opts.recomputable[:] = probe.recomputable  # the sites keep their numbers
-  why = (f"inside jax.checkpoint its policy decides what is kept: converting the body "
-         f"{'gains nothing' if ours == theirs else 'raises'} its gradient's compiled temp "
-         f"({ours:,} vs {theirs:,} bytes per call); left as written")
+  try:
+    converted = jax.make_jaxpr(lambda *a: remat(lambda *b: run(graph, b, probe))(*a))(*structs)
+  except (ValueError, NameError) as e:  # a body that only traces in its context: collectives
+    # or varying values of an enclosing shard_map cannot be compiled on their own
+    opts.report.left_alone.append(("jax.checkpoint", node.where, (
+        "inside jax.checkpoint its policy decides what is kept, and this body cannot be "
+        f"compiled outside its shard_map to check that converting it lowers the temp ("
+        f"{type(e).__name__}); left as written")))
+    return None
+  opts.recomputable[:] = probe.recomputable  # the sites keep their numbers either way
   sites = ([(public, where) for public, _, where in probe.report.converted]
            + [(public, where) for public, where, _ in probe.report.recomputed])
-  opts.report.left_alone.extend((public, where, why) for public, where in sites)
-  opts.report.left_alone.extend(probe.report.left_alone)
-  return False
+  if sites:
+    body = p["jaxpr"]  # (open: a checkpoint's body takes its constants as inputs)
+    jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
+    original = jax.make_jaxpr(remat(lambda *a: jax.core.eval_jaxpr(jaxpr, consts, *a)))(*structs)
+    from invact_jax.convert import _fallback  # pylint: disable=import-outside-toplevel  # (a cycle)
+    positions = [i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact)]
+    ours, theirs = (_fallback.gradient_temp(c, _graph.flatten(c), structs, positions, None)
+                    for c in (converted, original))
+    if ours >= theirs:
+      why = (f"inside jax.checkpoint its policy decides what is kept: converting the body "
+             f"{'gains nothing' if ours == theirs else 'raises'} its gradient's compiled temp "
+             f"({ours:,} vs {theirs:,} bytes per call); left as written")
+      opts.report.left_alone.extend((public, where, why) for public, where in sites)
+      opts.report.left_alone.extend(probe.report.left_alone)
+      return None
+  for mine, theirs_ in ((opts.report.converted, probe.report.converted),
+                        (opts.report.left_alone, probe.report.left_alone),
+                        (opts.report.recomputed, probe.report.recomputed)):
+    mine.extend(theirs_)
+  return converted
 
 
 def nested(opts: Options):
@@ -275,12 +288,9 @@ def nested(opts: Options):
   def convert(node: _graph.Node, invals):
     name, p = node.prim.name, node.params
     if name in ("checkpoint", "remat", "remat2"):
-      graph = _graph.flatten(p["jaxpr"])
-      if not _gains_under_remat(node, graph, opts):
-        return None
-      body = jax.checkpoint(lambda *a: run(graph, a, opts), prevent_cse=p["prevent_cse"],
-                            policy=p["policy"])
-      return list(body(*invals))
+      converted = _remat_body(node, _graph.flatten(p["jaxpr"]), opts)
+      return None if converted is None else list(
+          jax.core.eval_jaxpr(converted.jaxpr, converted.consts, *invals))
     if name == "shard_map" and {"mesh", "in_specs", "out_specs", "jaxpr"} <= set(p):
       graph = _graph.flatten(p["jaxpr"])
       body = jax.shard_map(lambda *a: tuple(run(graph, a, opts)), mesh=p["mesh"],
