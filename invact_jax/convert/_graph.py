@@ -22,7 +22,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-__all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "substitute", "params_equal", "where", "bind", "schedule",
+__all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "substitute", "params_equal", "where", "bind", "schedule", "varies_over_mesh",
            "evaluate", "region", "ancestors", "scan_counts", "shape_structs"]
 
 
@@ -331,6 +331,12 @@ def scan_counts(params: dict) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].unpack()
   return len(consts), len(carry)
+
+
+def varies_over_mesh(avals) -> bool:
+  """Whether values of these avals vary over a ``shard_map``'s manual axes: a body that takes
+  them only traces inside its shard_map, not on its own from :func:`shape_structs`."""
+  return any(not getattr(getattr(a, "mat", None), "empty", True) for a in avals)
 
 
 def shape_structs(avals) -> list:

@@ -233,6 +233,13 @@ def _rebound(node: _graph.Node, invals, **params):
                                  eqn=node.eqn), invals)
 
 
+# Nested calls whose bodies are converted by tracing them on their own (shape structs), and
+# why that is not done inside a shard_map.
+_TRACED_ALONE = ("checkpoint", "remat", "remat2", "scan", "pjit", "jit", "cond")
+_IN_SHARD_MAP = ("inside a shard_map: a {} body whose values vary over the mesh's axes only "
+                 "traces in place, not on its own as the conversion traces it; left as written")
+
+
 def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
   """A ``jax.checkpoint`` call converted (a closed jaxpr holding the re-wrapped call), or None
   to run it as written.
@@ -248,15 +255,7 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
   probe = dataclasses.replace(opts, report=_report.ConversionReport(),
                               recomputable=list(opts.recomputable))
   remat = functools.partial(jax.checkpoint, prevent_cse=p["prevent_cse"], policy=p["policy"])
-  try:
-    converted = jax.make_jaxpr(lambda *a: remat(lambda *b: run(graph, b, probe))(*a))(*structs)
-  except (ValueError, NameError) as e:  # a body that only traces in its context: collectives
-    # or varying values of an enclosing shard_map cannot be compiled on their own
-    opts.report.left_alone.append(("jax.checkpoint", node.where, (
-        "inside jax.checkpoint its policy decides what is kept, and this body cannot be "
-        f"compiled outside its shard_map to check that converting it lowers the temp ("
-        f"{type(e).__name__}); left as written")))
-    return None
+  converted = jax.make_jaxpr(lambda *a: remat(lambda *b: run(graph, b, probe))(*a))(*structs)
   opts.recomputable[:] = probe.recomputable  # the sites keep their numbers either way
   sites = ([(public, where) for public, _, where in probe.report.converted]
            + [(public, where) for public, where, _ in probe.report.recomputed])
@@ -287,6 +286,12 @@ def nested(opts: Options):
   to run it as it is."""
   def convert(node: _graph.Node, invals):
     name, p = node.prim.name, node.params
+    body = p.get("jaxpr") if name != "cond" else (p["branches"] or [None])[0]
+    if (name in _TRACED_ALONE and body is not None
+        and _graph.varies_over_mesh(getattr(body, "in_avals", ()))):
+      if contains_candidates(p):
+        opts.report.left_alone.append((name, node.where, _IN_SHARD_MAP.format(name)))
+      return None
     if name in ("checkpoint", "remat", "remat2"):
       converted = _remat_body(node, _graph.flatten(p["jaxpr"]), opts)
       return None if converted is None else list(
