@@ -88,6 +88,9 @@ class LayerProfile:
     tag_offload_cost: per tag, the cost one layer pays when it offloads the tag to host
       memory (the transfers' time not hidden behind compute, measured); empty: offloading
       is not a choice (a device without host memory kinds).
+    head_mode: the LM head's operator variant this profile was measured with (e.g.
+      ``"standard"`` or ``"chunked"``; None: the model has no choice of head).  A profile is
+      named by its configuration and head mode together.
   """
   configuration: str
   depth: int
@@ -100,6 +103,7 @@ class LayerProfile:
   input_bytes: int = 0
   fixed_cost: float = 0.0
   tag_offload_cost: tuple[float, ...] = ()
+  head_mode: str | None = None
 
   def __post_init__(self):
     for name in ("tags", "tag_bytes", "tag_gain", "tag_relief", "tag_offload_cost"):
@@ -109,6 +113,8 @@ class LayerProfile:
       object.__setattr__(self, name, tuple(value))
     if not isinstance(self.configuration, str) or not self.configuration:
       raise ValueError(f"LayerProfile argument `configuration` must be a non-empty string, got {self.configuration!r}")
+    if self.head_mode is not None and (not isinstance(self.head_mode, str) or not self.head_mode):
+      raise ValueError(f"LayerProfile argument `head_mode` must be None or a non-empty string, got {self.head_mode!r}")
     if isinstance(self.depth, bool) or not isinstance(self.depth, (int, np.integer)) or self.depth < 1:
       raise ValueError(f"LayerProfile argument `depth` must be a positive integer, got {self.depth!r}")
     if not all(isinstance(t, str) and t for t in self.tags):
@@ -191,8 +197,9 @@ class LayerProfile:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Per layer, the tags to keep (and to offload), and the configuration; with the model's
-  predictions.  ``offload`` is empty when nothing is offloaded, else one set per layer."""
+  """Per layer, the tags to keep (and to offload), and the configuration and head mode
+  chosen (those of a :class:`LayerProfile`); with the model's predictions.  ``offload`` is
+  empty when nothing is offloaded, else one set per layer."""
   configuration: str
   keep: tuple[tuple[str, ...], ...]
   predicted_bytes: int
@@ -200,6 +207,7 @@ class Plan:
   budget: int
   solve_seconds: float
   offload: tuple[tuple[str, ...], ...] = ()
+  head_mode: str | None = None
 
   @property
   def uniform(self) -> bool:
@@ -437,10 +445,11 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
     raise ValueError("argument `profiles` must hold at least one LayerProfile")
   if not all(isinstance(p, LayerProfile) for p in profiles):
     raise TypeError("argument `profiles` must hold LayerProfile objects")
-  names = [p.configuration for p in profiles]
-  twice = sorted({n for n in names if names.count(n) > 1})
+  names = [(p.configuration, p.head_mode) for p in profiles]
+  twice = sorted({n for n in names if names.count(n) > 1}, key=str)
   if twice:
-    raise ValueError(f"argument `profiles`: configuration {twice[0]!r} appears more than once "
+    what = repr(twice[0][0]) + ("" if twice[0][1] is None else f" with head_mode {twice[0][1]!r}")
+    raise ValueError(f"argument `profiles`: configuration {what} appears more than once "
                      "(a plan names the configuration it chose)")
   if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
     raise TypeError(f"argument `budget` must be a number of bytes, got {budget!r}")
@@ -461,7 +470,7 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   cost, peak, p, (keep, offload) = best
   return Plan(configuration=p.configuration, keep=tuple(keep), predicted_bytes=peak,
               predicted_cost=cost, budget=budget, solve_seconds=time.perf_counter() - t0,
-              offload=tuple(offload) if any(offload) else ())
+              offload=tuple(offload) if any(offload) else (), head_mode=p.head_mode)
 
 
 def evaluate(profile: LayerProfile, keep_per_layer: Sequence[str]) -> tuple[int, float]:

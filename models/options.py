@@ -58,31 +58,32 @@ CONFIGURATIONS: dict[str, dict[str, Any]] = {
                      "softmax_mode": "inverted", "dropout_mode": "regenerate"},
 }
 
-def configuration(name: str) -> dict[str, Any]:
-  """The overrides of configuration ``name``.
+def configuration(name: str, *, implementation: str | None = None,
+                  head_mode: str | None = None) -> dict[str, Any]:
+  """The model-config overrides of configuration ``name``, with the ops' implementation
+  and the LM head's mode where given.
 
-  Suffixes, each after a ``+``: an implementation (e.g. ``"inverted-all+pallas"``: the same
-  memory modes, the invact_jax ops run as Pallas kernels) and operator variants
-  ``head=<mode>`` (the text models' LM head, :data:`HEAD_MODES`; e.g.
-  ``"inverted+head=standard"``, as the planner names the variants it chooses among).
+  Args:
+    name: a key of :data:`CONFIGURATIONS` (the memory modes).
+    implementation: how the invact_jax ops run (:data:`IMPLEMENTATION_CHOICES`; None: the
+      library's default).
+    head_mode: the text models' LM head (:data:`HEAD_MODES`; None: the configuration's).
+
+  Returns:
+    The overrides, a dict of :class:`BlockOptions` fields.
+
+  Raises:
+    ValueError: an unknown name, implementation or head mode (the message names which).
   """
-  full = name
-  name, *extras = name.split("+")
   if name not in CONFIGURATIONS:
     raise ValueError(f"unknown configuration {name!r}; choose from {tuple(CONFIGURATIONS)}")
   out = dict(CONFIGURATIONS[name])
-  for extra in extras:
-    key, eq, value = extra.partition("=")
-    if eq:
-      if key != "head" or value not in HEAD_MODES:
-        raise ValueError(f"configuration {full!r}: unknown operator variant {extra!r}; choose "
-                         f"from {[f'head={m}' for m in HEAD_MODES]}")
-      out["head_mode"] = value
-    elif extra in IMPLEMENTATION_CHOICES[1:]:
-      out["implementation"] = extra
-    else:
-      raise ValueError(f"configuration {full!r}: unknown implementation {extra!r}; "
-                       f"choose from {IMPLEMENTATION_CHOICES[1:]}")
+  for field, value, allowed in (("implementation", implementation, IMPLEMENTATION_CHOICES[1:]),
+                                ("head_mode", head_mode, HEAD_MODES)):
+    if value is not None:
+      if value not in allowed:
+        raise ValueError(f"unknown {field} {value!r}; choose from {tuple(allowed)}")
+      out[field] = value
   return out
 
 

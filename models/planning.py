@@ -74,9 +74,9 @@ def profile(cfg, batch: int, *, seq_len: int = 128, configurations: Sequence[str
             tags: Sequence[str] = options.TAGS, head_modes: Sequence[str] | None = None,
             progress: Callable[[str], None] | None = None) -> list[planner.LayerProfile]:
   """One :class:`invact_jax.planner.LayerProfile` per configuration (see module doc); with
-  ``head_modes`` (text models), one per configuration and LM head variant, named
-  ``"<configuration>+head=<mode>"``, each with the head's recompute FLOPs as its
-  ``fixed_cost`` (:func:`head_recompute_flops`)."""
+  ``head_modes`` (text models), one per configuration and LM head mode (the profile's
+  ``head_mode``), each with the head's recompute FLOPs as its ``fixed_cost``
+  (:func:`head_recompute_flops`)."""
   if head_modes is not None:
     if not hasattr(cfg, "vocab"):
       raise ValueError("argument `head_modes`: only the text models have LM head variants")
@@ -86,25 +86,32 @@ def profile(cfg, batch: int, *, seq_len: int = 128, configurations: Sequence[str
                        f"{list(head_modes)}")
   out = []
   for name in configurations:
-    v = name.split("+")[0]
-    if v not in PLANNED_CONFIGURATIONS:
-      raise ValueError(f"argument `configurations`: unknown configuration {v!r}; choose from {sorted(PLANNED_CONFIGURATIONS)}")
+    if name not in PLANNED_CONFIGURATIONS:
+      raise ValueError(f"argument `configurations`: unknown configuration {name!r}; choose from {sorted(PLANNED_CONFIGURATIONS)}")
     for h in (head_modes or (None,)):
-      out.append(_profile_one(cfg, batch, name if h is None else f"{name}+head={h}",
-                              seq_len=seq_len, tags=tags, progress=progress))
+      out.append(_profile_one(cfg, batch, name, h, seq_len=seq_len, tags=tags,
+                              progress=progress))
   return out
 
 
-def _profile_one(cfg, batch: int, v: str, *, seq_len: int, tags: Sequence[str],
-                 progress: Callable[[str], None] | None) -> planner.LayerProfile:
-  """The :class:`invact_jax.planner.LayerProfile` of configuration name ``v``."""
-  c = cfg.replace(**options.configuration(v))
+def label(configuration: str, head_mode: str | None = None) -> str:
+  """How tables and progress lines name a configuration with its head mode."""
+  return configuration if head_mode is None else f"{configuration} (head {head_mode})"
+
+
+def _profile_one(cfg, batch: int, configuration: str, head_mode: str | None, *, seq_len: int,
+                 tags: Sequence[str], progress: Callable[[str], None] | None
+                 ) -> planner.LayerProfile:
+  """The :class:`invact_jax.planner.LayerProfile` of ``configuration`` with ``head_mode``."""
+  v = label(configuration, head_mode)
+  c = cfg.replace(**options.configuration(configuration, head_mode=head_mode))
   if progress:
     progress(f"{v}: base (depth {c.depth}, keep nothing)")
   one = c.replace(depth=1, scan_layers=False)
 
   def temp(keep, depth):
-    return compiled_temp(cfg.replace(depth=depth), batch, v, (tuple(keep),), seq_len=seq_len)
+    return compiled_temp(cfg.replace(depth=depth), batch, configuration, (tuple(keep),),
+                         seq_len=seq_len, head_mode=head_mode)
 
   base, base2 = temp((), c.depth), temp((), 2)
 
@@ -123,7 +130,7 @@ def _profile_one(cfg, batch: int, v: str, *, seq_len: int, tags: Sequence[str],
     tag_relief.append(int(max(c.depth * slope - at_depth, 0)))
     tag_gain.append(max(f0 - flops((t,)), 0.0))
   full_cost = max(f0 - flops(tuple(tags)), 0.0)
-  return planner.LayerProfile(configuration=v, depth=c.depth, base_bytes=base, tags=tuple(tags),
+  return planner.LayerProfile(configuration=configuration, head_mode=head_mode, depth=c.depth, base_bytes=base, tags=tuple(tags),
                               tag_bytes=tuple(tag_bytes), tag_gain=tuple(tag_gain),
                               full_cost=full_cost, tag_relief=tuple(tag_relief),
                               input_bytes=_slope(base, base2, c.depth),
@@ -140,7 +147,8 @@ def with_input_bytes(cfg, batch: int, prof: planner.LayerProfile, *,
   before it was part of :func:`profile`; a profile that has it is returned as is."""
   if prof.input_bytes or prof.depth <= 2:
     return prof
-  at_2 = compiled_temp(cfg.replace(depth=2), batch, prof.configuration, ((),), seq_len=seq_len)
+  at_2 = compiled_temp(cfg.replace(depth=2), batch, prof.configuration, ((),), seq_len=seq_len,
+                       head_mode=prof.head_mode)
   return dataclasses.replace(prof, input_bytes=_slope(prof.base_bytes, at_2, prof.depth))
 
 
@@ -150,32 +158,33 @@ class Measured:
   flops: float
 
 
-def _planned(cfg, configuration: str, keep: Sequence[Sequence[str]]):
-  """``cfg`` with ``configuration`` and a per-layer plan (one entry = every layer), layers scanned."""
+def _planned(cfg, configuration: str, keep: Sequence[Sequence[str]], head_mode: str | None):
+  """``cfg`` with ``configuration``, ``head_mode`` and a per-layer plan (one entry = every
+  layer), layers scanned."""
   keep = tuple(tuple(k) for k in keep)
-  return cfg.replace(**options.configuration(configuration), save_names=keep if len(set(keep)) > 1 else keep[:1],
-                     scan_layers=True)
+  return cfg.replace(**options.configuration(configuration, head_mode=head_mode),
+                     save_names=keep if len(set(keep)) > 1 else keep[:1], scan_layers=True)
 
 
 def compiled_temp(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,
-                  seq_len: int = 128) -> int:
+                  seq_len: int = 128, head_mode: str | None = None) -> int:
   """XLA's compiled temp bytes of the step under a per-layer plan (one entry = every layer)."""
-  step, args, _ = _step(_planned(cfg, configuration, keep), batch, seq_len)
+  step, args, _ = _step(_planned(cfg, configuration, keep, head_mode), batch, seq_len)
   return memory.compiled(step, *args).temp
 
 
 def measure(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,
-            seq_len: int = 128) -> Measured:
+            seq_len: int = 128, head_mode: str | None = None) -> Measured:
   """Compile the step under a per-layer plan (one entry = every layer) and measure it."""
-  c = _planned(cfg, configuration, keep)
-  temp = compiled_temp(cfg, batch, configuration, keep, seq_len=seq_len)
+  c = _planned(cfg, configuration, keep, head_mode)
+  temp = compiled_temp(cfg, batch, configuration, keep, seq_len=seq_len, head_mode=head_mode)
   # FLOPs from the unrolled program: XLA's cost analysis counts a loop body once.
   step_u, args_u, _ = _step(c.replace(scan_layers=False), batch, seq_len)
   return Measured(temp, _flops(step_u, *args_u))
 
 
 def device_peak(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,
-                seq_len: int = 128) -> dict[str, int]:
+                seq_len: int = 128, head_mode: str | None = None) -> dict[str, int]:
   """Run the step under a plan once and read the allocator (GPU; the check beside XLA's temp).
 
   Returns :func:`invact_jax.memory.device_peak`'s figures: ``peak_increase`` (peak minus what
@@ -187,14 +196,15 @@ def device_peak(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str
   Raises:
     RuntimeError: the device keeps no ``memory_stats()`` (e.g. CPU).
   """
-  step, args, _ = _step(_planned(cfg, configuration, keep), batch, seq_len)
+  step, args, _ = _step(_planned(cfg, configuration, keep, head_mode), batch, seq_len)
   return memory.device_peak(step, *args)
 
 
-def recompute_flops(cfg, batch: int, configuration: str, keep, *, seq_len: int = 128) -> float:
+def recompute_flops(cfg, batch: int, configuration: str, keep, *, seq_len: int = 128,
+                    head_mode: str | None = None) -> float:
   """Measured recompute FLOPs of a plan: its step's FLOPs minus the keep-everything step's."""
-  m = measure(cfg, batch, configuration, keep, seq_len=seq_len)
-  ref = measure(cfg, batch, configuration, (options.TAGS,), seq_len=seq_len)
+  m = measure(cfg, batch, configuration, keep, seq_len=seq_len, head_mode=head_mode)
+  ref = measure(cfg, batch, configuration, (options.TAGS,), seq_len=seq_len, head_mode=head_mode)
   return m.flops - ref.flops
 
 
@@ -206,7 +216,8 @@ def _fit_rounds(cfg, batch, budget, profiles, *, seq_len, max_rounds, uniform):
       plan = planner.solve(profiles, target, uniform=uniform)
     except planner.InfeasibleBudget:  # the lowered target went below every plan
       return None
-    m = measure(cfg, batch, plan.configuration, plan.keep, seq_len=seq_len)
+    m = measure(cfg, batch, plan.configuration, plan.keep, seq_len=seq_len,
+                head_mode=plan.head_mode)
     if m.compiled_temp_bytes <= budget:
       return dataclasses.replace(plan, budget=int(budget)), m
     # Lower the target by the excess, and by at least 2 % of the budget per round.
@@ -267,9 +278,10 @@ def _least_within(cfg, batch, budget, profiles, *, seq_len):
   for p in profiles:
     keep = ((),) * p.depth
     peak, cost = planner.evaluate(p, ())
-    m = measure(cfg, batch, p.configuration, keep, seq_len=seq_len)
+    m = measure(cfg, batch, p.configuration, keep, seq_len=seq_len, head_mode=p.head_mode)
     plan = planner.Plan(configuration=p.configuration, keep=keep, predicted_bytes=peak,
-                        predicted_cost=cost, budget=int(budget), solve_seconds=0.0)
+                        predicted_cost=cost, budget=int(budget), solve_seconds=0.0,
+                        head_mode=p.head_mode)
     tried.append((plan, m))
   fits = [(plan, m) for plan, m in tried if m.compiled_temp_bytes <= budget]
   if not fits:
@@ -291,18 +303,20 @@ def _plan_row(cfg, batch, b, profiles, fixed, ref, *, seq_len, uniform):
     plan, m = plan_for_budget(cfg, batch, b, profiles, seq_len=seq_len, uniform=uniform)
   except planner.InfeasibleBudget as e:
     return {"budget": int(b), "per_layer": not uniform, "infeasible": str(e)}
-  fixed_cost = next(p.fixed_cost for p in profiles if p.configuration == plan.configuration)
+  key = (plan.configuration, plan.head_mode)
+  fixed_cost = next(p.fixed_cost for p in profiles if (p.configuration, p.head_mode) == key)
   fits = [f for f in fixed if f["compiled_temp_bytes"] <= b]
   best = min(fits, key=lambda f: f["recompute_flops"]) if fits else None
   # A per-layer request that fell back to the uniform plan is reported as uniform.
   return {"budget": int(b), "per_layer": not plan.uniform, "configuration": plan.configuration,
-          "keep": [list(k) for k in plan.keep],
+          "head_mode": plan.head_mode, "keep": [list(k) for k in plan.keep],
           "predicted_bytes": plan.predicted_bytes,
           "compiled_temp_bytes": m.compiled_temp_bytes,
           "prediction_error": plan.predicted_bytes / m.compiled_temp_bytes - 1.0,
-          "recompute_flops": m.flops - ref[plan.configuration] + fixed_cost,
+          "recompute_flops": m.flops - ref[key] + fixed_cost,
           "solve_seconds": plan.solve_seconds,
-          "best_fixed": None if best is None else f"{best['policy']} ({best['configuration']})",
+          "best_fixed": None if best is None else
+          f"{best['policy']} ({label(best['configuration'], best['head_mode'])})",
           "best_fixed_recompute_flops": None if best is None else best["recompute_flops"]}
 
 
@@ -317,7 +331,8 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
   (``"per_layer": True``) compiled the same way; where no per-layer plan compiles within the
   budget, the uniform row gets ``"per_layer_fell_back": True`` instead.
   """
-  ref = {p.configuration: measure(cfg, batch, p.configuration, (options.TAGS,), seq_len=seq_len).flops
+  ref = {(p.configuration, p.head_mode): measure(cfg, batch, p.configuration, (options.TAGS,),
+                                                 seq_len=seq_len, head_mode=p.head_mode).flops
          for p in profiles}
   fixed = []
   for name, keep in FIXED_POLICIES.items():
@@ -325,12 +340,13 @@ def frontier(cfg, batch: int, budgets: Sequence[int], profiles: Sequence[planner
       if not set(keep) <= set(p.tags):  # a profile over a subset of the tags
         continue
       if progress:
-        progress(f"fixed {name} {p.configuration}")
-      m = measure(cfg, batch, p.configuration, (keep,), seq_len=seq_len)
-      fixed.append({"policy": name, "configuration": p.configuration, "keep": list(keep),
-                    "compiled_temp_bytes": m.compiled_temp_bytes,
+        progress(f"fixed {name} {label(p.configuration, p.head_mode)}")
+      m = measure(cfg, batch, p.configuration, (keep,), seq_len=seq_len, head_mode=p.head_mode)
+      fixed.append({"policy": name, "configuration": p.configuration, "head_mode": p.head_mode,
+                    "keep": list(keep), "compiled_temp_bytes": m.compiled_temp_bytes,
                     "predicted_bytes": planner.evaluate(p, keep)[0],
-                    "recompute_flops": m.flops - ref[p.configuration] + p.fixed_cost})
+                    "recompute_flops": m.flops - ref[(p.configuration, p.head_mode)]
+                                       + p.fixed_cost})
   plans = []
   for b in budgets:
     if progress:

@@ -321,7 +321,7 @@ def compile_for(name, src: str | None, signature: dict, constexprs: dict, *,
                 capability: int = 90, num_warps: int = 4) -> dict:
   """Compile a kernel with ``triton.compile`` for ``GPUTarget("cuda", capability, 32)`` (no GPU
   needed: Triton bundles ptxas) and return its ``asm`` (``ttir`` ... ``ptx``, ``cubin``; SASS
-  statistics of the cubin: :func:`models.benchmarks.sass.stats`).
+  statistics of the cubin: :func:`pallas_kernels.machine_code.stats`).
   ``name, src``: a generated kernel; ``name`` alone (``src=None``): a Python kernel function."""
   import triton  # pylint: disable=import-outside-toplevel
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel

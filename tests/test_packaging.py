@@ -56,6 +56,18 @@ def test_import_arrows_point_down():
         assert not any(mod == a or mod.startswith(a + ".") for a in above), (path, mod)
 
 
+def test_library_tests_import_no_training_or_benchmark_code():
+  """The library's own tests (tests/*.py, tests/ops, tests/convert) stand without the
+  training and benchmark packages; the docs' test checks the figures those generate."""
+  paths = [*(ROOT / "tests").glob("test_*.py"), *(ROOT / "tests" / "ops").rglob("*.py"),
+           *(ROOT / "tests" / "convert").rglob("*.py")]
+  for path in paths:
+    if path.name == "test_docs.py":
+      continue
+    for mod in _imports(path):
+      assert not mod.startswith(("models.training", "models.benchmarks")), (path, mod)
+
+
 def test_no_private_names_across_modules():
   pattern = re.compile(r"\b(?:benchmark|training|planning|op_speed|model_memory|trainer|trainer_lib|"
                        r"run_dir|loop|config|errors|checkpoints|data_lib|child|presets)\._[a-z]\w*")

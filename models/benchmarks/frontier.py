@@ -37,7 +37,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,8 @@ from invact_jax import memory, planner
 from models.benchmarks import child
 from models import reference_layers
 
-__all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "HEADS", "LM_ORDER", "GPU_STACKS",
+__all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "HEADS", "JaxRow", "PlanRow", "TorchRow",
+           "LM_ORDER", "GPU_STACKS",
            "DRY_STACKS", "Shape", "build", "measure", "child_row", "rows", "profile_from_rows",
            "plan_specs", "layers_that_fit", "pareto", "per_token_layer", "markdown",
            "newest_per_model", "earlier_rows", "headline_rows", "plot"]
@@ -543,21 +544,44 @@ def layers_that_fit(stack: str, dtype: str, *, limit_bytes: int | None = None,
   return n
 
 
-#: A language model's rows, the decisive ones first (``(policy, invact, head)``; "plan P":
-#: the planner at P % of JAX default's activations; "torch V": PyTorch's variant V): a
-#: deadline cuts the rest.  ``full`` with invact is early because the plans are calibrated
-#: on each side's ``default``, ``full`` and ``dots_no_batch``.
+class JaxRow(NamedTuple):
+  """A JAX row: a remat policy (:data:`POLICIES`), with or without invert(), and the head."""
+  policy: str
+  invact: bool
+  head: str
+
+
+class PlanRow(NamedTuple):
+  """The planner's row at ``percent`` % of JAX default's activation bytes."""
+  percent: int
+
+
+class TorchRow(NamedTuple):
+  """A PyTorch row (``frontier_torch.CONFIGURATIONS``)."""
+  configuration: str
+
+
+#: A language model's rows, the decisive ones first: a deadline cuts the rest.  ``full``
+#: with invact is early because the plans are calibrated on each side's ``default``,
+#: ``full`` and ``dots_no_batch``.
 LM_ORDER = (
-    ("none", False, "plain"), ("dots_no_batch", False, "plain"), ("full", False, "plain"),
-    ("save_qkv_proj", False, "plain"), ("minimal_offloaded", False, "plain"),
-    ("none", True, "invact"), ("dots_no_batch", True, "invact"), ("full", True, "invact"),
-    ("save_qkv_proj", True, "invact"), "plan 25", "plan 50", "torch eager", "torch liger",
-    ("dots_no_batch", False, "tokamax"), ("save_qkv_proj", False, "tokamax"),
-    ("full", False, "tokamax"),
-    *((p, i, "invact" if i else "plain") for p in ("minimal", "save_dot_except_mlp",
-                                                  "save_out_proj", "dots") for i in (False, True)),
-    ("minimal_offloaded", True, "invact"), "plan 75", "torch checkpoint",
-    "torch liger+checkpoint", "torch compile")
+    JaxRow("none", False, "plain"), JaxRow("dots_no_batch", False, "plain"),
+    JaxRow("full", False, "plain"), JaxRow("save_qkv_proj", False, "plain"),
+    JaxRow("minimal_offloaded", False, "plain"), JaxRow("none", True, "invact"),
+    JaxRow("dots_no_batch", True, "invact"), JaxRow("full", True, "invact"),
+    JaxRow("save_qkv_proj", True, "invact"), PlanRow(25), PlanRow(50), TorchRow("eager"),
+    TorchRow("liger"), JaxRow("dots_no_batch", False, "tokamax"),
+    JaxRow("save_qkv_proj", False, "tokamax"), JaxRow("full", False, "tokamax"),
+    *(JaxRow(p, i, "invact" if i else "plain") for p in (
+        "minimal", "save_dot_except_mlp", "save_out_proj", "dots") for i in (False, True)),
+    JaxRow("minimal_offloaded", True, "invact"), PlanRow(75), TorchRow("checkpoint"),
+    TorchRow("liger+checkpoint"), TorchRow("compile"))
+
+
+def _torch_head(configuration: str) -> str:
+  """A PyTorch language model's head: Liger's fused linear cross-entropy where Liger runs."""
+  from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
+  return "liger" if frontier_torch.CONFIGURATIONS[configuration].liger else "plain"
 
 
 def _same_row(a: dict, b: dict) -> bool:
@@ -566,7 +590,7 @@ def _same_row(a: dict, b: dict) -> bool:
 
 
 def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
-         in_process: bool = False, torch_variants=None, deadline: float = math.inf,
+         in_process: bool = False, torch_configurations=None, deadline: float = math.inf,
          plans: bool = True, done=(), date: str = "",
          progress: Callable[[str], None] = lambda _: None) -> list[dict]:
   """Per stack: the torch rows where torch is importable (the baselines first: a deadline
@@ -585,12 +609,12 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
                                           deadline - time.time())})
     return {**row, "date": date} if date else row
 
-  def torch_row(name, variant, fields):
-    spec = {"stack": name, "variant": variant, "dtype": dtype, "repeats": repeats,
+  def torch_row(name, configuration, fields):
+    spec = {"stack": name, "configuration": configuration, "dtype": dtype, "repeats": repeats,
             "shape": dataclasses.asdict(dataclasses.replace(STACKS[name], **fields))}
     res = child.run_child("models.benchmarks.frontier_torch", spec, deadline - time.time())
-    head = ("liger" if variant.startswith("liger") else "plain") if STACKS[name].vocab else ""
-    return {"model": name, "framework": "torch", "configuration": variant, "invact": False,
+    head = _torch_head(configuration) if STACKS[name].vocab else ""
+    return {"model": name, "framework": "torch", "configuration": configuration, "invact": False,
             "head": head, "dtype": dtype, **fields, **res, **({"date": date} if date else {})}
 
   def plan_rows(name, budgets):
@@ -614,19 +638,19 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
     if fit:
       fields[fit] = layers_that_fit(name, dtype, field=fit)
     if STACKS[name].vocab:
-      if not _lm_rows(name, fields, out, policies=policies, torch_variants=torch_variants,
+      if not _lm_rows(name, fields, out, policies=policies, torch_configurations=torch_configurations,
                       torch_ok=torch_ok, one=one, torch_row=torch_row, plan_rows=plan_rows,
                       plans=plans, done=done, deadline=deadline, dtype=dtype,
                       repeats=repeats, progress=progress):
         return out
       continue
-    for variant in ((frontier_torch.VARIANTS if torch_variants is None else torch_variants)
-                    if torch_ok else ()):
+    for configuration in ((frontier_torch.CONFIGURATIONS if torch_configurations is None
+                           else torch_configurations) if torch_ok else ()):
       if time.time() > deadline:
         progress("frontier: out of time")
         return out
-      progress(f"frontier {name} torch {variant}")
-      out.append(torch_row(name, variant, fields))
+      progress(f"frontier {name} torch {configuration}")
+      out.append(torch_row(name, configuration, fields))
     for policy in policies:
       for invact in (False, True):
         if time.time() > deadline:
@@ -641,35 +665,33 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
   return out
 
 
-def _lm_rows(name, fields, out, *, policies, torch_variants, torch_ok, one, torch_row,
+def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one, torch_row,
              plan_rows, plans, done, deadline, dtype, repeats, progress) -> bool:
   """A language model's rows in :data:`LM_ORDER` appended to ``out`` (rows of ``done`` for
   the same model, configuration, invact and head carried over); False when the deadline
   cut them."""
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
   earlier = [r for r in done if r.get("model") == name and "error" not in r]
-  variants = frontier_torch.VARIANTS if torch_variants is None else torch_variants
+  wanted = frontier_torch.CONFIGURATIONS if torch_configurations is None else torch_configurations
   for item in LM_ORDER:
-    if isinstance(item, str) and item.startswith("plan "):
-      configuration = f"{item} %"
+    if isinstance(item, PlanRow):
+      configuration = f"plan {item.percent} %"
       carried = next((r for r in earlier if r.get("configuration") == configuration), None)
       if carried is not None:
         out.append(carried)
       elif plans:
-        plan_rows(name, (int(item.split()[1]) / 100,))
+        plan_rows(name, (item.percent / 100,))
       continue
-    if isinstance(item, str):  # "torch VARIANT"
-      variant = item.split(" ", 1)[1]
-      if not torch_ok or variant not in variants:
+    if isinstance(item, TorchRow):
+      if not torch_ok or item.configuration not in wanted:
         continue
-      key = {"model": name, "framework": "torch", "configuration": variant, "invact": False,
-             "head": "liger" if variant.startswith("liger") else "plain"}
+      key = {"model": name, "framework": "torch", "configuration": item.configuration,
+             "invact": False, "head": _torch_head(item.configuration)}
     else:
-      policy, invact, head = item
-      if policy not in policies:
+      if item.policy not in policies:
         continue
-      spec = {"stack": name, "policy": policy, "invact": invact, "dtype": dtype,
-              "repeats": repeats, "head": "plain" if invact else head, **fields}
+      spec = {"stack": name, "policy": item.policy, "invact": item.invact, "dtype": dtype,
+              "repeats": repeats, "head": "plain" if item.invact else item.head, **fields}
       key = _key(spec)
     carried = next((r for r in earlier if _same_row(r, key)), None)
     if carried is not None:
@@ -680,7 +702,8 @@ def _lm_rows(name, fields, out, *, policies, torch_variants, torch_ok, one, torc
       return False
     progress(f"frontier {name} {key['configuration']} head={key['head']}"
              f"{' +invact' if key['invact'] else ''}")
-    out.append(torch_row(name, variant, fields) if key["framework"] == "torch" else one(spec))
+    out.append(torch_row(name, item.configuration, fields) if key["framework"] == "torch"
+               else one(spec))
   return True
 
 
@@ -865,7 +888,7 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
   rs = pareto(rows(stacks, dtype="float32" if dry else "bfloat16",
                    policies=["none", "full", "dots_no_batch"] if dry else None,
                    repeats=2 if dry else 7, in_process=dry,
-                   torch_variants=("eager", "checkpoint") if dry else None,
+                   torch_configurations=("eager", "checkpoint") if dry else None,
                    deadline=deadline, progress=progress, date=date, plans=not dry,
                    done=() if dry else earlier_rows(out_dir, device)))
   out = pathlib.Path(out_dir) / f"frontier_{re.sub(r'[^a-z0-9]+', '-', device.lower())}_{date}"

@@ -3,7 +3,7 @@ per row.
 
 ``python -m models.benchmarks.frontier_torch SPEC_JSON`` builds the stack of
 ``spec["shape"]`` (:class:`models.benchmarks.frontier.Shape`'s fields) and measures one
-variant: ``eager``; ``checkpoint`` (``torch.utils.checkpoint`` per layer); ``liger`` (Liger-
+configuration (:data:`CONFIGURATIONS`): ``eager``; ``checkpoint`` (``torch.utils.checkpoint`` per layer); ``liger`` (Liger-
 Kernel's fused RMSNorm / LayerNorm, SwiGLU and RoPE — what its Llama patch replaces in a
 decoder layer — and, for a language model, its fused linear cross-entropy head, on a CUDA
 GPU with liger-kernel importable); ``liger+checkpoint``; ``compile`` (``torch.compile``).
@@ -21,15 +21,27 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
+from typing import NamedTuple
 
-VARIANTS = ("eager", "checkpoint", "liger", "liger+checkpoint", "compile")
+
+class Choices(NamedTuple):
+  """What a PyTorch configuration turns on."""
+  liger: bool = False        # Liger-Kernel's kernels (and its fused linear cross-entropy)
+  checkpoint: bool = False   # torch.utils.checkpoint around each layer
+  compile: bool = False      # torch.compile of the whole model
+
+
+#: The PyTorch configurations by name.
+CONFIGURATIONS: dict[str, Choices] = {
+    "eager": Choices(), "checkpoint": Choices(checkpoint=True), "liger": Choices(liger=True),
+    "liger+checkpoint": Choices(liger=True, checkpoint=True), "compile": Choices(compile=True)}
 
 
 def importable() -> bool:
   return importlib.util.find_spec("torch") is not None
 
 
-def _model(shape: dict, variant: str, dtype, device):
+def _model(shape: dict, choices: Choices, dtype, device):
   import torch  # pylint: disable=import-outside-toplevel
   from torch import nn  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
@@ -37,7 +49,7 @@ def _model(shape: dict, variant: str, dtype, device):
   kv_heads = shape.get("kv_heads") or heads
   kv = kv_heads * (d // heads)
   vocab = shape.get("vocab", 0)
-  liger = variant.startswith("liger")
+  liger = choices.liger
   if liger:
     from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm  # pylint: disable=import-outside-toplevel
     from liger_kernel.transformers import LigerSwiGLUMLP  # pylint: disable=import-outside-toplevel
@@ -118,7 +130,7 @@ def _model(shape: dict, variant: str, dtype, device):
 
     def layers(self, x):
       for blk in self.blocks:
-        if variant.endswith("checkpoint"):
+        if choices.checkpoint:
           from torch.utils.checkpoint import checkpoint  # pylint: disable=import-outside-toplevel
           x = checkpoint(blk, x, use_reentrant=False)
         else:
@@ -135,19 +147,22 @@ def _model(shape: dict, variant: str, dtype, device):
         return self.fused(w, h.reshape(-1, d), labels)
       return F.cross_entropy((h @ w.T).float().reshape(-1, vocab), labels)
   model = StackModel().to(device=device, dtype=dtype)
-  return torch.compile(model) if variant == "compile" else model
+  return torch.compile(model) if choices.compile else model
 
 
 def measure(spec: dict) -> dict:
   import torch  # pylint: disable=import-outside-toplevel
-  shape, variant = spec["shape"], spec["variant"]
+  shape, name = spec["shape"], spec["configuration"]
+  if name not in CONFIGURATIONS:
+    return {"error": f"unknown configuration {name!r}; choose from {list(CONFIGURATIONS)}"}
+  choices = CONFIGURATIONS[name]
   cuda = torch.cuda.is_available()
-  if variant.startswith("liger") and (not cuda or importlib.util.find_spec("liger_kernel") is None):
+  if choices.liger and (not cuda or importlib.util.find_spec("liger_kernel") is None):
     return {"error": "Liger-Kernel needs a CUDA GPU and the liger-kernel package"}
   device = "cuda" if cuda else "cpu"
   dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec["dtype"]]
   torch.manual_seed(0)
-  model = _model(shape, variant, dtype, device)
+  model = _model(shape, choices, dtype, device)
   if shape.get("vocab"):
     x = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), device=device)
   else:

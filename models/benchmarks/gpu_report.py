@@ -39,14 +39,16 @@ from models.benchmarks import child
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SECTIONS = ("kernels", "models", "max_batch", "planner", "frontier")
-# "+pallas": the same modes with the invact_jax ops as Pallas kernels (models.options).
-CONFIGURATIONS = ("standard", "checkpointed", "inverted", "inverted-all", "inverted+pallas",
-                  "inverted-all+pallas")
+#: The ``models`` section's rows: (configuration of models.options, implementation of the
+#: invact_jax ops; None: XLA).
+SETUPS: tuple[tuple[str, str | None], ...] = (
+    ("standard", None), ("checkpointed", None), ("inverted", None), ("inverted-all", None),
+    ("inverted", "pallas"), ("inverted-all", "pallas"))
 # Children share the GPU one at a time: grow on demand, up to (almost) all of it.
 CHILD_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
              "PYTHONUNBUFFERED": "1"}
 
-__all__ = ["SECTIONS", "newest_per_device", "newest_per_section", "environment", "kernels",
+__all__ = ["SECTIONS", "SETUPS", "label", "newest_per_device", "newest_per_section", "environment", "kernels",
            "models", "max_batch", "planner", "measure", "markdown", "write_docs", "run"]
 
 
@@ -97,10 +99,16 @@ def kernels(*, activations: Sequence[str], sizes: Sequence[int], dtypes: Sequenc
 
 
 # ---------------------------------------------------------------------------- models
-def _step(model: str, dtype: str, batch: int, configuration: str, seq_len: int, depth):
+def label(configuration: str, implementation: str | None = None) -> str:
+  """A row's name in the report: the configuration, and its implementation where set."""
+  return configuration if implementation is None else f"{configuration} ({implementation})"
+
+
+def _step(model: str, dtype: str, batch: int, configuration: str, seq_len: int, depth,
+          implementation: str | None = None):
   from models.benchmarks import model_memory  # pylint: disable=import-outside-toplevel
   _, step, args = model_memory.gradient_step(
-      model, dtype, batch, configuration, seq_len=seq_len,
+      model, dtype, batch, configuration, implementation=implementation, seq_len=seq_len,
       extra=None if depth is None else {"depth": depth})
   return step, args
 
@@ -123,7 +131,8 @@ def measure(spec: dict) -> dict:
   common = dict(dtype=spec["dtype"], batch=spec["batch"], seq_len=spec["seq_len"],
                 depth=spec.get("depth"))
   if kind == "peak":
-    step, args = _step(spec["model"], configuration=spec["configuration"], **common)
+    step, args = _step(spec["model"], configuration=spec["configuration"],
+                       implementation=spec.get("implementation"), **common)
     if not memory.reports_peak():
       return {"compiled_temp_bytes": memory.compiled(step, *args).temp}
     out = memory.device_peak(step, *args)  # one compile: the temp is its executable's
@@ -140,7 +149,8 @@ def measure(spec: dict) -> dict:
       raise
     return {"fits": True}
   if kind == "times":
-    steps = {c: _step(spec["model"], configuration=c, **common) for c in spec["configurations"]}
+    steps = {label(c, i): _step(spec["model"], configuration=c, implementation=i, **common)
+             for c, i in spec["setups"]}
     exes = {c: (s.lower(*a).compile(), a) for c, (s, a) in steps.items()}
     for exe, a in exes.values():
       jax.block_until_ready(exe(*a))
@@ -162,9 +172,10 @@ def _run_child(spec: dict, timeout_s: float) -> dict:
 
 def models(*, specs: Sequence[dict], rounds: int, deadline: float,
            progress: Callable[[str], None], previous: Sequence[dict] = (),
-           configurations: Sequence[str] = CONFIGURATIONS) -> list[dict]:
-  """Per (model, dtype, batch): each configuration's peak (own process) and interleaved
-  step times (one process).  ``specs``: dicts with model, dtype, batch, seq_len[, depth].
+           setups: Sequence[tuple[str, str | None]] = SETUPS) -> list[dict]:
+  """Per (model, dtype, batch): each setup's peak (own process) and interleaved step times
+  (one process), keyed by :func:`label`.  ``specs``: dicts with model, dtype, batch,
+  seq_len[, depth]; ``setups``: (configuration, implementation) pairs.
 
   Figures already in ``previous`` (an earlier report's groups for the same spec) are kept
   and not measured again: a report cut short by its time limit resumes where it stopped.
@@ -174,15 +185,16 @@ def models(*, specs: Sequence[dict], rounds: int, deadline: float,
     old = next((g for g in previous if all(g.get(k) == v for k, v in s.items())), {})
     group = {**s, "peaks": dict(old.get("peaks", {})),
              "step_time_s": dict(old.get("step_time_s", {}))}
-    for c in configurations:
-      if "error" in group["peaks"].get(c, {"error": None}):
-        progress(f"peak {s['model']} {c}")
-        group["peaks"][c] = _run_child({**s, "kind": "peak", "configuration": c},
-                                       deadline - time.time())
-    if "error" in group["step_time_s"] or set(configurations) - set(group["step_time_s"]):
+    for c, i in setups:
+      if "error" in group["peaks"].get(label(c, i), {"error": None}):
+        progress(f"peak {s['model']} {label(c, i)}")
+        group["peaks"][label(c, i)] = _run_child(
+            {**s, "kind": "peak", "configuration": c, "implementation": i}, deadline - time.time())
+    if ("error" in group["step_time_s"]
+        or {label(c, i) for c, i in setups} - set(group["step_time_s"])):
       progress(f"times {s['model']}")
       group["step_time_s"] = _run_child({**s, "kind": "times", "rounds": rounds,
-                                         "configurations": list(configurations)},
+                                         "setups": [list(x) for x in setups]},
                                         deadline - time.time())
     rows.append(group)
   return rows
@@ -436,7 +448,7 @@ def _models(report, args, dry, on_gpu, progress, section_deadline, deadline):
   report["models"] = models(
       specs=specs, rounds=2 if dry else 7, deadline=section_deadline(0.5), progress=progress,
       previous=report.get("models", ()),
-      configurations=("standard", "inverted-all") if dry else CONFIGURATIONS)
+      setups=(("standard", None), ("inverted-all", None)) if dry else SETUPS)
 
 
 def _max_batch(report, args, dry, on_gpu, progress, section_deadline, deadline):

@@ -1,9 +1,9 @@
 """The LM head benchmark: the plain head against the chunked ones, side by side.
 
-For one head (tokens ``x`` [N, d], weight [d, V], integer labels), each variant's
+For one head (tokens ``x`` [N, d], weight [d, V], integer labels), each head's
 ``value_and_grad`` of the mean loss w.r.t. ``x`` and the weight is compiled and measured:
 compiled temp bytes (and whether a [N, V] buffer exists in the compiled program), the median
-wall time over repeats (every variant's steps interleaved, round after round, so that a
+wall time over repeats (every head's steps interleaved, round after round, so that a
 slower or faster stretch of the machine falls on all of them), and the gradient's relative L2
 distance to a float64 reference.
 
@@ -37,8 +37,8 @@ import optax
 
 import invact_jax
 
-__all__ = ["Head", "VARIANTS", "make_head", "compile_step", "rows", "torch_rows",
-           "tile_variants", "parse_tile", "too_large", "device_bytes"]
+__all__ = ["Head", "HEADS", "make_head", "compile_step", "rows", "torch_rows",
+           "tile_heads", "parse_tile", "too_large", "device_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def parse_tile(text: str) -> tuple[str, int, int]:
   return mode, int(parts[0]), int(parts[1])
 
 
-def tile_variants(tiles) -> dict[str, Callable]:
+def tile_heads(tiles) -> dict[str, Callable]:
   """Per ``(mode, tokens, vocabulary entries)`` in ``tiles``, ``"invact_jax MODE TxV"``:
   :func:`invact_jax.linear_cross_entropy` with that gradient mode and tile (the sweep that
   picks a device's default)."""
@@ -135,7 +135,7 @@ def tile_variants(tiles) -> dict[str, Callable]:
           for m, t, v in tiles}
 
 
-def variants() -> dict[str, Callable]:
+def heads() -> dict[str, Callable]:
   """name -> loss(x, w, labels), those that can run here."""
   out = {"plain": plain, "invact_jax": ours, "invact_jax gradients=backward": ours_backward,
          "invact_jax.invert(plain)": invact_jax.invert(plain)}
@@ -146,7 +146,7 @@ def variants() -> dict[str, Callable]:
   return out
 
 
-VARIANTS = ("plain", "invact_jax", "invact_jax gradients=backward", "invact_jax.invert(plain)",
+HEADS = ("plain", "invact_jax", "invact_jax gradients=backward", "invact_jax.invert(plain)",
             "tokamax chunked_xla", "tokamax xla")
 
 
@@ -164,12 +164,12 @@ def compile_step(name: str, loss: Callable, head: Head, g64=None) -> tuple[dict,
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   try:
     compiled = step.lower(head.x, head.w, head.labels).compile()
-  except Exception as e:  # pylint: disable=broad-except  (a variant that does not lower here)
-    return {"variant": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
+  except Exception as e:  # pylint: disable=broad-except  (a head that does not lower here)
+    return {"head": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
   n, _, v = head.shape
   value, grads = compiled(head.x, head.w, head.labels)
   jax.block_until_ready(grads)
-  row = {"variant": name, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+  row = {"head": name, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
          "logits_buffer": _has_logits_buffer(compiled.as_text(), n, v), "loss": float(value)}
   if g64 is not None:
     num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in zip(grads, g64))
@@ -199,7 +199,7 @@ def reference_grads(head: Head):
 
 
 def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
-               variants=None) -> list[dict]:
+               heads=None) -> list[dict]:
   """PyTorch's rows on the same head (:mod:`models.benchmarks.lm_head_torch`), one process
   each; ``[]`` where torch is not importable.
 
@@ -208,10 +208,10 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
     dtype: "float32" or "bfloat16".
     repeats: timed steps per row (the median is reported).
     timeout_s: seconds each row may take.
-    variants: names from ``lm_head_torch.VARIANTS`` (``None``: all).
+    heads: names from ``lm_head_torch.HEADS`` (``None``: all).
 
   Returns:
-    One row per variant (``framework`` "torch"), or one with ``error``.
+    One row per head (``framework`` "torch"), or one with ``error``.
   """
   import tempfile  # pylint: disable=import-outside-toplevel
   from models.benchmarks import child  # pylint: disable=import-outside-toplevel
@@ -224,18 +224,18 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
     path = f"{tmp}/head.npz"
     np.savez(path, x=np.asarray(head.x, np.float32), w=np.asarray(head.w, np.float32),
              labels=np.asarray(head.labels))
-    for name in variants or lm_head_torch.VARIANTS:
-      spec = {"path": path, "variant": name, "dtype": dtype, "repeats": repeats}
+    for name in heads or lm_head_torch.HEADS:
+      spec = {"path": path, "head": name, "dtype": dtype, "repeats": repeats}
       row = child.run_child("models.benchmarks.lm_head_torch", spec, timeout_s)
       out.append({"dtype": dtype, "tokens": n, "d": d, "vocab": v, "framework": "torch",
-                  **row, "variant": name})
+                  **row, "head": name})
   return out
 
 
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
          names=None, torch: bool = True, tiles=()) -> list[dict]:
-  """Every variant in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
-  ``tiles`` (:func:`tile_variants`) on one head per dtype, timed interleaved; with ``torch``,
+  """Every head in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
+  ``tiles`` (:func:`tile_heads`) on one head per dtype, timed interleaved; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
   ``time_vs_plain`` are against the plain head of the same framework and dtype."""
   out = []
@@ -244,9 +244,9 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     if torch:  # first, while this process holds little of the device's memory
       out += torch_rows(head, jnp.dtype(dtype).name, repeats)
     g64 = reference_grads(head)
-    losses = {k: f for k, f in variants().items() if names is None or k in names}
+    losses = {k: f for k, f in heads().items() if names is None or k in names}
     measured, steps = [], {}
-    for name, loss in {**losses, **tile_variants(tiles)}.items():
+    for name, loss in {**losses, **tile_heads(tiles)}.items():
       row, compiled = compile_step(name, loss, head, g64)
       measured.append(row)
       if compiled is not None:
@@ -254,14 +254,14 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     del g64
     seconds = _time_interleaved(steps, head, repeats)
     for row in measured:
-      if row["variant"] in seconds:
-        row["time_s"] = seconds[row["variant"]]
+      if row["head"] in seconds:
+        row["time_s"] = seconds[row["head"]]
       out.append({"dtype": jnp.dtype(dtype).name, "tokens": tokens, "d": d, "vocab": vocab,
                   "framework": "jax", **row})
     del steps
   for r in out:
     base = next((b for b in out if b["dtype"] == r["dtype"] and b["framework"] == r["framework"]
-                 and b["variant"].endswith("plain") and "error" not in b), None)
+                 and b["head"].endswith("plain") and "error" not in b), None)
     if base is not None and "temp_bytes" in r and "temp_bytes" in base:
       r["temp_vs_plain"] = r["temp_bytes"] / base["temp_bytes"]
     if base is not None and "time_s" in r:
@@ -273,17 +273,17 @@ def table(rs: list[dict]) -> str:
   """The rows as a Markdown table ("vs plain": against the same framework's plain head; temp:
   XLA's compiled temp for JAX, the allocator's peak over the resident inputs and gradients for
   torch on a GPU)."""
-  lines = ["| dtype | variant | temp MiB | vs plain | [N, V] buffer | time (s) | vs plain | "
+  lines = ["| dtype | head | temp MiB | vs plain | [N, V] buffer | time (s) | vs plain | "
            "grad error vs float64 |", "|---|---|---:|---:|---|---:|---:|---:|"]
   nan = float("nan")
   for r in rs:
     if "error" in r:
-      lines.append(f"| {r['dtype']} | {r['variant']} | — | — | — | — | — | {r['error']} |")
+      lines.append(f"| {r['dtype']} | {r['head']} | — | — | — | — | — | {r['error']} |")
       continue
     temp = (f"{r['temp_bytes'] / 2**20:.1f} | {100 * r.get('temp_vs_plain', nan):.1f} % | "
             f"{'yes' if r['logits_buffer'] else 'no'}" if "temp_bytes" in r else "— | — | —")
     lines.append(
-        f"| {r['dtype']} | {r['variant']} | {temp} | {r['time_s']:.3f} | "
+        f"| {r['dtype']} | {r['head']} | {temp} | {r['time_s']:.3f} | "
         f"{r.get('time_vs_plain', nan):.2f} | {r.get('grad_error', nan):.1e} |")
   return "\n".join(lines)
 
@@ -333,7 +333,7 @@ def headline_rows(root) -> list[str]:
   for p, meta in _newest_per_device(pathlib.Path(root, "bench").glob("lm_head_*.json")):
     rows = json.loads(p.read_text())["rows"]
     dtype = next(r["dtype"] for r in rows if r["framework"] == "jax")
-    by = {r["variant"]: r for r in rows if r["framework"] == "jax" and r["dtype"] == dtype}
+    by = {r["head"]: r for r in rows if r["framework"] == "jax" and r["dtype"] == dtype}
     plain, ours = by.get("plain"), by.get("invact_jax")
     if not plain or not ours or "error" in plain or "error" in ours:
       continue

@@ -3,7 +3,7 @@
 ``python -m models.benchmarks.lm_head_torch SPEC_JSON`` loads the head that
 :func:`models.benchmarks.lm_head.torch_rows` saved (``spec["path"]``: an ``.npz`` with ``x``
 [N, d], ``w`` [d, V] in float32 holding values exact in ``spec["dtype"]``, ``labels`` [N]) and
-measures one variant of the mean cross-entropy's value and gradients w.r.t. ``x`` and the
+measures one head of the mean cross-entropy's value and gradients w.r.t. ``x`` and the
 weight: ``torch plain`` (``x @ w.T`` in the inputs' dtype, ``F.cross_entropy`` on the logits
 in float32: what users write) or ``torch Liger`` (Liger-Kernel's
 ``LigerFusedLinearCrossEntropyLoss``, on a CUDA GPU with liger-kernel importable).  The weight
@@ -20,7 +20,7 @@ import importlib.util
 import statistics
 import time
 
-VARIANTS = ("torch plain", "torch Liger")
+HEADS = ("torch plain", "torch Liger")
 
 
 def importable() -> bool:
@@ -28,9 +28,9 @@ def importable() -> bool:
   return importlib.util.find_spec("torch") is not None
 
 
-def _loss_fn(variant: str):
+def _loss_fn(head: str):
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
-  if variant == "torch plain":
+  if head == "torch plain":
     return lambda x, w, labels: F.cross_entropy((x @ w.T).float(), labels)
   from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
   fused = LigerFusedLinearCrossEntropyLoss()
@@ -53,14 +53,14 @@ def _reference(x, w, labels):
 
 def measure(spec: dict) -> dict:
   """One row (see the module's docstring)."""
-  variant = spec["variant"]
-  if variant not in VARIANTS:
-    return {"variant": variant, "error": f"unknown variant; choose from {list(VARIANTS)}"}
+  head = spec["head"]
+  if head not in HEADS:
+    return {"head": head, "error": f"unknown head; choose from {list(HEADS)}"}
   import numpy as np  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   cuda = torch.cuda.is_available()
-  if variant == "torch Liger" and (not cuda or importlib.util.find_spec("liger_kernel") is None):
-    return {"variant": variant, "error": "Liger-Kernel needs a CUDA GPU and liger-kernel"}
+  if head == "torch Liger" and (not cuda or importlib.util.find_spec("liger_kernel") is None):
+    return {"head": head, "error": "Liger-Kernel needs a CUDA GPU and liger-kernel"}
   device = "cuda" if cuda else "cpu"
   dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec["dtype"]]
   data = np.load(spec["path"])
@@ -70,7 +70,7 @@ def measure(spec: dict) -> dict:
   w.requires_grad_(True)
   n, v = x.shape[0], w.shape[0]
   g64 = _reference(x, w, labels)
-  loss_fn = _loss_fn(variant)
+  loss_fn = _loss_fn(head)
 
   def step():
     x.grad = w.grad = None
@@ -78,7 +78,7 @@ def measure(spec: dict) -> dict:
     loss.backward()
     return loss
   loss = step()  # warm-up: kernels compiled, autotuned
-  row = {"variant": variant, "loss": float(loss)}
+  row = {"head": head, "loss": float(loss)}
   if cuda:
     torch.cuda.synchronize()
     x.grad = w.grad = None
@@ -107,4 +107,4 @@ def measure(spec: dict) -> dict:
 
 if __name__ == "__main__":
   from models.benchmarks import child  # pylint: disable=import-outside-toplevel
-  child.child_main(measure, key=lambda spec: {"variant": spec.get("variant")})
+  child.child_main(measure, key=lambda spec: {"head": spec.get("head")})

@@ -32,10 +32,13 @@ def _residual_bytes(cfg, batch, seq_len, depth):
   return sum(r.bytes for r in memory.residuals(loss, params, x, y) if not r.is_argument)
 
 
-def gradient_step(model: str, dtype: str, batch: int, configuration: str, *, seq_len: int = 512,
+def gradient_step(model: str, dtype: str, batch: int, configuration: str, *,
+                  implementation: str | None = None, seq_len: int = 512,
                   scan_layers: bool = True, extra: dict | None = None):
-  """``(cfg, jit(value_and_grad(loss)), (params, x, y))`` of a model under a named configuration."""
-  overrides = {**options.configuration(configuration), **(extra or {})}
+  """``(cfg, jit(value_and_grad(loss)), (params, x, y))`` of a model under a named
+  configuration (and the invact_jax ops' ``implementation``)."""
+  overrides = {**options.configuration(configuration, implementation=implementation),
+               **(extra or {})}
   cfg = presets.model_config(model, dtype=dtype, scan_layers=scan_layers, **overrides)
   loss, params, x, y = presets.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
   return cfg, jax.jit(jax.value_and_grad(loss)), (params, x, y)

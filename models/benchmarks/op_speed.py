@@ -223,13 +223,13 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
     parts[TABLE_BACKWARD] = by_table
   times = {**interleaved(whole, (x, dy), rounds=rounds, inner=1),
            **interleaved(parts, (y, packed, dy), rounds=rounds, inner=1)}
-  return [{"activation": name, "dtype": dtype, "elements": int(x.size), "variant": k,
+  return [{"activation": name, "dtype": dtype, "elements": int(x.size), "pass": k,
            "seconds": times[k]} for k in [*whole, *parts]]
 
 
 def split_table(rows: Sequence[dict]) -> str:
-  lines = ["| activation | dtype | variant | ms |", "|---|---|---|---:|"]
-  lines += [f"| {r['activation']} | {r['dtype']} | {r['variant']} | {r['seconds'] * 1e3:.2f} |"
+  lines = ["| activation | dtype | pass | ms |", "|---|---|---|---:|"]
+  lines += [f"| {r['activation']} | {r['dtype']} | {r['pass']} | {r['seconds'] * 1e3:.2f} |"
             for r in rows]
   return "\n".join(lines)
 

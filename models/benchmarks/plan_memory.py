@@ -24,6 +24,11 @@ from models.benchmarks import child
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def _label(configuration: str, head_mode: str | None = None) -> str:
+  from models import planning  # pylint: disable=import-outside-toplevel
+  return planning.label(configuration, head_mode)
+
+
 def _saved_profiles(path, models, names, args, overrides):
   """{model: [LayerProfile]} from a JSON this script wrote, checked against this run."""
   from invact_jax import planner  # pylint: disable=import-outside-toplevel
@@ -44,15 +49,15 @@ def _saved_profiles(path, models, names, args, overrides):
   for m in models:
     got = {}
     for q in results.get(m, {}).get("profiles", []):
-      q = dict(q)
-      if "variant" in q:  # written before 0.3
-        q["configuration"] = q.pop("variant")
-      got[q["configuration"]] = q
-    configurations = names(m)
-    missing = [v for v in configurations if v not in got]
+      got[(q.get("configuration"), q.get("head_mode"))] = q
+    wanted = names(m)
+    missing = [_label(*v) for v in wanted if v not in got]
     if missing:
       raise ValueError(f"{str(path)!r} has no profile of model {m!r}, configurations {missing}")
-    out[m] = [planner.LayerProfile(**got[v]) for v in configurations]
+    try:
+      out[m] = [planner.LayerProfile(**got[v]) for v in wanted]
+    except TypeError as e:
+      raise ValueError(f"{str(path)!r} holds a profile this version cannot read ({e})") from None
   return out
 
 
@@ -60,7 +65,7 @@ def _add_device_peak(row, model, args, overrides):
   """One child process per row: the allocator's peak never resets within a process."""
   spec = {"model": model, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
           "overrides": overrides, "configuration": row["configuration"],
-          "keep": row["keep"] if "budget" in row else [row["keep"]]}
+          "head_mode": row.get("head_mode"), "keep": row["keep"] if "budget" in row else [row["keep"]]}
   peak = child.run_child("models.benchmarks.plan_memory", spec, math.inf)
   if "error" in peak:
     raise RuntimeError(f"device-peak child failed for {spec}: {peak['error']}")
@@ -93,7 +98,7 @@ def _table(results) -> str:
                      + (" | |" if dev else ""))
         continue
       keep = describe_keep(p["keep"])
-      lines.append(f"| {m} | {mib(p['budget'])} | {p['configuration']} | {keep} | "
+      lines.append(f"| {m} | {mib(p['budget'])} | {_label(p['configuration'], p.get('head_mode'))} | {keep} | "
                    f"{mib(p['predicted_bytes'])} | {mib(p['compiled_temp_bytes'])} | "
                    f"{100 * p['prediction_error']:+.1f}% | {gf(p['recompute_flops'])} | "
                    f"{p['best_fixed'] or 'none fits'} | {gf(p['best_fixed_recompute_flops'])} |"
@@ -116,9 +121,10 @@ def _plot(results, path):
       ax.scatter([p["compiled_temp_bytes"] / 2**20 for p in per],
                  [p["recompute_flops"] / 1e9 for p in per], marker="*", s=90, zorder=3,
                  label="planner, per layer (compiled)")
-    markers = dict(zip(sorted({f["configuration"] for f in fr["fixed"]}), "s^vDP"))
+    name = lambda f: _label(f["configuration"], f.get("head_mode"))  # noqa: E731
+    markers = dict(zip(sorted({name(f) for f in fr["fixed"]}), "s^vDPXo"))
     for v, marker in markers.items():
-      fs = [f for f in fr["fixed"] if f["configuration"] == v]
+      fs = [f for f in fr["fixed"] if name(f) == v]
       ax.scatter([f["compiled_temp_bytes"] / 2**20 for f in fs],
                  [f["recompute_flops"] / 1e9 for f in fs], marker=marker, alpha=0.7,
                  label=f"fixed policies ({v})")
@@ -159,7 +165,7 @@ def run_shapes(args: argparse.Namespace) -> int:
     return 2
   import jax  # pylint: disable=import-outside-toplevel
   from models import presets  # pylint: disable=import-outside-toplevel
-  from models import planning as plan_profiles  # pylint: disable=import-outside-toplevel
+  from models import planning  # pylint: disable=import-outside-toplevel
   if args.models not in presets.MODELS:
     print(f"error: unknown model {args.models!r}; choose from {sorted(presets.MODELS)}",
           file=sys.stderr)
@@ -170,7 +176,7 @@ def run_shapes(args: argparse.Namespace) -> int:
   rows = []
   for name, runs in shapes(args.depth).items():
     keep = [SETS[s] for s, n in runs for _ in range(n)]
-    temp = plan_profiles.compiled_temp(cfg, 8, "inverted", keep, seq_len=args.seq_len)
+    temp = planning.compiled_temp(cfg, 8, "inverted", keep, seq_len=args.seq_len)
     nothing = rows[0]["compiled_temp_bytes"] if rows else temp  # the first plan keeps nothing
     rows.append({"plan": name, "runs": runs, "compiled_temp_bytes": temp,
                  "over_keep_nothing": temp - nothing})
@@ -198,8 +204,8 @@ class Options:
       "standard,inverted,inverted-norms",
       "configurations the planner may choose (models.planning.PLANNED_CONFIGURATIONS)")
   head_modes: str | None = cli.option(
-      None, "text models: also choose the LM head's variant, comma list of standard,chunked "
-      "(each configuration profiled with each, named '<configuration>+head=<mode>')")
+      None, "text models: also choose the LM head's mode, comma list of standard,chunked "
+      "(each configuration profiled with each)")
   out: pathlib.Path = cli.option(ROOT / "bench" / "plan_memory", "output prefix (.json, .md, .png)")
   replot: pathlib.Path | None = cli.option(
       None, "redraw the table and PNG from a JSON this script wrote (no compiling)")
@@ -216,7 +222,8 @@ def device_peak_row(spec: dict) -> dict:
   :func:`_add_device_peak`: the allocator's peak never resets within a process).
 
   Args:
-    spec: model, dtype, batch, seq_len, overrides, configuration and keep of the row.
+    spec: model, dtype, batch, seq_len, overrides, configuration, head_mode and keep of the
+      row.
 
   Returns:
     :func:`models.planning.device_peak`'s figures.
@@ -224,7 +231,7 @@ def device_peak_row(spec: dict) -> dict:
   from models import planning, presets  # pylint: disable=import-outside-toplevel
   cfg = presets.model_config(spec["model"], dtype=spec["dtype"], **spec.get("overrides", {}))
   return planning.device_peak(cfg, spec["batch"], spec["configuration"], spec["keep"],
-                              seq_len=spec["seq_len"])
+                              seq_len=spec["seq_len"], head_mode=spec.get("head_mode"))
 
 
 def _cannot_write(paths: list[pathlib.Path]) -> str | None:
@@ -290,10 +297,10 @@ def run(args: Options) -> int:
           f"{args.head_modes!r}", file=sys.stderr)
     return 2
 
-  def names(m):  # the profiles' configuration names of model m
+  def names(m):  # the profiles' (configuration, head mode) of model m
     if head_modes is None or presets.MODELS[m][0] != "text":
-      return configurations
-    return [f"{v}+head={h}" for v in configurations for h in head_modes]
+      return [(v, None) for v in configurations]
+    return [(v, h) for v in configurations for h in head_modes]
   if args.points < 2:
     print("error: --points must be at least 2", file=sys.stderr)
     return 2
@@ -336,7 +343,8 @@ def run(args: Options) -> int:
     fr["profiles"] = [q.__dict__ for q in profiles]
     if args.device_peak:
       for row in fr["fixed"] + [r for r in fr["plans"] if "infeasible" not in r]:
-        progress(f"device peak {row.get('policy') or row['budget']} {row['configuration']}")
+        progress(f"device peak {row.get('policy') or row['budget']} "
+                 f"{_label(row['configuration'], row.get('head_mode'))}")
         _add_device_peak(row, m, args, overrides)
     results[m] = fr
   bar.close()

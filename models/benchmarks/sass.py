@@ -1,48 +1,24 @@
-"""SASS statistics of a compiled Triton kernel, without a GPU (Triton's bundled tools)."""
+"""The kernels' SASS roofline table without a GPU (``scripts/sass_roofline.py``): every Pallas and
+Triton kernel compiled for sm_90, its machine code counted (:mod:`pallas_kernels.machine_code`)."""
 from __future__ import annotations
 
 import argparse
 import datetime
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 import types
 
-__all__ = ["stats"]
+from pallas_kernels.machine_code import H100, predict, stats
 
-
-def stats(cubin: bytes) -> dict:
-  """Instructions (nvdisasm, NOPs excluded), MUFU instructions, registers and local-memory
-  (spill) bytes per thread (cuobjdump) of one kernel's cubin, by opcode too."""
-  import triton  # pylint: disable=import-outside-toplevel
-  bin_dir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-  with tempfile.TemporaryDirectory() as tmp:
-    path = pathlib.Path(tmp) / "kernel.cubin"
-    path.write_bytes(cubin)
-    sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(path)], capture_output=True,
-                          text=True, check=True).stdout
-    res = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(path)],
-                         capture_output=True, text=True, check=True).stdout
-  ops: dict[str, int] = {}
-  for line in sass.splitlines():
-    m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-    if m and m.group(1) != "NOP":
-      ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-  return {"instructions": sum(ops.values()), "mufu": ops.get("MUFU", 0),
-          "registers": int(re.search(r"REG:(\d+)", res).group(1)),
-          "local_bytes": int(re.search(r"LOCAL:(\d+)", res).group(1)), "by_opcode": ops}
+__all__ = ["roofline"]
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 NUM_WARPS = 4  # the kernels' default (pallas_kernels.elementwise.compiler_params)
-
-
-H100 = {"sms": 132, "clock_hz": 1.755e9, "issue_per_sm_cycle": 4 * 32, "mufu_per_sm_cycle": 16,
-        "hbm_bytes_per_s": 3.35e12}
 
 
 def _capture_ttir():
@@ -95,15 +71,6 @@ def _row(activation, implementation, dtype, pass_, nbytes, st, threads, elements
           "pass": pass_, "bytes_per_element": nbytes, "instructions_per_element": per_elem,
           "mufu_per_element": mufu, "registers": st["registers"],
           "local_bytes": st["local_bytes"], **pred, "by_opcode": st["by_opcode"]}
-
-
-def predict(per_elem_instr, per_elem_mufu, bytes_per_elem, hw=H100) -> dict:
-  t_issue = per_elem_instr / (hw["sms"] * hw["issue_per_sm_cycle"] * hw["clock_hz"])
-  t_mufu = per_elem_mufu / (hw["sms"] * hw["mufu_per_sm_cycle"] * hw["clock_hz"])
-  t_mem = bytes_per_elem / hw["hbm_bytes_per_s"]
-  return {"fraction_of_bandwidth": min(1.0, t_mem / max(t_issue, t_mufu)),
-          "bound": "memory" if t_mem >= max(t_issue, t_mufu) else
-                   ("issue" if t_issue >= t_mufu else "MUFU")}
 
 
 def _norm_rows(captured, widths, dtypes) -> list[dict]:

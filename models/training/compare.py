@@ -15,9 +15,14 @@ from models.training import loop
 from models.training import run_dir
 from models.training import trainer as trainer_lib
 
-def _impls(cfg) -> tuple[str, str]:
-  """standard vs the configured implementation ("inverted" when that is "standard")."""
-  return ("standard", "inverted" if cfg.configuration == "standard" else cfg.configuration)
+def _runs(cfg: config.TrainConfig) -> tuple[config.TrainConfig, config.TrainConfig]:
+  """JAX's default ("standard", no implementation or head mode set) and the configured run
+  ("inverted" where that is "standard")."""
+  baseline = dataclasses.replace(cfg, configuration="standard", implementation=None,
+                                 head_mode=None)
+  if cfg.configuration == "standard":
+    cfg = dataclasses.replace(cfg, configuration="inverted")
+  return baseline, cfg
 
 
 def _device_peak(trainer: trainer_lib.Trainer) -> int | None:
@@ -31,20 +36,20 @@ def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib
             shard_params: bool = False) -> dict[str, Any]:
   """Train both implementations; write compare.json and compare.png; return the table."""
   workdir = pathlib.Path(workdir)
-  impls = _impls(cfg)
-  for impl in impls:  # check both run directories before training either
-    config.validate(dataclasses.replace(cfg, configuration=impl), dataset, len(jax.devices()))
-    run_dir.prepare_workdir(dataclasses.replace(cfg, configuration=impl), workdir / impl,
-                             resume=resume, data=data_lib.fingerprint(dataset))
+  pair = _runs(cfg)
+  names = [c.run_name for c in pair]
+  for c in pair:  # check both run directories before training either
+    config.validate(c, dataset, len(jax.devices()))
+    run_dir.prepare_workdir(c, workdir / c.run_name, resume=resume,
+                            data=data_lib.fingerprint(dataset))
   runs = {}
-  for impl in impls:
-    c = dataclasses.replace(cfg, configuration=impl)
-    s = loop.train(c, dataset, workdir / impl, resume=resume, progress=progress,
-                       shard_params=shard_params)
+  for c in pair:
+    s = loop.train(c, dataset, workdir / c.run_name, resume=resume, progress=progress,
+                   shard_params=shard_params)
     trainer = s.pop("trainer")
     s["compiled_temp_bytes"] = trainer.compiled_memory().temp
     s["device_peak_bytes"] = _device_peak(trainer)
-    runs[impl] = s
+    runs[c.run_name] = s
   rows = [("final test accuracy", "final_test_acc", "{:.4f}"),
           ("final test loss", "final_test_loss", "{:.4f}"),
           ("final train loss", "final_train_loss", "{:.4f}"),
@@ -52,11 +57,11 @@ def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib
           ("device peak bytes", "device_peak_bytes", "{:,}"),
           ("median step time (s)", "step_time_s_median", "{:.4f}")]
   lines = [f"| {cfg.preset} ({cfg.dtype}, {runs['standard']['platform']}, "
-           f"{runs['standard']['devices']} device(s)) | standard | {impls[1]} |", "|---|---:|---:|"]
+           f"{runs['standard']['devices']} device(s)) | standard | {names[1]} |", "|---|---:|---:|"]
   for label, key, fmt in rows:
-    vals = [runs[i][key] for i in impls]
+    vals = [runs[i][key] for i in names]
     lines.append(f"| {label} | " + " | ".join("n/a" if v is None else fmt.format(v) for v in vals) + " |")
-  acc_gap = abs(runs["standard"]["final_test_acc"] - runs[impls[1]]["final_test_acc"])
+  acc_gap = abs(runs["standard"]["final_test_acc"] - runs[names[1]]["final_test_acc"])
   table = "\n".join(lines) + f"\n\naccuracy gap: {100 * acc_gap:.2f} percentage points"
   out_json = workdir / "compare.json"
   out_json.write_text(json.dumps({"table": table, "accuracy_gap": acc_gap,

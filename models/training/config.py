@@ -38,14 +38,6 @@ def _nonnegative(v) -> str | None:
   return None if v >= 0 else "must be >= 0"
 
 
-def _known_configuration(name) -> str | None:
-  try:
-    options.configuration(name)
-  except ValueError as e:
-    return f"must be a configuration of models.options ({e})"
-  return None
-
-
 def parse_bytes(text: str) -> int:
   """'123', '300MiB', '1.5GB' -> bytes (an argparse ``type``)."""
   import argparse  # pylint: disable=import-outside-toplevel
@@ -78,8 +70,12 @@ class TrainConfig:
                          check=_seed)
   configuration: str = cli.option(
       "inverted", "which ops run in their memory-saving form: a configuration of "
-      f"models.options ({', '.join(options.CONFIGURATIONS)}), optionally +pallas or +triton",
-      check=_known_configuration)
+      f"models.options ({', '.join(options.CONFIGURATIONS)})", choices=tuple(options.CONFIGURATIONS))
+  implementation: str | None = cli.option(
+      None, "how the invact_jax ops run (default: XLA)", choices=options.IMPLEMENTATION_CHOICES[1:])
+  head_mode: str | None = cli.option(
+      None, "the text models' LM head: standard (the logits materialized) or chunked "
+      "(invact_jax.linear_cross_entropy); default: the configuration's", choices=options.HEAD_MODES)
   scan_layers: bool = cli.option(False, "run the layers under jax.lax.scan")
   remat: str = cli.option("none", "jax.checkpoint policy per layer",
                           choices=tuple(options.REMAT_POLICIES))
@@ -109,7 +105,7 @@ class TrainConfig:
     try:
       return base.replace(image_size=dataset.image_size, patch_size=patch,
                           channels=dataset.channels, num_classes=dataset.num_classes,
-                          **options.configuration(self.configuration), dtype=self.dtype,
+                          **self.model_overrides(), dtype=self.dtype,
                           scan_layers=self.scan_layers, remat=self.remat)
     except ValueError as e:
       raise errors.ConfigError(str(e)) from None
@@ -121,10 +117,23 @@ class TrainConfig:
     base = text.PRESETS[self.preset]
     try:
       return base.replace(vocab=dataset.num_classes, max_len=max(base.max_len, dataset.seq_len),
-                          **options.configuration(self.configuration), dtype=self.dtype,
+                          **self.model_overrides(), dtype=self.dtype,
                           scan_layers=self.scan_layers, remat=self.remat)
     except ValueError as e:
       raise errors.ConfigError(str(e)) from None
+
+  def model_overrides(self) -> dict:
+    """The model-config fields this run sets: its configuration's memory modes, the ops'
+    implementation and the LM head's mode (:func:`models.options.configuration`)."""
+    return options.configuration(self.configuration, implementation=self.implementation,
+                                 head_mode=self.head_mode)
+
+  @property
+  def run_name(self) -> str:
+    """The run's directory name under ``--workdir``: the configuration, then the
+    implementation and head mode where set (``inverted``, ``inverted-pallas-head-chunked``)."""
+    return "-".join([self.configuration, *([self.implementation] if self.implementation else []),
+                     *([f"head-{self.head_mode}"] if self.head_mode else [])])
 
   def total_steps(self, n_train: int) -> int:
     return self.steps if self.steps is not None else self.epochs * (n_train // self.batch_size)
@@ -147,11 +156,10 @@ def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> Non
     h, w = dataset.x_train.shape[1:3]
     raise errors.ConfigError(f"--shift {cfg.shift} would move images out of their {h}x{w} frame "
                       f"(must be below {min(h, w)})")
-  implementation = options.configuration(cfg.configuration).get("implementation")
-  if implementation is not None:
-    ok, why = invact_jax.available(implementation)
+  if cfg.implementation is not None:
+    ok, why = invact_jax.available(cfg.implementation)
     if not ok:
-      raise errors.ConfigError(f"--configuration {cfg.configuration}: {why}")
+      raise errors.ConfigError(f"--implementation {cfg.implementation}: {why}")
   cfg.model_config(dataset)
 
 

@@ -134,7 +134,7 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
   if progress and main:
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm(total=trainer.total, initial=start, unit="step", dynamic_ncols=True,
-               desc=f"{cfg.preset} {cfg.configuration}")
+               desc=f"{cfg.preset} {cfg.run_name}")
   def log(record):
     history.append(record)
     if main:
@@ -155,7 +155,7 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
       if bar is not None:
         bar.close()
     raise errors.Interrupted(e.signum, trainer.step, workdir.parent if workdir.name ==
-                      cfg.configuration else workdir) from None
+                      cfg.run_name else workdir) from None
   checkpoints.checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   manager.close()
   if bar is not None:
@@ -163,7 +163,8 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
   evals = [h for h in history if "test_acc" in h]
   trains = [h for h in history if "loss" in h]
   summary = {
-      "preset": cfg.preset, "configuration": cfg.configuration, "dtype": cfg.dtype,
+      "preset": cfg.preset, "configuration": cfg.configuration,
+      "implementation": cfg.implementation, "head_mode": cfg.head_mode, "dtype": cfg.dtype,
       "steps": trainer.step, "total_steps": trainer.total, "finished": trainer.step == trainer.total,
       "final_test_acc": evals[-1]["test_acc"] if evals else None,
       "final_test_loss": evals[-1]["test_loss"] if evals else None,
@@ -175,6 +176,7 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
       "platform": jax.default_backend(),
       "memory_plan": None if trainer.plan is None else {
           "budget": trainer.plan.budget, "configuration": trainer.plan.configuration,
+          "head_mode": trainer.plan.head_mode,
           "keep": [list(k) for k in trainer.plan.save_names()],
           "predicted_bytes": trainer.plan.predicted_bytes},
   }

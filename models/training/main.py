@@ -117,7 +117,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(result["table"])
         print(f"\nwrote {result['json']}\nwrote {result['png']}")
         return 0
-      summary = loop.train(cfg, dataset, workdir / cfg.configuration, resume=args.resume,
+      summary = loop.train(cfg, dataset, workdir / cfg.run_name, resume=args.resume,
                                progress=progress, stop_after=args.stop_after,
                                shard_params=args.shard_params)
     distributed.finished()

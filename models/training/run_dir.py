@@ -26,10 +26,10 @@ def check_writable(workdir: pathlib.Path) -> None:
 
 
 def saved_options(saved: dict) -> dict:
-  """A saved ``TrainConfig`` dict in today's field names (``activations`` before 0.3)."""
-  if "activations" in saved and "configuration" not in saved:
-    saved = {("configuration" if k == "activations" else k): v for k, v in saved.items()}
-  return saved
+  """A saved ``TrainConfig`` dict with each field it does not record at its default: an
+  option added after the run was written had no other value in that run."""
+  defaults = {f.name: f.default for f in dataclasses.fields(config.TrainConfig)}
+  return {**defaults, **saved}
 
 
 def run_identity(cfg: config.TrainConfig, data: str | None) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def prepare_workdir(cfg: config.TrainConfig, workdir: pathlib.Path, *, resume: b
       raise errors.ConfigError(f"--resume: {cfg_file} holds no options (a JSON object was expected)")
     saved = saved_options(saved)
     now = run_identity(cfg, data)
-    if "data" not in saved or data is None:  # written before 0.3, or no data to compare
+    if "data" not in saved or data is None:  # no fingerprint recorded, or no data to compare
       saved["data"] = now["data"]
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k, "(absent)") != now.get(k, "(absent)")]
     if differ:

@@ -42,7 +42,8 @@ def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
                                        uniform=None)
   except planner.InfeasibleBudget as e:
     raise errors.ConfigError(f"--memory-budget: {e}") from None
-  return cfg.replace(save_names=plan.save_names(), **options.configuration(plan.configuration)), plan
+  return cfg.replace(save_names=plan.save_names(),
+                     **options.configuration(plan.configuration, head_mode=plan.head_mode)), plan
 
 
 @dataclasses.dataclass

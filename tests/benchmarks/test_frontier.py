@@ -39,7 +39,7 @@ def test_invact_keeps_less_without_remat_and_the_same_under_a_names_policy():
 
 def test_offload_only_where_the_device_has_memory_kinds():
   rows = frontier.rows(["dry-llama"], dtype="float32", policies=["none", "minimal_offloaded"],
-                       repeats=1, in_process=True, torch_variants=())
+                       repeats=1, in_process=True, torch_configurations=())
   assert {r["configuration"] for r in rows} == (
       {"default", "minimal_offloaded"} if frontier.has_memory_kinds() else {"default"})
 
@@ -135,7 +135,7 @@ def test_rows_plan_at_three_budgets_from_the_measured_policies(monkeypatch):
   monkeypatch.setattr(frontier, "measure", lambda spec: real(spec) if "runs" in spec else dict(
       synthetic[("default" if spec["policy"] == "none" else spec["policy"], spec["invact"])]))
   rs = frontier.rows(["dry-llama"], dtype="float32", repeats=1, in_process=True,
-                     torch_variants=(), policies=["none", *frontier._PLAN_POLICIES])
+                     torch_configurations=(), policies=["none", *frontier._PLAN_POLICIES])
   plans = [r for r in rs if r["configuration"].startswith("plan")]
   assert len(plans) == 3
   for r in plans:
@@ -175,7 +175,7 @@ def test_a_deadline_leaves_error_rows_that_the_front_and_table_skip(monkeypatch)
                            spec["invact"])])
   monkeypatch.setattr(frontier, "measure", measure)
   rs = frontier.rows(["dry-llama"], dtype="float32", repeats=1, in_process=True,
-                     torch_variants=(), policies=policies, deadline=50.0)
+                     torch_configurations=(), policies=policies, deadline=50.0)
   assert len(rs) == 2 * len(policies) + 3
   plans = [r for r in rs if r["configuration"].startswith("plan")]
   errors = [r.get("error") for r in plans]  # 25 %: below what any plan keeps (its own error)
@@ -288,11 +288,11 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
   is importable; a second run carries the first's rows over instead of measuring them."""
   policies = ["none", "full", "dots_no_batch"]
   first = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
-                        in_process=True, torch_variants=(), date="2026-11-26")
+                        in_process=True, torch_configurations=(), date="2026-11-26")
   keys = [(r["configuration"], r["invact"], r["head"]) for r in first]
   jax_rows = [k for k in keys if not k[0].startswith("plan")]
   expected = [(("default" if p == "none" else p), i, h) for p, i, h in (
-      x for x in frontier.LM_ORDER if isinstance(x, tuple)) if p in policies]
+      x for x in frontier.LM_ORDER if isinstance(x, frontier.JaxRow)) if p in policies]
   assert jax_rows == expected, jax_rows
   plans = [r for r in first if r["configuration"].startswith("plan")]
   assert [r["configuration"] for r in plans] == ["plan 25 %", "plan 50 %", "plan 75 %"]
@@ -302,7 +302,7 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
       assert r["activation_bytes"] > 0 and "prediction_error" in r and r["date"] == "2026-11-26"
   measured = [r for r in first if "error" not in r]
   second = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
-                         in_process=True, torch_variants=(), date="2026-11-27", done=measured)
+                         in_process=True, torch_configurations=(), date="2026-11-27", done=measured)
   for r in measured:
     assert any(o is r for o in second), r   # carried, not measured again
   assert all(r.get("date") != "2026-11-27" for r in second if "error" not in r)

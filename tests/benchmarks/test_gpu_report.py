@@ -91,7 +91,7 @@ def test_resume_keeps_measured_figures():
     prev = [{**spec, "peaks": {"standard": {"peak_bytes_in_use": 5}, "inverted": {"error": "x"}},
              "step_time_s": {"standard": 0.1, "inverted": 0.1}}]
     (g,) = gpu_report.models(specs=[spec], rounds=1, deadline=1e12, progress=lambda m: None,
-                             previous=prev, configurations=("standard", "inverted"))
+                             previous=prev, setups=(("standard", None), ("inverted", None)))
   finally:
     gpu_report._run_child = old  # pylint: disable=protected-access
   assert [c["configuration"] for c in calls] == ["inverted"]
@@ -164,19 +164,20 @@ def test_a_new_configuration_retimes_all_of_them_together():
   calls = []
   old = gpu_report._run_child  # pylint: disable=protected-access
   gpu_report._run_child = lambda spec, t: calls.append(spec) or (
-      {c: 0.2 for c in spec["configurations"]} if spec["kind"] == "times" else
+      {gpu_report.label(*s): 0.2 for s in spec["setups"]} if spec["kind"] == "times" else
       {"peak_bytes_in_use": 1})
   try:
     spec = {"model": "vit-b16", "dtype": "bfloat16", "batch": 8, "seq_len": 0}
     prev = [{**spec, "peaks": {"standard": {"peak_bytes_in_use": 5}},
              "step_time_s": {"standard": 0.1}}]
     (g,) = gpu_report.models(specs=[spec], rounds=1, deadline=1e12, progress=lambda m: None,
-                             previous=prev, configurations=("standard", "inverted+pallas"))
+                             previous=prev, setups=(("standard", None), ("inverted", "pallas")))
   finally:
     gpu_report._run_child = old  # pylint: disable=protected-access
-  assert [(c["kind"], c.get("configuration")) for c in calls] == [
-      ("peak", "inverted+pallas"), ("times", None)]
-  assert g["step_time_s"] == {"standard": 0.2, "inverted+pallas": 0.2}
+  assert [(c["kind"], c.get("configuration"), c.get("implementation")) for c in calls] == [
+      ("peak", "inverted", "pallas"), ("times", None, None)]
+  assert calls[1]["setups"] == [["standard", None], ["inverted", "pallas"]]
+  assert g["step_time_s"] == {"standard": 0.2, "inverted (pallas)": 0.2}
 
 
 def test_planner_timeout_says_where_it_was(monkeypatch, tmp_path):

@@ -8,13 +8,13 @@ from models.benchmarks import lm_head
 from models.benchmarks import lm_head_torch
 
 
-def test_rows_measure_every_jax_variant_without_a_logits_buffer_for_ours(monkeypatch):
+def test_rows_measure_every_jax_head_without_a_logits_buffer_for_ours(monkeypatch):
   monkeypatch.setattr(lm_head_torch, "importable", lambda: False)
   # 512 tokens x 32768 entries: four chunks of the CPU's default 2^22 logits
   rs = lm_head.rows(512, 16, 32768, dtypes=("float32",), repeats=1,
                     names=("plain", "invact_jax", "invact_jax.invert(plain)"),
                     tiles=(("forward", 16, 1024),))
-  by = {r["variant"]: r for r in rs}
+  by = {r["head"]: r for r in rs}
   assert set(by) == {"plain", "invact_jax", "invact_jax.invert(plain)",
                      "invact_jax forward 16x1024"}
   # an eighth of the default chunk's tokens, half its update tile: less temp
@@ -32,21 +32,21 @@ def test_torch_rows_get_the_same_head_and_their_own_baseline(monkeypatch):
   def fake(module, spec, timeout_s):
     assert module == "models.benchmarks.lm_head_torch" and timeout_s > 0
     data = np.load(spec["path"])
-    seen.append((spec["variant"], data["x"].shape, data["w"].shape, data["labels"].shape))
+    seen.append((spec["head"], data["x"].shape, data["w"].shape, data["labels"].shape))
     head = lm_head.make_head(64, 16, 512, np.float32)
     np.testing.assert_array_equal(data["x"], np.asarray(head.x))
     np.testing.assert_array_equal(data["labels"], np.asarray(head.labels))
-    if spec["variant"] == "torch Liger":
-      return {"variant": spec["variant"], "error": "Liger-Kernel needs a CUDA GPU and liger-kernel"}
-    return {"variant": spec["variant"], "time_s": 0.5, "grad_error": 1e-7, "loss": 6.2}
+    if spec["head"] == "torch Liger":
+      return {"head": spec["head"], "error": "Liger-Kernel needs a CUDA GPU and liger-kernel"}
+    return {"head": spec["head"], "time_s": 0.5, "grad_error": 1e-7, "loss": 6.2}
   monkeypatch.setattr(lm_head_torch, "importable", lambda: True)
   monkeypatch.setattr(child, "run_child", fake)
   rs = lm_head.rows(64, 16, 512, dtypes=("float32",), repeats=1, names=("plain",))
-  assert [s[0] for s in seen] == list(lm_head_torch.VARIANTS)
+  assert [s[0] for s in seen] == list(lm_head_torch.HEADS)
   assert seen[0][1:] == ((64, 16), (16, 512), (64,))
-  torch_plain = next(r for r in rs if r["variant"] == "torch plain")
+  torch_plain = next(r for r in rs if r["head"] == "torch plain")
   assert torch_plain["framework"] == "torch" and torch_plain["time_vs_plain"] == 1.0
-  jax_plain = next(r for r in rs if r["variant"] == "plain")
+  jax_plain = next(r for r in rs if r["head"] == "plain")
   assert jax_plain["time_vs_plain"] == 1.0  # not against torch's 0.5 s
   table = lm_head.table(rs)
   assert "| float32 | torch plain | — | — | — | 0.500 | 1.00 | 1.0e-07 |" in table
@@ -54,17 +54,17 @@ def test_torch_rows_get_the_same_head_and_their_own_baseline(monkeypatch):
   assert json.dumps(rs)  # the benchmark's JSON
 
 
-def test_an_unknown_torch_variant_is_an_error_row_without_torch():
-  row = lm_head_torch.measure({"variant": "torch nope", "path": "-", "dtype": "float32",
+def test_an_unknown_torch_head_is_an_error_row_without_torch():
+  row = lm_head_torch.measure({"head": "torch nope", "path": "-", "dtype": "float32",
                                "repeats": 1})
-  assert "unknown variant" in row["error"]
+  assert "unknown head" in row["error"]
   assert lm_head.torch_rows(lm_head.make_head(8, 4, 16, np.float32), "float32", 1,
-                            variants=()) == [] or lm_head_torch.importable()
+                            heads=()) == [] or lm_head_torch.importable()
 
 
 def test_run_child_returns_the_last_json_line_or_the_error(tmp_path):
   ok = child.run_child("models.benchmarks.lm_head_torch",  # its __main__, no torch needed
-                     {"variant": "torch nope", "path": "-", "dtype": "float32", "repeats": 1}, 60.0)
-  assert ok["variant"] == "torch nope" and "unknown variant" in ok["error"], ok
+                     {"head": "torch nope", "path": "-", "dtype": "float32", "repeats": 1}, 60.0)
+  assert ok["head"] == "torch nope" and "unknown head" in ok["error"], ok
   bad = child.run_child("models.benchmarks.no_such_module", {}, 60.0)
   assert "No module named" in bad["error"]

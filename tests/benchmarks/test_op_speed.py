@@ -53,7 +53,7 @@ def test_script_writes_json(tmp_path):
 def test_cost_split_times_every_pass_and_ablation(dtype):
   rows = op_speed.cost_split("silu", dtype, elements=1024, rounds=1)
   table = [op_speed.TABLE_FUSED] if dtype == "bfloat16" else []  # 16-bit patterns only
-  assert [r["variant"] for r in rows] == [
+  assert [r["pass"] for r in rows] == [
       "jax.nn forward", "jax.nn forward+backward", "ours forward (y + packed bits)",
       "ours forward+backward", *table, "backward",
       *op_speed._ABLATIONS,  # pylint: disable=protected-access

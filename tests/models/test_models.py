@@ -152,10 +152,15 @@ def test_configuration_names_and_their_suffixes():
     options.configuration("jax-default")  # the names of 0.1 are gone
   with pytest.raises(TypeError, match="activation_impl"):
     vit.PRESETS["digits"].replace(activation_impl="inverted")
-  assert options.configuration("inverted-all+pallas") == {
+  assert options.configuration("inverted-all", implementation="pallas") == {
       **options.CONFIGURATIONS["inverted-all"], "implementation": "pallas"}
+  assert options.configuration("inverted", head_mode="standard")["head_mode"] == "standard"
   with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
-    options.configuration("inverted+cuda")
+    options.configuration("inverted", implementation="cuda")
+  with pytest.raises(ValueError, match="unknown head_mode 'full'"):
+    options.configuration("inverted", head_mode="full")
+  with pytest.raises(ValueError, match="unknown configuration 'inverted\\+pallas'"):
+    options.configuration("inverted+pallas")  # no grammar in names: separate fields
 
 
 def test_implementation_field_reaches_every_op():

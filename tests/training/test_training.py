@@ -295,9 +295,12 @@ def test_resume_refuses_another_run_and_never_renames_it(digits, tmp_path):
     training.train(dataclasses.replace(SMALL, dtype="bfloat16"), digits, wd, resume=True,
                    progress=False, devices=1)
   assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == before
-  # A config.json written before 0.3 (``activations``, no fingerprint) still resumes.
-  old = {("activations" if k == "configuration" else k): v for k, v in saved.items() if k != "data"}
+  # A config.json without the options added since (at their defaults there) and without
+  # the data's fingerprint still resumes; one with another value of them does not.
+  old = {k: v for k, v in saved.items() if k not in ("data", "implementation", "head_mode")}
   cfg_file.write_text(json.dumps(old))
+  with pytest.raises(training.ConfigError, match=r"--head-mode: None in the run, 'standard' now"):
+    run_dir.prepare_workdir(dataclasses.replace(SMALL, head_mode="standard"), wd, resume=True)
   assert training.train(SMALL, digits, wd, resume=True, progress=False, devices=1)["finished"]
 
 

@@ -2,9 +2,9 @@
 scripts' own checks, the data archive's checks, signals."""
 import dataclasses
 import json
-import re
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -34,7 +34,8 @@ def _run_cli(*args, cwd=ROOT):
 def _assert_one_line_error(out, pattern):
   assert out.returncode != 0
   lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
-  assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr[-2000:]
+  # ours: "error: ..."; argparse's (a value outside an option's choices): "PROG: error: ..."
+  assert len(lines) == 1 and re.match(r"(\S+: )?error: ", lines[0]), out.stderr[-2000:]
   assert "Traceback" not in out.stderr
   assert pattern in lines[0], lines[0]
 
@@ -63,15 +64,20 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
       (["--preset", "vit-huge"], "unknown preset"),
       (["--epochs", "0"], "--epochs must be positive"),
       (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
-      (["--configuration", "inverted-some"], "--configuration must be a configuration"),
+      (["--configuration", "inverted-some"], "argument --configuration: invalid choice: 'inverted-some'"),
+      (["--implementation", "cuda"], "argument --implementation: invalid choice: 'cuda'"),
+      (["--head-mode", "fused"], "argument --head-mode: invalid choice: 'fused'"),
       (["--seed", "-1"], "--seed must be an integer in [0, 2**32)"),
       (["--shift", "8"], "--shift 8 would move images out of their 8x8 frame"),
       (["--compare", "--stop-after", "2"], "--stop-after does not apply to --compare"),
   ]
   if not invact_jax.available("triton")[0]:
-    cases.append((["--configuration", "inverted+triton"], "--configuration inverted+triton: "))
+    cases.append((["--implementation", "triton"], "--implementation triton: "))
   for args, pattern in cases:
-    code = main(["--no-progress", *args, "--workdir", wd])
+    try:
+      code = main(["--no-progress", *args, "--workdir", wd])
+    except SystemExit as e:  # argparse's own checks (choices) exit
+      code = e.code
     cap = capsys.readouterr()
     assert code == 2, cap.err
     _assert_one_line_error(subprocess.CompletedProcess(args, code, cap.out, cap.err), pattern)

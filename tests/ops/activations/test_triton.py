@@ -12,7 +12,7 @@ import invact_jax
 import tests
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import triton as triton_impl
-from models.benchmarks import sass
+from pallas_kernels import machine_code
 from pallas_kernels import triton_elementwise
 from pallas_kernels import triton_source
 from tests.ops.activations import base as test_base
@@ -42,17 +42,17 @@ class TritonActivationInterpretTest(TritonActivationTest):
 def test_kernels_compile_for_sm90_without_spills(name, dtype, monkeypatch, tmp_path):
   """triton.compile for GPUTarget("cuda", 90, 32) on any machine: no register spills (local
   memory), and the fitted backwards predicted at >= 85 % of H100 bandwidth by
-  ``models.benchmarks.sass.predict``'s model (measured on an H100 2026-11-23:
+  ``pallas_kernels.machine_code.predict``'s model (measured on an H100 2026-11-23:
   99-113 % of a device copy)."""
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # wherever HOME is read-only
   for pass_, (kname, src, sig, const, nbytes) in triton_impl.kernel_sources(
       CASES[name].op, dtype).items():
     asm = triton_elementwise.compile_for(kname, src, sig, const)
-    st = sass.stats(asm["cubin"])
+    st = machine_code.stats(asm["cubin"])
     per_elem, mufu = (st[k] * 128 / (8 * const["BR"]) for k in ("instructions", "mufu"))
     assert st["local_bytes"] == 0, (kname, st["local_bytes"], st["registers"])
     if pass_ == "backward" and name in ("gelu_tanh", "gelu_erf", "silu", "mish"):
-      pred = sass.predict(per_elem, mufu, nbytes)["fraction_of_bandwidth"]
+      pred = machine_code.predict(per_elem, mufu, nbytes)["fraction_of_bandwidth"]
       assert pred >= 0.85, (kname, per_elem, pred)
     assert "ld.global" in asm["ptx"] and "st.global" in asm["ptx"]
 

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("triton")
 
 # pylint: disable=wrong-import-position
-from models.benchmarks import sass
+from pallas_kernels import machine_code
 from pallas_kernels import norms
 from pallas_kernels import triton_elementwise
 from pallas_kernels import triton_norms
@@ -45,6 +45,6 @@ def test_norm_kernels_compile_for_sm90_without_spills(rms, dtype, n, monkeypatch
       {"N": n, "CHUNK": chunk, "RMS": rms, "HAS_SCALE": True},
       num_warps=norms.warps_for(chunk))
   for asm in (fwd, bwd):
-    st = sass.stats(asm["cubin"])
+    st = machine_code.stats(asm["cubin"])
     assert st["local_bytes"] == 0, st["registers"]
     assert "ld.global" in asm["ptx"] and "st.global" in asm["ptx"]
