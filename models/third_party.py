@@ -41,9 +41,10 @@ PENZAI = ("penzai_llama", "penzai_llama_stacked", "penzai_gemma", "penzai_gemma2
 ALL_MODELS = MODELS + KERAS_HUB + PENZAI
 # (hidden, layers, heads, sequence, batch): "test" runs in seconds on a CPU; "table" is the
 # README's (BERT-base width, short sequence).
-# "zoo": width 128, 2 layers, at 512 tokens (the conversion zoo's figures).
+# "zoo": width 128, 2 layers, at 512 tokens (the conversion zoo's figures); "plan": 8 layers
+# of width 256 at 512 tokens (scripts/plan_program.py).
 SIZES = {"test": (64, 2, 4, 16, 2), "zoo": (128, 2, 4, 128, 4),
-         "table": (768, 2, 12, 128, 8)}
+         "table": (768, 2, 12, 128, 8), "plan": (256, 8, 4, 256, 2)}
 
 def installed(names) -> list[str]:
   """The models of ``names`` whose package is installed; a line on stderr for each other."""

@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.ad_checkpoint import checkpoint_name
+from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
 
 import invact_jax
 from invact_jax import memory, planner
@@ -154,9 +154,11 @@ def _attention(q, k, v, causal: bool):
   return reference_layers.flash_attention(q, k, v, causal)
 
 
-def _block(s: Shape):
-  """``layer(p, x)`` of kind ``s.kind`` with MaxText's checkpoint names."""
+def _block(s: Shape, named: bool = True):
+  """``layer(p, x)`` of kind ``s.kind`` with MaxText's checkpoint names (``named``), or
+  with none (a layer as most hand-written code is)."""
   dh = s.d // s.heads
+  checkpoint_name = _checkpoint_name if named else (lambda x, name: x)
 
   def attention(p, h, causal, rotary):
     b, t, _ = h.shape
@@ -239,7 +241,8 @@ def _params(s: Shape, dtype):
 
 
 def build(s: Shape, policy: str, invact: bool, dtype,
-          runs: list | None = None, head: str = "plain") -> tuple[Callable, tuple]:
+          runs: list | None = None, head: str = "plain", named: bool = True
+          ) -> tuple[Callable, tuple]:
   """``(loss(params, inputs...), (params, inputs...))``: the stack under ``lax.scan``, each
   layer under ``jax.checkpoint(policy)``; for a language model (``s.vocab``) from tokens
   through the embedding, the final norm and ``head`` to the mean cross-entropy.  ``invact``:
@@ -247,10 +250,11 @@ def build(s: Shape, policy: str, invact: bool, dtype,
   ``runs`` (a plan; ``policy`` is then ignored): ``[[layers, [tags kept], [tags offloaded]],
   ...]`` in forward order (the third entry optional), each run a ``lax.scan`` of its own over
   its slice of the parameters, its layers under ``save_only_these_names(*kept)`` or, where it
-  offloads, ``save_and_offload_only_these_names`` to ``pinned_host``."""
+  offloads, ``save_and_offload_only_these_names`` to ``pinned_host``.  ``named``: the
+  layers tag their projections with MaxText's ``checkpoint_name`` s (else no names)."""
   dtype = jnp.dtype(dtype)
   params = _params(s, dtype)
-  block = _block(s)
+  block = _block(s, named)
   if s.param_dtype and jnp.dtype(s.param_dtype) != dtype:  # cast where used, as MaxText
     layer_fn = block
     block = lambda p, x: layer_fn(jax.tree.map(lambda a: a.astype(dtype), p), x)  # noqa: E731

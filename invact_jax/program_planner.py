@@ -1,0 +1,625 @@
+"""The memory planner on any JAX program: :func:`plan` chooses, per tensor of the program's
+layer loop, what the backward keeps, recomputes or offloads, under a byte budget.
+
+The pipeline, for ``plan(fn, *example_args, budget=...)``:
+
+1. Trace ``fn`` and find its layer loop: a ``lax.scan`` over stacked inputs (parameters),
+   through nested ``jit`` calls; of several, the one whose tensors weigh most (the report
+   names the others).
+2. The candidate tensors of one layer: the values the program names with
+   ``checkpoint_name`` (MaxText, keras-hub, the project's models), and otherwise the outputs of
+   its matmuls, convolutions and custom-derivative calls (``invert``'s converted sites),
+   named ``matmul_0``, ``matmul_1``, ... in program order, each with its source line.
+   Elementwise values are always recomputed from them (they cost no matmul).  A ``jax.checkpoint``
+   the layer already has is replaced by the plan's.
+3. Their costs from the program: bytes exactly from shape and dtype (per layer); the recompute
+   FLOPs each saves from XLA's cost analysis of one layer's lowered gradient (no compile);
+   the peak of keeping nothing and of keeping every candidate compiled once each, which
+   calibrates the bytes a kept tensor adds per layer on this platform.
+4. :func:`invact_jax.planner.solve` (MONeT's integer program) chooses one set for every layer;
+   the planned program is compiled, and where XLA's temp is above the budget the target is
+   lowered by the excess and solved again.
+5. The returned function is ``fn`` with the layer body under ``jax.checkpoint`` with the
+   names policy of the plan (``planner.policy``: offloaded tensors go to ``pinned_host``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from invact_jax import memory, planner
+from invact_jax.convert import _graph
+
+__all__ = ["plan", "Planned", "PlanReport", "Tensor", "parse_budget", "FIXED_POLICIES"]
+
+# Equations whose outputs are candidates when the program names none of them itself.
+_AUTO = {"dot_general": "matmul", "conv_general_dilated": "conv",
+         "custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp"}
+_REMAT = ("checkpoint", "remat", "remat2")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# Re-solve rounds after the first when XLA's temp is above the budget.
+_ROUNDS = 5
+#: JAX's policies that save every matmul's output (those inside a custom derivative's forward
+#: too, which no name reaches): a plan takes one where it fits and recomputes less.
+FIXED_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
+                  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One candidate tensor of a layer.
+
+  Attributes:
+    name: its ``checkpoint_name`` (the program's own, or given here: ``matmul_3``).
+    shape: its shape in one layer (a name used several times: the first).
+    dtype: its dtype.
+    bytes: bytes per layer (every value with this name).
+    where: the source line that computes it.
+    named_by: ``"program"`` or ``"invact_jax"``.
+  """
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  bytes: int
+  where: str
+  named_by: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+  """What :func:`plan` chose and what it predicts.
+
+  Attributes:
+    loop: the planned layer loop (source line) and its length.
+    depth: its number of layers.
+    other_loops: the program's other layer loops, left as written.
+    tensors: the candidates of one layer.
+    keep, offload, recompute: the candidates' names by what every layer does with them.
+    budget: the budget in bytes.
+    predicted_bytes: the predicted compiled temp of ``jit(value_and_grad(planned))``.
+    compiled_bytes: XLA's compiled temp of it.
+    minimum_bytes: the compiled temp keeping nothing (every candidate recomputed).
+    predicted_recompute_flops: FLOPs the plan recomputes per step (every layer), from one
+      layer's lowered gradient against the same layer without remat.
+    rounds: solves until the compiled temp fitted.
+    as_written: whether the program as written fits: then it runs unchanged (every tensor
+      kept, nothing recomputed) and ``predicted_bytes`` is its compiled temp.
+    policy: the JAX policy the layers run under instead of the names kept
+      (:data:`FIXED_POLICIES`; its ``predicted_bytes`` is its compiled temp), or None.
+  """
+  loop: str
+  depth: int
+  other_loops: tuple[str, ...]
+  tensors: tuple[Tensor, ...]
+  keep: tuple[str, ...]
+  offload: tuple[str, ...]
+  recompute: tuple[str, ...]
+  budget: int
+  predicted_bytes: int
+  compiled_bytes: int
+  minimum_bytes: int
+  predicted_recompute_flops: float
+  rounds: int
+  as_written: bool = False
+  policy: str | None = None
+
+  def __str__(self) -> str:
+    what = {**{n: "keep" for n in self.keep}, **{n: "offload" for n in self.offload}}
+    lines = [f"layer loop: {self.loop} ({self.depth} layers)"
+             + (": the program as written fits (nothing recomputed)" if self.as_written else "")
+             + (f": JAX's {self.policy} policy fits and recomputes less" if self.policy else "")
+             + "".join(f"\nleft as written: {w}" for w in self.other_loops),
+             f"budget {self.budget:,} B: predicted {self.predicted_bytes:,} B, compiled "
+             f"{self.compiled_bytes:,} B (keeping nothing: {self.minimum_bytes:,} B); recomputes "
+             f"{self.predicted_recompute_flops:.3g} FLOPs per step",
+             "| tensor | shape | dtype | bytes per layer | plan | where |", "|---|---|---|---:|---|---|"]
+    lines += [f"| {t.name} | {list(t.shape)} | {t.dtype} | {t.bytes:,} | "
+              f"{what.get(t.name, 'recompute')} | {t.where} |" for t in self.tensors]
+    return "\n".join(lines)
+
+
+def parse_budget(budget: int | float | str) -> int:
+  """Bytes from a number or a string such as ``"300MiB"``, ``"1.5GB"``, ``"123456"``.
+
+  Raises:
+    ValueError: not a positive finite number of bytes (the message names ``budget``).
+  """
+  value = budget
+  if isinstance(budget, str):
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
+    if not m or m.group(2).lower() not in _UNITS:
+      raise ValueError(f"argument `budget`: not a byte count: {budget!r} (e.g. 300MiB, 2GB, 123456)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise TypeError(f"argument `budget` must be a number of bytes or a string such as '300MiB', "
+                    f"got {budget!r}")
+  if not math.isfinite(float(value)) or value <= 0:
+    raise ValueError(f"argument `budget` must be a positive finite number of bytes, got {budget!r}")
+  return int(value)
+
+
+# --------------------------------------------------------------------------- the layer loop
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+  node: _graph.Node
+  body: Any                      # the body's closed jaxpr, jax.checkpoint inlined
+  graph: _graph.Graph            # its graph (the refs of ``names``)
+  tensors: tuple[Tensor, ...]
+  names: dict                    # body output ref -> name (the values to tag)
+  remat: bool = False            # whether the body has a jax.checkpoint of its own
+
+  @property
+  def where(self) -> str:
+    return self.node.where or "lax.scan"
+
+  @property
+  def length(self) -> int:
+    return int(self.node.params["length"])
+
+
+def _eval_inlined(closed, args) -> list:
+  """Evaluate ``closed`` with every ``jax.checkpoint`` in it run as plain equations (the
+  plan's policy replaces the program's own)."""
+  graph = _graph.flatten(closed)
+
+  def hook(node, invals):
+    if node.prim.name not in _REMAT:
+      return None
+    body = node.params["jaxpr"]
+    inner = jax.make_jaxpr(lambda *a: jax.core.eval_jaxpr(
+        getattr(body, "jaxpr", body), getattr(body, "consts", ()), *a))(
+            *_graph.shape_structs([v.aval for v in getattr(body, "jaxpr", body).invars]))
+    return _eval_inlined(inner, invals)
+  return _graph.evaluate(graph, list(args), nested=hook)
+
+
+def _nbytes(aval) -> int:
+  return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+
+
+def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
+  """The candidate tensors of a layer body's graph, and ``{ref: name}`` of the values to tag."""
+  outputs = {r for r in graph.outvars if not isinstance(r, _graph.Lit)}
+  named, auto, counts = {}, {}, {}
+  for n in graph.nodes:
+    if n.prim.name == "name":
+      named.setdefault(str(n.params["name"]), []).append((n.outs[0], n.where))
+  for n in graph.nodes:
+    kind = _AUTO.get(n.prim.name)
+    if kind is None:
+      continue
+    for ref in n.outs:
+      aval = graph.avals[ref]
+      readers = [graph.nodes[i] for i in graph.consumers.get(ref, [])]
+      if (ref in outputs or not getattr(aval, "shape", ()) or not readers
+          or not jnp.issubdtype(aval.dtype, jnp.inexact)
+          or all(r.prim.name == "name" for r in readers)):  # named by the program already
+        continue
+      k = counts.get(kind, 0)
+      counts[kind] = k + 1
+      auto[ref] = (f"{kind}_{k}", n.where)
+  tensors, names = [], {}
+  for name, refs in named.items():
+    avals = [graph.avals[r] for r, _ in refs]
+    tensors.append(Tensor(name, tuple(avals[0].shape), str(avals[0].dtype),
+                          sum(_nbytes(a) for a in avals), refs[0][1], "program"))
+  for ref, (name, where) in auto.items():
+    a = graph.avals[ref]
+    tensors.append(Tensor(name, tuple(a.shape), str(a.dtype), _nbytes(a), where, "invact_jax"))
+    names[ref] = name
+  return tuple(tensors), names
+
+
+def _as_loop(node: _graph.Node) -> _Loop | None:
+  """The layer loop ``node`` is, or None (not a scan over stacked inputs, or inside a
+  ``shard_map``)."""
+  p = node.params
+  if node.prim.name != "scan" or int(p.get("length", 0)) < 2:
+    return None
+  n_consts, n_carry = _graph.scan_counts(p)
+  body = p["jaxpr"]
+  if len(body.in_avals) <= n_consts + n_carry or _graph.varies_over_mesh(body.in_avals):
+    return None
+  inlined = jax.make_jaxpr(lambda *a: _eval_inlined(body, a))(*_graph.shape_structs(body.in_avals))
+  graph = _graph.flatten(inlined)
+  tensors, names = _candidates(graph)
+  remat = any(e.primitive.name in _REMAT for e in _eqns(body.jaxpr))
+  return _Loop(node, inlined, graph, tensors, names, remat)
+
+
+def _read_by_the_backward(loop: _Loop) -> _Loop | None:
+  """``loop`` with only the candidates the backward reads, at the bytes JAX saves of them
+  (None if it reads none)."""
+  saved = _saved_bytes(loop)
+  tensors = tuple(dataclasses.replace(t, bytes=saved[t.name]) for t in loop.tensors
+                  if saved.get(t.name))
+  return dataclasses.replace(loop, tensors=tensors) if tensors else None
+
+
+def _eqns(jaxpr):
+  """The equations of ``jaxpr`` and of the jaxprs nested in it."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      inner = getattr(v, "jaxpr", v)
+      if hasattr(inner, "eqns"):
+        yield from _eqns(inner)
+
+
+def _saved_bytes(loop: _Loop) -> dict[str, int]:
+  """Bytes per layer of each candidate that the backward reads (what ``jax.checkpoint``
+  saves when every candidate may be saved; a value the backward does not read is no
+  candidate), from JAX's own residual list (:func:`invact_jax.memory.residuals`)."""
+  out: dict[str, int] = {}
+  for r in _layer_residuals(loop, [t.name for t in loop.tensors]):
+    m = re.match(r"named '(.*)' from", r.source)
+    if m:
+      out[m.group(1)] = out.get(m.group(1), 0) + r.bytes
+  return out
+
+
+def _layer_residuals(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> list:
+  """What one layer under the plan's policy keeps for its backward besides its inputs."""
+  body = jax.checkpoint(_tagged(loop), prevent_cse=False, policy=_policy(keep, (), fixed))
+  structs = _graph.shape_structs(loop.body.in_avals)
+  positions = tuple(i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact))
+
+  def scalar(*diff):
+    args = list(structs)
+    for i, v in zip(positions, diff):
+      args[i] = v
+    return sum(jnp.sum(o.astype(jnp.float32)) for o in body(*args)
+               if jnp.issubdtype(o.dtype, jnp.inexact))
+  return [r for r in memory.residuals(scalar, *(structs[i] for i in positions))
+          if not r.is_argument]
+
+
+def _may_fit(loop: _Loop, profile: planner.LayerProfile, budget: int, fixed: str,
+             scale: float) -> bool:
+  """Whether the layers under JAX policy ``fixed`` may fit ``budget`` (predicted as a plan
+  is, with 10 % to spare), so that compiling is worth it."""
+  kept = [r.bytes for r in _layer_residuals(loop, (), fixed)]
+  added = scale * (loop.length * sum(kept) - max(kept, default=0))
+  return profile.base_bytes + added <= 1.1 * budget
+
+
+def _loops(closed) -> tuple[_graph.Graph, list[_Loop]]:
+  """The program's graph and its layer loops, heaviest first (by their candidates' bytes;
+  :func:`_read_by_the_backward` narrows a loop's candidates)."""
+  graph = _graph.flatten(closed)
+  loops = [l for l in map(_as_loop, graph.nodes) if l is not None]
+  loops.sort(key=lambda l: -l.length * sum(t.bytes for t in l.tensors))
+  return graph, loops
+
+
+# ------------------------------------------------------------------------ applying a plan
+def _tagged(loop: _Loop) -> Callable[..., list]:
+  """The layer body with its automatic candidates named (``checkpoint_name``)."""
+  graph = loop.graph
+
+  def run(*args):
+    env = dict(zip(graph.invars, args))
+    value = lambda r: r.val if isinstance(r, _graph.Lit) else env[r]  # noqa: E731
+    for n in graph.nodes:
+      for ref, out in zip(n.outs, _graph.bind(n, [value(r) for r in n.ins])):
+        env[ref] = jax.ad_checkpoint.checkpoint_name(out, loop.names[ref]) if ref in loop.names else out
+    return [value(r) for r in graph.outvars]
+  return run
+
+
+def _policy(keep: Sequence[str], offload: Sequence[str], fixed: str | None):
+  """The ``jax.checkpoint`` policy of a plan: the names kept (and offloaded), or one of
+  JAX's :data:`FIXED_POLICIES` (``"everything"``: no recompute, as without remat)."""
+  if fixed == "everything":
+    return jax.checkpoint_policies.everything_saveable
+  return FIXED_POLICIES[fixed] if fixed else planner.policy(tuple(keep), tuple(offload))
+
+
+def _planned_body(loop: _Loop, keep: Sequence[str], offload: Sequence[str],
+                  fixed: str | None = None):
+  """The body's closed jaxpr under the plan's ``jax.checkpoint`` policy."""
+  policy = _policy(keep, offload, fixed)
+  body = jax.checkpoint(_tagged(loop), policy=policy, prevent_cse=False)
+  return jax.make_jaxpr(body)(*_graph.shape_structs(loop.body.in_avals))
+
+
+def _run(closed, args_flat, keep, offload, fixed=None) -> list:
+  """The program of ``closed`` on ``args_flat`` with its heaviest layer loop planned."""
+  graph, loops = _loops(closed)
+  if not loops:
+    return _graph.evaluate(graph, list(args_flat))
+  target = loops[0]
+  new = _planned_body(target, keep, offload, fixed)
+
+  def hook(node, invals):
+    if node is not target.node:
+      return None
+    return _graph.bind(_graph.Node(node.prim, dict(node.params, jaxpr=new), node.ins, node.outs,
+                                   eqn=node.eqn), invals)
+  return _graph.evaluate(graph, list(args_flat), nested=hook)
+
+
+def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
+  """``fn`` with the plan (or the JAX policy ``fixed``) applied to its heaviest layer loop
+  (traced again per call)."""
+  def planned(*args):
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    outs = _run(closed, jax.tree.leaves(args), keep, offload, fixed)
+    return jax.tree.unflatten(jax.tree.structure(shape), outs)
+  return planned
+
+
+# ---------------------------------------------------------------------------------- costs
+def _flops(fn: Callable, *args) -> float:
+  """XLA's FLOP count of ``fn`` (the lowered module's where the platform gives it, else the
+  compiled one's)."""
+  lowered = jax.jit(fn).lower(*args)
+  for analysis in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
+    got = analysis()
+    if isinstance(got, (list, tuple)):
+      got = got[0] if got else None
+    if got and "flops" in got:
+      return float(got["flops"])
+  raise RuntimeError(f"XLA reports no FLOP count on {jax.default_backend()}")
+
+
+def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> float:
+  """FLOPs of one layer's forward and backward under the names policy keeping ``keep`` (or
+  the JAX policy ``fixed``)."""
+  structs = _graph.shape_structs(loop.body.in_avals)
+  body = jax.checkpoint(_tagged(loop), prevent_cse=False, policy=_policy(keep, (), fixed))
+  positions = tuple(i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact))
+
+  def scalar(*args):
+    outs = [o for o in body(*args) if jnp.issubdtype(o.dtype, jnp.inexact)]
+    return sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+  return _flops(jax.value_and_grad(scalar, argnums=positions), *structs)
+
+
+def _temp(fn: Callable, args, argnums, keep, offload=(), fixed=None) -> int:
+  """Compiled temp of ``jit(value_and_grad(fn planned with keep/offload))``."""
+  return memory.compiled(jax.value_and_grad(_apply(fn, keep, offload, fixed), argnums=argnums),
+                         *args).temp
+
+
+def _has_pinned_host() -> bool:
+  """Whether the device has host memory to offload to (XLA:CPU's host memory is its own)."""
+  if jax.default_backend() == "cpu":
+    return False
+  try:
+    kinds = jax.devices()[0].addressable_memories()
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return any(getattr(m, "kind", "") == "pinned_host" for m in kinds)
+
+
+def _measured_rates() -> tuple[float, float]:
+  """(bytes/s of a device -> pinned_host -> device round trip per byte each way, FLOP/s of a
+  4096^3 bfloat16 matmul), timed on the device."""
+  import time  # pylint: disable=import-outside-toplevel
+  dev = jax.devices()[0]
+  x = jnp.ones((64, 2**20), jnp.float32)  # 256 MiB
+  host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+  back = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+  jax.block_until_ready(jax.device_put(jax.device_put(x, host), back))
+  t0 = time.perf_counter()
+  jax.block_until_ready(jax.device_put(jax.device_put(x, host), back))
+  bandwidth = 2 * x.nbytes / (time.perf_counter() - t0)
+  a = jnp.ones((4096, 4096), jnp.bfloat16)
+  mm = jax.jit(lambda a: a @ a)
+  jax.block_until_ready(mm(a))
+  t0 = time.perf_counter()
+  for _ in range(10):
+    out = mm(a)
+  jax.block_until_ready(out)
+  return bandwidth, 10 * 2 * 4096**3 / (time.perf_counter() - t0)
+
+
+def _profile(loop: _Loop, low: int, offload_rate: float | None,
+             scale: float = 1.0) -> planner.LayerProfile:
+  """The layer loop's :class:`invact_jax.planner.LayerProfile`: ``low`` the compiled temp
+  keeping nothing; a kept tensor adds its bytes times ``scale`` per layer (measured by
+  compiling the plans that keep nothing and everything: XLA:CPU keeps 16-bit values as
+  float32, say, and a program whose peak lies outside its layers adds less).
+  ``offload_rate``: FLOPs the device computes in the time one byte goes to the host and back
+  (None: offloading is not a choice)."""
+  names = tuple(t.name for t in loop.tensors)
+  f0 = _layer_flops(loop, ())
+  gain = tuple(max(f0 - _layer_flops(loop, (n,)), 0.0) for n in names)
+  full = max(f0 - _layer_flops(loop, names), 0.0)
+  offload_cost = (tuple(offload_rate * t.bytes for t in loop.tensors)
+                  if offload_rate is not None else ())
+  # Keeping a tensor also takes it out of the layer the backward recomputes: one layer's
+  # worth of it comes off the peak (the planner counts the largest among those kept).
+  return _scaled(loop, planner.LayerProfile(
+      configuration="as written", depth=loop.length, base_bytes=low, tags=names,
+      tag_bytes=(0,) * len(names), tag_gain=gain, full_cost=full,
+      tag_offload_cost=offload_cost), scale)
+
+
+def _offload_rate(offload: bool | None, host_bandwidth: float | None,
+                  flop_rate: float | None) -> float | None:
+  """FLOPs per offloaded byte (out and back), or None where offloading is not a choice."""
+  if offload is False or (offload is None and not _has_pinned_host()):
+    return None
+  if offload and not _has_pinned_host():
+    raise ValueError(f"argument `offload`: the device ({jax.devices()[0].device_kind}) has no "
+                     "pinned_host memory to offload to")
+  if host_bandwidth is None or flop_rate is None:
+    measured = _measured_rates()
+    host_bandwidth = measured[0] if host_bandwidth is None else host_bandwidth
+    flop_rate = measured[1] if flop_rate is None else flop_rate
+  for name, value in (("host_bandwidth", host_bandwidth), ("flop_rate", flop_rate)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+      raise ValueError(f"argument `{name}` must be a positive number, got {value!r}")
+  return 2.0 * flop_rate / host_bandwidth
+
+
+# ----------------------------------------------------------------------------------- plan
+class Planned:
+  """``fn`` with a memory plan applied to its layer loop: call it as ``fn``; ``.report`` is
+  the :class:`PlanReport`."""
+
+  def __init__(self, fn: Callable, report: PlanReport):
+    self._fn = fn if report.as_written else _apply(fn, report.keep, report.offload,
+                                                   report.policy)
+    self.report = report
+    self.__wrapped__ = fn
+    self.__name__ = getattr(fn, "__name__", "planned")
+    self.__doc__ = getattr(fn, "__doc__", None)
+
+  def __call__(self, *args):
+    return self._fn(*args)
+
+
+def _check(fn, args, argnums) -> tuple[int, ...]:
+  if not callable(fn):
+    raise TypeError(f"argument `fn` must be callable, got {type(fn).__name__}")
+  if not args:
+    raise ValueError("plan() needs example arguments: plan(fn, *example_args, budget=...)")
+  nums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else argnums
+  if (not isinstance(nums, tuple) or not nums
+      or not all(isinstance(a, int) and not isinstance(a, bool) and 0 <= a < len(args) for a in nums)):
+    raise ValueError(f"argument `argnums` must be an int or a tuple of ints in [0, {len(args)}), "
+                     f"got {argnums!r}")
+  return nums
+
+
+def _scale(loop: _Loop, keep: Sequence[str], low: int, compiled: int) -> float | None:
+  """The bytes a kept tensor adds to the compiled temp per byte it holds, from one compiled
+  plan keeping ``keep`` (None where it keeps nothing to measure by)."""
+  bytes_of = {t.name: t.bytes for t in loop.tensors}
+  nominal = loop.length * sum(bytes_of[t] for t in keep)
+  relief = max((bytes_of[t] for t in keep), default=0)
+  return max(compiled - low, 0) / (nominal - relief) if nominal > relief else None
+
+
+def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner.LayerProfile:
+  nbytes = tuple(int(round(t.bytes * scale)) for t in loop.tensors)
+  return dataclasses.replace(profile, tag_bytes=nbytes, tag_relief=nbytes)
+
+
+def _fit(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, budget: int,
+         known: dict, scale: float):
+  """(profile, keep, offload, predicted bytes, predicted cost, compiled temp, rounds) of the
+  cheapest solved plan whose compiled temp fits ``budget``; keeping nothing where no round
+  fits.  ``known``: compiled temps already measured, by the set kept.  A compiled plan above
+  its prediction recalibrates the bytes a kept tensor adds (``scale``) before the next
+  solve; one at its prediction lowers the target."""
+  target = budget
+  for rounds in range(1, _ROUNDS + 2):
+    try:
+      p = planner.solve([profile], target, uniform=True)
+    except planner.InfeasibleBudget:  # the lowered target went below every plan
+      break
+    keep, off = p.keep[0], (p.offload[0] if p.offload else ())
+    compiled = (known[frozenset(keep)] if not off and frozenset(keep) in known
+                else _temp(fn, args, argnums, keep, off))
+    if compiled <= budget:
+      return profile, keep, off, p.predicted_bytes, p.predicted_cost, compiled, rounds
+    measured = _scale(loop, keep, profile.base_bytes, compiled)
+    if measured is not None and measured > scale * 1.02:
+      scale = measured
+      profile = _scaled(loop, profile, scale)
+    else:
+      target -= max(compiled - budget, budget // 50)
+  nothing = ((),) * profile.depth
+  return (profile, (), (), profile.peak(nothing), profile.cost(nothing), profile.base_bytes,
+          rounds)
+
+
+def _instead(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, keep,
+             flops: float, budget: int, scale: float):
+  """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
+  less than the solved plan (``flops`` per layer) and fits ``budget`` compiled: the program
+  as written where the plan keeps every tensor worth keeping (a custom derivative's own
+  residuals are no candidate), else JAX's policy that recomputes least; None if neither.
+  A JAX policy is compiled only where predicted to fit."""
+  worth = {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
+  if not loop.remat and set(keep) >= worth:
+    written = memory.compiled(jax.value_and_grad(fn, argnums=argnums), *args).temp
+    if written <= budget:
+      return True, None, written, _layer_flops(loop, (), "everything")
+  cheaper = sorted((f, name) for name in FIXED_POLICIES
+                   if (f := _layer_flops(loop, (), name)) < flops * (1 - 1e-6))
+  for f, name in cheaper:
+    if _may_fit(loop, profile, budget, name, scale):
+      temp = _temp(fn, args, argnums, (), (), name)
+      if temp <= budget:
+        return False, name, temp, f
+  return None
+
+
+def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
+         argnums: int | Sequence[int] = 0, offload: bool | None = None,
+         host_bandwidth: float | None = None, flop_rate: float | None = None) -> Planned:
+  """``fn`` whose gradient's compiled temp fits ``budget``: the planner chooses what its layer
+  loop keeps, recomputes or offloads (see the module doc).
+
+  Args:
+    fn: the loss (or any function whose gradient is taken), unmodified.
+    *example_args: arguments to trace, profile and compile it with (arrays or shape structs).
+    budget: bytes for ``jax.jit(jax.value_and_grad(planned, argnums))``'s compiled temp, or a
+      string such as ``"300MiB"``.
+    argnums: the arguments the gradient is taken of, as for ``jax.grad``.
+    offload: whether tensors may go to host memory (None: where the device has
+      ``pinned_host``).
+    host_bandwidth: bytes/s between device and host, to cost offloading (None: measured).
+    flop_rate: the device's FLOP/s, to weigh offloading against recomputing (None:
+      measured).
+
+  Returns:
+    A :class:`Planned` function with ``fn``'s signature; ``.report`` holds the choice, the
+    predicted and compiled temp and the predicted recompute FLOPs.
+
+  Raises:
+    ValueError: no layer loop in ``fn`` (a ``lax.scan`` over stacked inputs), or a bad
+      argument (the message names it).
+    planner.InfeasibleBudget: below the compiled temp of keeping nothing (the minimum, named).
+  """
+  nums = _check(fn, example_args, argnums)
+  budget = parse_budget(budget)
+  argnums = nums[0] if isinstance(argnums, int) else nums
+  _, loops = _loops(jax.make_jaxpr(fn)(*example_args))
+  loop = _read_by_the_backward(loops[0]) if loops else None
+  if loop is None:
+    raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
+                     "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
+                     "value")
+  rate = _offload_rate(offload, host_bandwidth, flop_rate)
+  low = _temp(fn, example_args, argnums, ())
+  if budget < low:
+    raise planner.InfeasibleBudget(budget, low)
+  names = tuple(t.name for t in loop.tensors)
+  high = _temp(fn, example_args, argnums, names)
+  scale = _scale(loop, names, low, high)
+  scale = 1.0 if scale is None else scale
+  profile = _profile(loop, low, rate, scale)
+  profile, keep, off, predicted, _, compiled, rounds = _fit(
+      fn, example_args, argnums, loop, profile, budget,
+      {frozenset(): low, frozenset(names): high}, scale)
+  flops = _layer_flops(loop, keep)
+  instead = None if off else _instead(fn, example_args, argnums, loop, profile, keep, flops,
+                                      budget, scale)
+  written, policy = False, None
+  if instead is not None:
+    written, policy, compiled, flops = instead
+    keep, predicted = (profile.tags if written else ()), compiled
+  report = PlanReport(
+      loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
+      other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]),
+      tensors=loop.tensors, keep=tuple(keep), offload=tuple(off),
+      recompute=tuple(t.name for t in loop.tensors if t.name not in set(keep) | set(off)),
+      budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),
+      minimum_bytes=low, rounds=rounds,
+      predicted_recompute_flops=loop.length * max(
+          flops - _layer_flops(loop, (), "everything"), 0.0),
+      as_written=written, policy=policy)
+  return Planned(fn, report)

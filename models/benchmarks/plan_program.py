@@ -1,0 +1,204 @@
+"""``invact_jax.plan`` on programs it was not written for (``scripts/plan_program.py``).
+
+Per program: the compiled temp of ``jit(value_and_grad)`` under full remat and as written (no
+remat); four budgets evenly spaced between them; at each, the plan's predicted and compiled
+temp, and its recompute FLOPs beside the best fixed policy that fits (JAX's none / full / dots
+/ dots_no_batch, and MaxText's presets where the program has their names).  Recompute FLOPs
+of a step: its FLOPs minus the same step without remat, from XLA's cost analysis of the
+lowered program — which counts a loop's body once, so the difference is one layer's and is
+multiplied by the depth.  Also the time ``plan`` takes beside one compile of the program as
+written.
+
+Programs: ``llama``: the frontier's hand-written Llama language model (RMSNorm, grouped-query
+attention in a flash-style ``custom_vjp``, SwiGLU, a tied head) with no ``checkpoint_name``
+in it; ``llama-named``: the same with MaxText's names; ``llama-einsum``: a Llama written
+plainly (attention as two einsums and a softmax, no names), as most hand-written code is;
+``penzai-llama-stacked``: penzai's Llama with its layers in a ``LayerStack`` (its own scan),
+whose fixed policies are applied the way ``plan`` applies a plan (the layer body under
+``jax.checkpoint``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["PROGRAMS", "run", "rows", "table"]
+
+#: name -> (frontier shape fields, whether the layers carry MaxText's names)
+PROGRAMS = {
+    "llama": (dict(kind="llama", d=256, heads=4, ff=704, layers=8, seq=256, batch=2,
+                   kv_heads=2, vocab=4096, tied=True, param_dtype="float32"), False),
+    "llama-named": (dict(kind="llama", d=256, heads=4, ff=704, layers=8, seq=256, batch=2,
+                         kv_heads=2, vocab=4096, tied=True, param_dtype="float32"), True),
+    "llama-einsum": (dict(kind="llama", d=256, heads=4, ff=704, layers=8, seq=256, batch=2,
+                          vocab=4096), None),
+    "penzai-llama-stacked": (None, None),
+}
+_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+             "dots": jax.checkpoint_policies.checkpoint_dots,
+             "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _einsum_llama(shape, policy: str, dtype):
+  """``(loss, (params, tokens))`` of ``llama-einsum`` with its layers under ``policy``."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from models import reference_layers as ref  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(0), shape.layers + 2)
+  layers = [ref.init_layer("llama", shape.d, shape.ff, dtype, k) for k in keys[:-2]]
+  params = {"layers": jax.tree.map(lambda *a: jnp.stack(a), *layers),
+            "embed": jax.random.normal(keys[-2], (shape.vocab, shape.d), dtype) / 16,
+            "norm": jnp.ones((shape.d,), dtype)}
+  dh = shape.d // shape.heads
+  mask = jnp.tril(jnp.ones((shape.seq, shape.seq), bool))
+
+  def layer(x, p):
+    h = ref.rms_norm(x, p["n1"])
+    q, k, v = (ref.rope((h @ p[w]).reshape(*h.shape[:2], shape.heads, dh)) if w != "wv" else
+               (h @ p[w]).reshape(*h.shape[:2], shape.heads, dh) for w in ("wq", "wk", "wv"))
+    s = jnp.where(mask, jnp.einsum("bthd,bshd->bhts", q, k) / dh ** 0.5, -1e9)
+    o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(x.shape)
+    x = x + o @ p["wo"]
+    h = ref.rms_norm(x, p["n2"])
+    return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"], None
+  if _POLICIES[policy] is not None:
+    layer = jax.checkpoint(layer, policy=_POLICIES[policy], prevent_cse=False)
+  tokens = jax.random.randint(keys[-1], (shape.batch, shape.seq + 1), 0, shape.vocab)
+
+  def loss(params, tokens):
+    h = jax.lax.scan(layer, params["embed"][tokens[:, :-1]], params["layers"])[0]
+    logits = ref.rms_norm(h, params["norm"]) @ params["embed"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss, (params, tokens)
+
+
+def _flops(fn: Callable, args) -> float:
+  lowered = jax.jit(jax.value_and_grad(fn)).lower(*args)
+  got = lowered.cost_analysis()
+  if isinstance(got, (list, tuple)):
+    got = got[0]
+  if not got or "flops" not in got:
+    got = lowered.compile().cost_analysis()
+    got = got[0] if isinstance(got, (list, tuple)) else got
+  return float(got["flops"])
+
+
+def _temp(fn: Callable, args) -> int:
+  from invact_jax import memory  # pylint: disable=import-outside-toplevel
+  return memory.compiled(jax.value_and_grad(fn), *args).temp
+
+
+def rows(name: str, dtype: str = "float32", layers: int | None = None,
+         progress: Callable[[str], None] = lambda m: None) -> list[dict]:
+  """The rows of one program (see the module doc)."""
+  from models.benchmarks import frontier  # pylint: disable=import-outside-toplevel
+  fields, named = PROGRAMS[name]
+  if fields is None:
+    return _rows(name, *_penzai(layers, dtype), dtype,
+                 ["none", "full", "dots", "dots_no_batch"], progress)
+  shape = frontier.Shape(**{**fields, **({"layers": layers} if layers else {})})
+  if named is None:
+    build = lambda policy: _einsum_llama(shape, policy, jnp.dtype(dtype))  # noqa: E731
+  else:
+    build = lambda policy: frontier.build(shape, policy, False, jnp.dtype(dtype), named=named)  # noqa: E731
+  policies = ["none", "full", "dots", "dots_no_batch"] + (
+      ["minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj"] if named else [])
+  return _rows(name, lambda policy: build(policy)[0], build("none")[1], shape.layers, dtype,
+               policies, progress)
+
+
+def _penzai(layers: int | None, dtype: str):
+  """(policy -> loss, args, layers) of penzai's stacked Llama (size "plan")."""
+  from invact_jax import program_planner as pp  # pylint: disable=import-outside-toplevel
+  from models import third_party  # pylint: disable=import-outside-toplevel
+  if layers:
+    raise ValueError("--layers: penzai-llama-stacked has the 8 layers of size 'plan'")
+  loss, params = third_party.build("penzai_llama_stacked", "plan", jnp.dtype(dtype))
+  with_policy = {"none": loss, "full": pp._apply(loss, (), ()),  # pylint: disable=protected-access
+                 **{p: pp._apply(loss, (), (), p) for p in pp.FIXED_POLICIES}}  # pylint: disable=protected-access
+  return with_policy.get, (params,), third_party.SIZES["plan"][1]
+
+
+def _rows(name: str, build: Callable, args: tuple, depth: int, dtype: str, policies: list,
+          progress: Callable[[str], None]) -> list[dict]:
+  """The rows of program ``name``: ``build(policy)`` its loss under a fixed policy."""
+  import invact_jax  # pylint: disable=import-outside-toplevel
+  loss = build("none")
+  t0 = time.perf_counter()
+  _temp(loss, args)
+  compile_s = time.perf_counter() - t0
+  none_flops = _flops(loss, args)
+  fixed = {}
+  for policy in policies:
+    progress(f"{name} {policy}")
+    fn = build(policy)
+    fixed[policy] = (_temp(fn, args), depth * (_flops(fn, args) - none_flops))
+  low, high = fixed["full"][0], fixed["none"][0]
+  out = []
+  for i in range(4):
+    budget = int(low + i * (high - low) / 3)
+    progress(f"{name} plan at {budget:,} B")
+    t0 = time.perf_counter()
+    planned = invact_jax.plan(loss, *args, budget=budget)
+    plan_s = time.perf_counter() - t0
+    r = planned.report
+    fits = {p: f for p, (t, f) in fixed.items() if t <= budget}
+    best = min(fits, key=fits.get) if fits else None
+    out.append({
+        "program": name, "dtype": dtype, "layers": depth, "budget": budget,
+        "keep": list(r.keep), "offload": list(r.offload), "as_written": r.as_written,
+        "policy": r.policy,
+        "predicted_bytes": r.predicted_bytes, "compiled_bytes": r.compiled_bytes,
+        "prediction_error": r.predicted_bytes / r.compiled_bytes - 1.0,
+        "recompute_flops": depth * (_flops(planned, args) - none_flops),
+        "best_fixed": best, "best_fixed_recompute_flops": fits.get(best),
+        "plan_seconds": plan_s, "compile_seconds": compile_s,
+        "tensors": [dataclasses.asdict(t) for t in r.tensors],
+        "fixed": {p: {"compiled_bytes": t, "recompute_flops": f} for p, (t, f) in fixed.items()}})
+  return out
+
+
+def table(rs: list[dict]) -> str:
+  """The rows as a markdown table."""
+  lines = ["| program | layers | budget MiB | plan keeps | predicted MiB | compiled MiB | error | "
+           "recompute GFLOP | best fixed that fits | its GFLOP | plan s / compile s |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+  mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
+  for r in rs:
+    keep = ("as written" if r["as_written"] else f"JAX's {r['policy']}" if r.get("policy")
+            else (", ".join(r["keep"]) or "(nothing)"))
+    fixed = r["best_fixed_recompute_flops"]
+    lines.append(
+        f"| {r['program']} | {r['layers']} | {mib(r['budget'])} | {keep} | "
+        f"{mib(r['predicted_bytes'])} | {mib(r['compiled_bytes'])} | "
+        f"{100 * r['prediction_error']:+.1f} % | {r['recompute_flops'] / 1e9:.3f} | "
+        f"{r['best_fixed'] or 'none fits'} | {'—' if fixed is None else f'{fixed / 1e9:.3f}'} | "
+        f"{r['plan_seconds']:.1f} / {r['compile_seconds']:.1f} |")
+  return "\n".join(lines)
+
+
+def run(programs: list[str], dtype: str, layers: int | None, out: pathlib.Path | None) -> int:
+  """``scripts/plan_program.py``'s job: the rows of ``programs``, printed and written."""
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  bar = tqdm(desc="plan_program", unit="step")
+
+  def progress(msg):
+    bar.set_postfix_str(msg)
+    bar.update()
+  rs = [r for name in programs for r in rows(name, dtype, layers, progress)]
+  bar.close()
+  print(table(rs))
+  if out is not None:
+    meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "python": platform.python_version(), "device": jax.devices()[0].device_kind,
+            "platform": jax.default_backend(), "dtype": dtype, "layers": layers}
+    out.write_text(json.dumps({"meta": meta, "rows": rs}, indent=1))
+    print(f"wrote {out}")
+  return 0

@@ -1,0 +1,27 @@
+#!/usr/bin/env python3
+"""invact_jax.plan on programs it was not written for: plans at four budgets beside JAX's and
+MaxText's fixed remat policies (models/benchmarks/plan_program.py says what each column is).
+
+  python scripts/plan_program.py --out bench/plan_program_cpu.json
+  python scripts/plan_program.py --programs llama --layers 32   # the planning time
+"""
+import sys
+
+from models import cli
+from models.benchmarks import plan_program
+
+
+def main(argv=None) -> int:
+  p = cli.parser(__doc__)
+  p.add_argument("--programs", type=cli.comma_list(tuple(plan_program.PROGRAMS)),
+                 default=list(plan_program.PROGRAMS), help="comma list of programs")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--layers", type=cli.positive_int, default=None,
+                 help="layers of every program (default: each program's)")
+  p.add_argument("--out", type=cli.output_file, default=None, help="JSON output file")
+  args = p.parse_args(argv)
+  return plan_program.run(args.programs, args.dtype, args.layers, args.out)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,35 @@
+"""``scripts/plan_program.py``: its tables in docs/planner.md come from the committed JSONs,
+and bad arguments are one line."""
+import json
+import pathlib
+
+import pytest
+
+from models.benchmarks import plan_program
+from tests import load_script
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["plan_program_cpu_2026-11-26_jax0.10.json",
+                                  "plan_program_cpu_32_layers_2026-11-26_jax0.10.json"])
+def test_the_docs_tables_are_the_committed_rows(name):
+  rows = json.loads((ROOT / "bench" / name).read_text())["rows"]
+  page = (ROOT / "docs" / "planner.md").read_text()
+  assert plan_program.table(rows) in page
+  for r in rows:  # what the page claims of every row
+    assert r["compiled_bytes"] <= r["budget"]
+    assert abs(r["prediction_error"]) <= 0.10
+    assert r["best_fixed_recompute_flops"] is None or (
+        r["recompute_flops"] <= r["best_fixed_recompute_flops"] * 1.001 + 1e6)
+
+
+def test_bad_arguments_are_one_line(capsys):
+  script = load_script("plan_program")
+  with pytest.raises(SystemExit) as e:
+    script.main(["--programs", "resnet"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "resnet" in err[0]
+  with pytest.raises(ValueError, match="--layers: penzai-llama-stacked has the 8 layers"):
+    plan_program.rows("penzai-llama-stacked", layers=4)

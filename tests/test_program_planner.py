@@ -1,0 +1,280 @@
+"""``invact_jax.plan``: the planner on a program it has never seen — its layer loop, its tensors
+(the program's names or automatic ones), the plan's bytes and recompute against every choice
+compiled, bad budgets, programs without or with nested loops, gradients unchanged."""
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import invact_jax
+from invact_jax import memory, planner
+from invact_jax import program_planner as pp
+
+D, B, T, W, H, F = 4, 2, 16, 32, 4, 64
+
+
+def _params(key):
+  ks = jax.random.split(key, 7)
+  shapes = {"norm": (D, W), "q": (D, W, W), "k": (D, W, W), "v": (D, W, W), "o": (D, W, W),
+            "up": (D, W, F), "gate": (D, W, F), "down": (D, F, W)}
+  return {n: (jnp.ones(s) if n == "norm" else
+              jax.random.normal(ks[i % 7], s) / math.sqrt(s[-2]))
+          for i, (n, s) in enumerate(shapes.items())}
+
+
+def _layer(names: bool):
+  """A Llama-style layer written by hand: RMSNorm, attention, SwiGLU MLP (no remat)."""
+  tag = (jax.ad_checkpoint.checkpoint_name if names else lambda x, n: x)
+
+  def layer(h, p):
+    x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * p["norm"]
+    q, k, v = (tag(x @ p[n], n) for n in "qkv")
+    split = lambda a: a.reshape(*a.shape[:2], H, W // H)  # noqa: E731
+    s = jnp.einsum("bthd,bshd->bhts", split(q), split(k)) / math.sqrt(W // H)
+    o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), split(v)).reshape(h.shape)
+    h = h + o @ p["o"]
+    return h + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"], None
+  return layer
+
+
+def _loss(names=False):
+  layer = _layer(names)
+
+  def loss(params, x):
+    h, _ = jax.lax.scan(layer, x, params)
+    return jnp.mean(h * h)
+  return loss
+
+
+ARGS = (_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (B, T, W)))
+
+
+def _loop(closed):
+  """The program's layer loop as ``plan`` profiles it."""
+  return pp._read_by_the_backward(pp._loops(closed)[1][0])  # pylint: disable=protected-access
+
+
+def _grads(fn, *args):
+  return jax.jit(jax.grad(fn))(*args)
+
+
+def _assert_within_the_originals_error(fn, planned, *args):
+  """Where the plan changes how XLA fuses the recomputed values the gradient moves by
+  rounding: no further from float64 than twice the original's own distance."""
+  with jax.enable_x64(True):
+    wide = jax.tree.map(np.asarray, _grads(fn, *jax.tree.map(
+        lambda a: np.asarray(a, np.float64), args)))
+  for w, a, b in zip(*(jax.tree.leaves(g) for g in (wide, _grads(fn, *args),
+                                                      _grads(planned, *args)))):
+    floor = float(np.max(np.abs(np.asarray(a, np.float64) - w)))
+    assert float(np.max(np.abs(np.asarray(b, np.float64) - w))) <= 2 * floor + 1e-12
+
+
+def _temp(fn, *args):
+  return memory.compiled(jax.value_and_grad(fn), *args).temp
+
+
+@pytest.fixture(scope="module")
+def bounds():
+  """The compiled temps of full remat and of the program as written."""
+  loss = _loss()
+  full = lambda params, x: jnp.mean(jax.lax.scan(jax.checkpoint(  # noqa: E731
+      _layer(False), policy=jax.checkpoint_policies.nothing_saveable), x, params)[0] ** 2)
+  return _temp(full, *ARGS), _temp(loss, *ARGS)
+
+
+def test_automatic_names_are_the_matmuls_in_program_order_and_stable():
+  first = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+  again = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+  names = [t.name for t in first.tensors]
+  assert names == [t.name for t in again.tensors]
+  assert len(set(names)) == len(names) and all(n.startswith("matmul_") for n in names)
+  assert [int(n.split("_")[1]) for n in names] == sorted(int(n.split("_")[1]) for n in names)
+  assert all(t.named_by == "invact_jax" and "test_program_planner.py" in t.where
+             for t in first.tensors)
+  assert "test_program_planner.py" in first.loop and first.depth == D
+
+
+def test_the_programs_own_names_are_used_and_their_matmuls_not_named_again():
+  report = invact_jax.plan(_loss(names=True), *ARGS, budget="1GiB").report
+  by = {t.name: t for t in report.tensors}
+  assert {"q", "k", "v"} <= set(by) and all(by[n].named_by == "program" for n in "qkv")
+  # the q/k/v matmuls are the names' values: not candidates twice
+  assert sum(t.shape == (B, T, W) and t.named_by == "invact_jax"
+             for t in report.tensors) < len(report.tensors) - 3
+
+
+def test_a_tensors_bytes_are_exactly_what_the_program_keeps_of_it():
+  """Each candidate is a residual of the unplanned program: its bytes per layer times the
+  layers are one of the stacked residuals :func:`memory.residuals` lists (an einsum's output
+  may be kept transposed)."""
+  report = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+  kept = {(tuple(sorted(r.shape[1:])), r.bytes) for r in memory.residuals(_loss(), *ARGS)
+          if r.shape[:1] == (D,)}
+  assert report.tensors
+  for t in report.tensors:
+    assert t.bytes == math.prod(t.shape) * np.dtype(t.dtype).itemsize
+    assert (tuple(sorted(t.shape)), D * t.bytes) in kept, t
+
+
+def _toy(h, w):
+  """Three tensors the backward reads (the tanh's, sin's and GELU's inputs) and one it does
+  not (the last matmul's output: the residual add's derivative needs nothing)."""
+  a = jnp.tanh(h @ w[0])
+  b = jnp.sin(a @ w[1])
+  return h + jax.nn.gelu(b @ w[2]) @ w[3], None
+
+
+def _toy_loss(ws, x):
+  return jnp.mean(jax.lax.scan(_toy, x, ws)[0] ** 2)
+
+
+TOY = (jax.random.normal(jax.random.key(2), (6, 4, 32, 32)) / 6,
+       jax.random.normal(jax.random.key(3), (64, 32)))
+
+
+def test_every_choice_compiled_is_near_its_prediction_and_plans_fit():
+  """A three-tensor layer, all eight keep/recompute choices compiled: each within 10 % of
+  the profile's prediction; at budgets from keeping nothing to keeping everything the plan's
+  compiled temp fits and is within 10 % of its prediction."""
+  loop = _loop(jax.make_jaxpr(_toy_loss)(*TOY))
+  names = [t.name for t in loop.tensors]
+  assert names == ["matmul_0", "matmul_1", "matmul_2"]  # matmul_3's output is never read
+  temps = {keep: _temp(pp._apply(_toy_loss, keep, ()), *TOY)  # pylint: disable=protected-access
+           for n in range(len(names) + 1) for keep in itertools.combinations(names, n)}
+  profile = pp._profile(loop, temps[()], None)  # pylint: disable=protected-access
+  for keep, temp in temps.items():
+    assert abs(profile.peak((keep,) * loop.length) / temp - 1) <= 0.10, (keep, temp)
+  low, high = temps[()], temps[tuple(names)]
+  for frac in (0.0, 0.3, 0.6, 1.0):
+    budget = int(low + frac * (high - low))
+    r = invact_jax.plan(_toy_loss, *TOY, budget=budget).report
+    assert r.compiled_bytes <= budget and not r.as_written
+    assert abs(r.predicted_bytes / r.compiled_bytes - 1) <= 0.10, r
+
+
+def test_the_integer_program_matches_brute_force_over_keep_recompute_offload(monkeypatch):
+  """The toy's profile (its FLOPs from XLA, a stand-in offload cost): at every budget the
+  solver's choice costs what the cheapest of all 27 keep / recompute / offload assignments
+  predicted to fit costs."""
+  monkeypatch.setattr(pp, "_has_pinned_host", lambda: True)
+  loop = _loop(jax.make_jaxpr(_toy_loss)(*TOY))
+  rate = pp._offload_rate(None, host_bandwidth=1e9, flop_rate=4e9)  # pylint: disable=protected-access
+  profile = pp._profile(loop, 100_000, rate)  # pylint: disable=protected-access
+  layers = loop.length
+  assignments = []
+  for what in itertools.product("kro", repeat=len(profile.tags)):
+    keep = tuple(t for t, w in zip(profile.tags, what) if w == "k")
+    off = tuple(t for t, w in zip(profile.tags, what) if w == "o")
+    assignments.append((profile.peak((keep,) * layers, (off,) * layers),
+                        profile.cost((keep,) * layers, (off,) * layers)))
+  for budget in sorted({peak for peak, _ in assignments}):
+    p = planner.solve([profile], budget, uniform=True)
+    best = min(cost for peak, cost in assignments if peak <= budget)
+    assert p.predicted_cost == pytest.approx(best), budget
+  assert any(p.offload for p in [planner.solve([profile], b, uniform=True)
+                                  for b, _ in assignments])
+
+
+def test_gradients_are_the_originals_bit_for_bit(bounds):
+  low, _ = bounds
+  everything = [t.name for t in invact_jax.plan(_loss(), *ARGS, budget="1GiB").report.tensors]
+  most = _temp(pp._apply(_loss(), everything, ()), *ARGS)  # pylint: disable=protected-access
+  planned = invact_jax.plan(_loss(), *ARGS, budget=(low + most) // 2)
+  assert 0 < len(planned.report.keep) < len(planned.report.tensors)
+  for a, b in zip(jax.tree.leaves(_grads(_loss(), *ARGS)), jax.tree.leaves(_grads(planned, *ARGS))):
+    np.testing.assert_array_equal(a, b)
+  assert float(jax.jit(planned)(*ARGS)) == float(jax.jit(_loss())(*ARGS))
+
+
+@pytest.mark.parametrize("budget, message", [
+    (0, "must be a positive finite number of bytes"), (-5, "positive finite"),
+    (float("nan"), "positive finite"), (float("inf"), "positive finite"),
+    ("300 parsecs", "not a byte count: '300 parsecs'"), ("", "not a byte count")])
+def test_degenerate_budgets_are_one_line_errors(budget, message):
+  with pytest.raises(ValueError, match=message) as e:
+    invact_jax.plan(_loss(), *ARGS, budget=budget)
+  assert "argument `budget`" in str(e.value) and "\n" not in str(e.value)
+  with pytest.raises(TypeError, match="argument `budget`"):
+    invact_jax.plan(_loss(), *ARGS, budget=True)
+
+
+def test_a_budget_below_keeping_nothing_names_the_minimum_and_above_runs_as_written(bounds):
+  _, high = bounds
+  r = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+  assert r.as_written and r.compiled_bytes == high and r.predicted_recompute_flops == 0
+  assert r.minimum_bytes == _temp(pp._apply(_loss(), (), ()), *ARGS)  # pylint: disable=protected-access
+  with pytest.raises(planner.InfeasibleBudget,
+                     match=f"minimum feasible budget is {r.minimum_bytes:,}"):
+    invact_jax.plan(_loss(), *ARGS, budget=r.minimum_bytes - 1)
+  assert pp.parse_budget("1.5 KiB") == 1536 and pp.parse_budget("2GB") == 2 * 10**9
+
+
+def test_a_program_without_a_layer_loop_and_bad_arguments_say_so():
+  with pytest.raises(ValueError, match="no layer loop in `fn`"):
+    invact_jax.plan(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((4, 4)), jnp.ones((2, 4)),
+                    budget="1MiB")
+  with pytest.raises(ValueError, match="needs example arguments"):
+    invact_jax.plan(_loss(), budget="1MiB")
+  with pytest.raises(ValueError, match="argument `argnums`"):
+    invact_jax.plan(_loss(), *ARGS, budget="1MiB", argnums=2)
+  with pytest.raises(TypeError, match="argument `fn` must be callable"):
+    invact_jax.plan(3, *ARGS, budget="1MiB")
+  with pytest.raises(ValueError, match="argument `offload`: the device .* has no pinned_host"):
+    invact_jax.plan(_loss(), *ARGS, budget="1MiB", offload=True)
+
+
+def test_nested_scans_and_a_layers_own_remat(bounds):
+  """The outer scan is the layer loop (an inner scan over the MLP's two halves stays inside
+  it, as written); a jax.checkpoint the layer already has is replaced by the plan's."""
+  low, high = bounds
+
+  def halves(h, p):
+    x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * p["norm"]
+    scores = (x @ p["q"]) @ (x @ p["k"]).swapaxes(-1, -2) / math.sqrt(W)
+    h = h + jax.nn.softmax(scores) @ (x @ p["v"]) @ p["o"]
+    mlp = lambda c, q: (c + 0.5 * (jax.nn.silu(c @ q[0]) * (c @ q[1])) @ q[2], None)  # noqa: E731
+    split = lambda a, axis: jnp.stack(jnp.split(a, 2, axis))  # noqa: E731
+    return jax.lax.scan(mlp, h, (split(p["gate"], 1), split(p["up"], 1),
+                                 split(p["down"], 0)))[0], None
+
+  def nested(params, x):
+    return jnp.mean(jax.lax.scan(halves, x, params)[0] ** 2)
+  planned = invact_jax.plan(nested, *ARGS, budget=int(0.9 * _temp(nested, *ARGS)))
+  assert planned.report.depth == D and not planned.report.other_loops
+  _assert_within_the_originals_error(nested, planned, *ARGS)
+
+  def remat(params, x):
+    body = jax.checkpoint(_layer(False), policy=jax.checkpoint_policies.nothing_saveable)
+    return jnp.mean(jax.lax.scan(body, x, params)[0] ** 2)
+  r = invact_jax.plan(remat, *ARGS, budget=(low + high) // 2).report
+  assert r.keep and r.compiled_bytes > _temp(remat, *ARGS)  # keeps what the remat recomputed
+
+
+def test_sharded_inputs_and_jit():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  x = jax.device_put(jnp.tile(ARGS[1], (4, 1, 1)), jax.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data")))
+  loss = _loss()
+  planned = invact_jax.plan(loss, ARGS[0], x, budget=int(0.7 * _temp(loss, ARGS[0], x)))
+  assert planned.report.keep and not planned.report.as_written
+  _assert_within_the_originals_error(loss, planned, ARGS[0], x)
+
+
+def test_offloading_is_costed_where_the_device_has_host_memory(monkeypatch):
+  """A stand-in device with pinned_host: each tensor's offload cost is its bytes at the given
+  bandwidth in FLOPs of the given rate, and a tight budget offloads rather than recomputes
+  where that is cheaper."""
+  monkeypatch.setattr(pp, "_has_pinned_host", lambda: True)
+  loop = _loop(jax.make_jaxpr(_loss())(*ARGS))
+  rate = pp._offload_rate(None, host_bandwidth=1e9, flop_rate=1e3)  # pylint: disable=protected-access
+  assert rate == 2.0 * 1e3 / 1e9
+  profile = pp._profile(loop, 10_000, rate)  # pylint: disable=protected-access
+  assert profile.tag_offload_cost == tuple(rate * t.bytes for t in loop.tensors)
+  p = planner.solve([profile], profile.base_bytes + max(profile.tag_bytes), uniform=True)
+  assert p.offload and set(p.offload[0]) | set(p.keep[0])
+  with pytest.raises(ValueError, match="argument `flop_rate` must be a positive number"):
+    pp._offload_rate(None, host_bandwidth=1e9, flop_rate=-1.0)  # pylint: disable=protected-access
