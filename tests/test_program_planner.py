@@ -78,6 +78,12 @@ def _temp(fn, *args):
 
 
 @pytest.fixture(scope="module")
+def generous():
+  """The report of a plan whose budget is above the program as written."""
+  return invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+
+
+@pytest.fixture(scope="module")
 def bounds():
   """The compiled temps of full remat and of the program as written."""
   loss = _loss()
@@ -86,8 +92,8 @@ def bounds():
   return _temp(full, *ARGS), _temp(loss, *ARGS)
 
 
-def test_automatic_names_are_the_matmuls_in_program_order_and_stable():
-  first = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+def test_automatic_names_are_the_matmuls_in_program_order_and_stable(generous):
+  first = generous
   again = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
   names = [t.name for t in first.tensors]
   assert names == [t.name for t in again.tensors]
@@ -107,11 +113,11 @@ def test_the_programs_own_names_are_used_and_their_matmuls_not_named_again():
              for t in report.tensors) < len(report.tensors) - 3
 
 
-def test_a_tensors_bytes_are_exactly_what_the_program_keeps_of_it():
+def test_a_tensors_bytes_are_exactly_what_the_program_keeps_of_it(generous):
   """Each candidate is a residual of the unplanned program: its bytes per layer times the
   layers are one of the stacked residuals :func:`memory.residuals` lists (an einsum's output
   may be kept transposed)."""
-  report = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+  report = generous
   kept = {(tuple(sorted(r.shape[1:])), r.bytes) for r in memory.residuals(_loss(), *ARGS)
           if r.shape[:1] == (D,)}
   assert report.tensors
@@ -179,9 +185,9 @@ def test_the_integer_program_matches_brute_force_over_keep_recompute_offload(mon
                                   for b, _ in assignments])
 
 
-def test_gradients_are_the_originals_bit_for_bit(bounds):
+def test_gradients_are_the_originals_bit_for_bit(bounds, generous):
   low, _ = bounds
-  everything = [t.name for t in invact_jax.plan(_loss(), *ARGS, budget="1GiB").report.tensors]
+  everything = [t.name for t in generous.tensors]
   most = _temp(pp._apply(_loss(), everything, ()), *ARGS)  # pylint: disable=protected-access
   planned = invact_jax.plan(_loss(), *ARGS, budget=(low + most) // 2)
   assert 0 < len(planned.report.keep) < len(planned.report.tensors)
@@ -202,9 +208,10 @@ def test_degenerate_budgets_are_one_line_errors(budget, message):
     invact_jax.plan(_loss(), *ARGS, budget=True)
 
 
-def test_a_budget_below_keeping_nothing_names_the_minimum_and_above_runs_as_written(bounds):
+def test_a_budget_below_keeping_nothing_names_the_minimum_and_above_runs_as_written(
+    bounds, generous):
   _, high = bounds
-  r = invact_jax.plan(_loss(), *ARGS, budget="1GiB").report
+  r = generous
   assert r.as_written and r.compiled_bytes == high and r.predicted_recompute_flops == 0
   assert r.minimum_bytes == _temp(pp._apply(_loss(), (), ()), *ARGS)  # pylint: disable=protected-access
   with pytest.raises(planner.InfeasibleBudget,
@@ -278,3 +285,24 @@ def test_offloading_is_costed_where_the_device_has_host_memory(monkeypatch):
   assert p.offload and set(p.offload[0]) | set(p.keep[0])
   with pytest.raises(ValueError, match="argument `flop_rate` must be a positive number"):
     pp._offload_rate(None, host_bandwidth=1e9, flop_rate=-1.0)  # pylint: disable=protected-access
+
+
+def test_of_two_layer_loops_the_heavier_is_planned_and_the_other_named():
+  """An encoder-decoder: two scans over their own stacked parameters; the one whose tensors
+  weigh more is planned, the other is named in the report and runs as written."""
+  wide = jax.random.normal(jax.random.key(4), (3, 2, 32, 128)) / 8
+  narrow = jax.random.normal(jax.random.key(5), (3, 2, 32, 32)) / 8
+
+  def encoder(h, w):
+    return h + jnp.tanh(h @ w[0]) @ w[0].T, None
+
+  def decoder(h, w):
+    return h + jnp.sin(h @ w[0]) @ w[1], None
+
+  def loss(ws, x):
+    h = jax.lax.scan(encoder, x, ws[0])[0]
+    return jnp.mean(jax.lax.scan(decoder, h, ws[1])[0] ** 2)
+  args = ((wide, narrow), jnp.ones((16, 32)))
+  r = invact_jax.plan(loss, *args, budget="64MiB").report
+  assert [t.shape for t in r.tensors] == [(16, 128)] and len(r.other_loops) == 1
+  assert "test_program_planner.py" in r.other_loops[0]
