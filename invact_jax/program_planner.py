@@ -93,6 +93,8 @@ class PlanReport:
       kept, nothing recomputed) and ``predicted_bytes`` is its compiled temp.
     policy: the JAX policy the layers run under instead of the names kept
       (:data:`FIXED_POLICIES`; its ``predicted_bytes`` is its compiled temp), or None.
+    configuration: ``"as written"``, or ``"inverted"`` where ``plan(convert=True)`` took
+      ``invact_jax.invert(fn)``.
   """
   loop: str
   depth: int
@@ -109,10 +111,11 @@ class PlanReport:
   rounds: int
   as_written: bool = False
   policy: str | None = None
+  configuration: str = "as written"
 
   def __str__(self) -> str:
     what = {**{n: "keep" for n in self.keep}, **{n: "offload" for n in self.offload}}
-    lines = [f"layer loop: {self.loop} ({self.depth} layers)"
+    lines = [f"{self.configuration}: layer loop {self.loop} ({self.depth} layers)"
              + (": the program as written fits (nothing recomputed)" if self.as_written else "")
              + (f": JAX's {self.policy} policy fits and recomputes less" if self.policy else "")
              + "".join(f"\nleft as written: {w}" for w in self.other_loops),
@@ -557,8 +560,51 @@ def _instead(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, keep
   return None
 
 
+def _plan_one(fn, args, argnums, budget: int, rate: float | None,
+              configuration: str) -> PlanReport:
+  """The plan of one program (``configuration`` names it in the report).
+
+  Raises:
+    ValueError: ``fn`` has no layer loop.
+    planner.InfeasibleBudget: ``budget`` is below its compiled temp keeping nothing.
+  """
+  _, loops = _loops(jax.make_jaxpr(fn)(*args))
+  loop = _read_by_the_backward(loops[0]) if loops else None
+  if loop is None:
+    raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
+                     "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
+                     "value")
+  low = _temp(fn, args, argnums, ())
+  if budget < low:
+    raise planner.InfeasibleBudget(budget, low)
+  names = tuple(t.name for t in loop.tensors)
+  high = _temp(fn, args, argnums, names)
+  scale = _scale(loop, names, low, high)
+  scale = 1.0 if scale is None else scale
+  profile = _profile(loop, low, rate, scale)
+  profile, keep, off, predicted, _, compiled, rounds = _fit(
+      fn, args, argnums, loop, profile, budget, {frozenset(): low, frozenset(names): high}, scale)
+  flops = _layer_flops(loop, keep)
+  instead = None if off else _instead(fn, args, argnums, loop, profile, keep, flops, budget,
+                                      scale)
+  written, policy = False, None
+  if instead is not None:
+    written, policy, compiled, flops = instead
+    keep, predicted = (profile.tags if written else ()), compiled
+  return PlanReport(
+      loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
+      other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]),
+      tensors=loop.tensors, keep=tuple(keep), offload=tuple(off),
+      recompute=tuple(t.name for t in loop.tensors if t.name not in set(keep) | set(off)),
+      budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),
+      minimum_bytes=low, rounds=rounds,
+      predicted_recompute_flops=loop.length * max(
+          flops - _layer_flops(loop, (), "everything"), 0.0),
+      as_written=written, policy=policy, configuration=configuration)
+
+
 def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
-         argnums: int | Sequence[int] = 0, offload: bool | None = None,
+         argnums: int | Sequence[int] = 0, convert: bool = False, offload: bool | None = None,
          host_bandwidth: float | None = None, flop_rate: float | None = None) -> Planned:
   """``fn`` whose gradient's compiled temp fits ``budget``: the planner chooses what its layer
   loop keeps, recomputes or offloads (see the module doc).
@@ -569,6 +615,9 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
     budget: bytes for ``jax.jit(jax.value_and_grad(planned, argnums))``'s compiled temp, or a
       string such as ``"300MiB"``.
     argnums: the arguments the gradient is taken of, as for ``jax.grad``.
+    convert: also plan ``invact_jax.invert(fn)`` (its activations, norms, softmax and LM head
+      converted: MONeT's operator variants) and take whichever recomputes less within the
+      budget (planning takes twice as long).
     offload: whether tensors may go to host memory (None: where the device has
       ``pinned_host``).
     host_bandwidth: bytes/s between device and host, to cost offloading (None: measured).
@@ -587,39 +636,19 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
   nums = _check(fn, example_args, argnums)
   budget = parse_budget(budget)
   argnums = nums[0] if isinstance(argnums, int) else nums
-  _, loops = _loops(jax.make_jaxpr(fn)(*example_args))
-  loop = _read_by_the_backward(loops[0]) if loops else None
-  if loop is None:
-    raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
-                     "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
-                     "value")
   rate = _offload_rate(offload, host_bandwidth, flop_rate)
-  low = _temp(fn, example_args, argnums, ())
-  if budget < low:
-    raise planner.InfeasibleBudget(budget, low)
-  names = tuple(t.name for t in loop.tensors)
-  high = _temp(fn, example_args, argnums, names)
-  scale = _scale(loop, names, low, high)
-  scale = 1.0 if scale is None else scale
-  profile = _profile(loop, low, rate, scale)
-  profile, keep, off, predicted, _, compiled, rounds = _fit(
-      fn, example_args, argnums, loop, profile, budget,
-      {frozenset(): low, frozenset(names): high}, scale)
-  flops = _layer_flops(loop, keep)
-  instead = None if off else _instead(fn, example_args, argnums, loop, profile, keep, flops,
-                                      budget, scale)
-  written, policy = False, None
-  if instead is not None:
-    written, policy, compiled, flops = instead
-    keep, predicted = (profile.tags if written else ()), compiled
-  report = PlanReport(
-      loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
-      other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]),
-      tensors=loop.tensors, keep=tuple(keep), offload=tuple(off),
-      recompute=tuple(t.name for t in loop.tensors if t.name not in set(keep) | set(off)),
-      budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),
-      minimum_bytes=low, rounds=rounds,
-      predicted_recompute_flops=loop.length * max(
-          flops - _layer_flops(loop, (), "everything"), 0.0),
-      as_written=written, policy=policy)
-  return Planned(fn, report)
+  programs = {"as written": fn}
+  if convert:
+    from invact_jax.convert import invert  # pylint: disable=import-outside-toplevel
+    programs["inverted"] = invert(fn)
+  reports, infeasible = {}, []
+  for name, program in programs.items():
+    try:
+      reports[name] = _plan_one(program, example_args, argnums, budget, rate, name)
+    except planner.InfeasibleBudget as e:
+      infeasible.append(e.minimum_bytes)
+  if not reports:
+    raise planner.InfeasibleBudget(budget, min(infeasible))
+  best = min(reports, key=lambda n: (reports[n].predicted_recompute_flops,
+                                     reports[n].compiled_bytes))
+  return Planned(programs[best], reports[best])

@@ -66,7 +66,8 @@ def _assert_within_the_originals_error(fn, planned, *args):
   rounding: no further from float64 than twice the original's own distance."""
   with jax.enable_x64(True):
     wide = jax.tree.map(np.asarray, _grads(fn, *jax.tree.map(
-        lambda a: np.asarray(a, np.float64), args)))
+        lambda a: np.asarray(a, np.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        args)))
   for w, a, b in zip(*(jax.tree.leaves(g) for g in (wide, _grads(fn, *args),
                                                       _grads(planned, *args)))):
     floor = float(np.max(np.abs(np.asarray(a, np.float64) - w)))
@@ -194,6 +195,10 @@ def test_gradients_are_the_originals_bit_for_bit(bounds, generous):
   for a, b in zip(jax.tree.leaves(_grads(_loss(), *ARGS)), jax.tree.leaves(_grads(planned, *ARGS))):
     np.testing.assert_array_equal(a, b)
   assert float(jax.jit(planned)(*ARGS)) == float(jax.jit(_loss())(*ARGS))
+  xs = jnp.stack([ARGS[1], 2 * ARGS[1]])  # under vmap too
+  per_x = lambda f: jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(ARGS[0], xs)  # noqa: E731
+  for a, b in zip(jax.tree.leaves(per_x(_loss())), jax.tree.leaves(per_x(planned))):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("budget, message", [
@@ -306,3 +311,30 @@ def test_of_two_layer_loops_the_heavier_is_planned_and_the_other_named():
   r = invact_jax.plan(loss, *args, budget="64MiB").report
   assert [t.shape for t in r.tensors] == [(16, 128)] and len(r.other_loops) == 1
   assert "test_program_planner.py" in r.other_loops[0]
+
+
+def test_convert_plans_the_inverted_program_too_and_takes_it_where_only_it_fits():
+  """A language model whose logits dominate: ``invert`` converts its head (no [tokens,
+  vocabulary] logits), so under a budget below the original's least temp only the converted
+  program fits, and ``convert=True`` takes it."""
+  import optax  # pylint: disable=import-outside-toplevel
+  # 512 tokens against a vocabulary of 16384: the converted head's chunks hold 256 tokens
+  embed = jax.random.normal(jax.random.key(6), (16384, W)) / 8
+  tokens = jax.random.randint(jax.random.key(7), (8, 65), 0, 16384)
+
+  def lm(params, tokens):
+    h = jax.lax.scan(_layer(False), params["embed"][tokens[:, :-1]], params["layers"])[0]
+    logits = h @ params["embed"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  args = ({"layers": ARGS[0], "embed": embed}, tokens)
+  plain = pp._plan_one(lm, args, 0, 2**40, None, "as written")  # pylint: disable=protected-access
+  inverted = pp._plan_one(invact_jax.invert(lm), args, 0, 2**40, None, "inverted")  # pylint: disable=protected-access
+  assert inverted.minimum_bytes < plain.minimum_bytes
+  budget = (inverted.minimum_bytes + plain.minimum_bytes) // 2
+  with pytest.raises(planner.InfeasibleBudget):
+    invact_jax.plan(lm, *args, budget=budget)
+  planned = invact_jax.plan(lm, *args, budget=budget, convert=True)
+  assert planned.report.configuration == "inverted" and planned.report.compiled_bytes <= budget
+  assert str(planned.report).startswith("inverted: layer loop")
+  # the plan changes what the converted program recomputes, not what it computes
+  _assert_within_the_originals_error(invact_jax.invert(lm), planned, *args)
