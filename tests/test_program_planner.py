@@ -327,10 +327,11 @@ def test_convert_plans_the_inverted_program_too_and_takes_it_where_only_it_fits(
     logits = h @ params["embed"].T
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   args = ({"layers": ARGS[0], "embed": embed}, tokens)
-  plain = pp._plan_one(lm, args, 0, 2**40, None, "as written")  # pylint: disable=protected-access
-  inverted = pp._plan_one(invact_jax.invert(lm), args, 0, 2**40, None, "inverted")  # pylint: disable=protected-access
-  assert inverted.minimum_bytes < plain.minimum_bytes
-  budget = (inverted.minimum_bytes + plain.minimum_bytes) // 2
+  # each program's least temp: its layers keeping nothing
+  plain, inverted = (_temp(pp._apply(f, (), ()), *args)  # pylint: disable=protected-access
+                     for f in (lm, invact_jax.invert(lm)))
+  assert inverted < plain
+  budget = (inverted + plain) // 2
   with pytest.raises(planner.InfeasibleBudget):
     invact_jax.plan(lm, *args, budget=budget)
   planned = invact_jax.plan(lm, *args, budget=budget, convert=True)
