@@ -25,6 +25,7 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Callable, Sequence
@@ -386,9 +387,10 @@ def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> 
   return _flops(jax.value_and_grad(scalar, argnums=positions), *structs)
 
 
-def _temp(fn: Callable, args, argnums, keep, offload=(), fixed=None) -> int:
-  """Compiled temp of ``jit(value_and_grad(fn planned with keep/offload))``."""
-  return memory.compiled(jax.value_and_grad(_apply(fn, keep, offload, fixed), argnums=argnums),
+def _temp(fn: Callable, args, grad, keep, offload=(), fixed=None) -> int:
+  """Compiled temp of ``jit(grad(fn planned with keep/offload))`` (``grad``: the program's
+  ``jax.value_and_grad`` with its ``argnums`` and ``has_aux``)."""
+  return memory.compiled(grad(_apply(fn, keep, offload, fixed)),
                          *args).temp
 
 
@@ -509,7 +511,7 @@ def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner
   return dataclasses.replace(profile, tag_bytes=nbytes, tag_relief=nbytes)
 
 
-def _fit(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, budget: int,
+def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int,
          known: dict, scale: float):
   """(profile, keep, offload, predicted bytes, predicted cost, compiled temp, rounds) of the
   cheapest solved plan whose compiled temp fits ``budget``; keeping nothing where no round
@@ -524,7 +526,7 @@ def _fit(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, budget: 
       break
     keep, off = p.keep[0], (p.offload[0] if p.offload else ())
     compiled = (known[frozenset(keep)] if not off and frozenset(keep) in known
-                else _temp(fn, args, argnums, keep, off))
+                else _temp(fn, args, grad, keep, off))
     if compiled <= budget:
       return profile, keep, off, p.predicted_bytes, p.predicted_cost, compiled, rounds
     measured = _scale(loop, keep, profile.base_bytes, compiled)
@@ -538,7 +540,7 @@ def _fit(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, budget: 
           rounds)
 
 
-def _instead(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, keep,
+def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
              flops: float, budget: int, scale: float):
   """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
   less than the solved plan (``flops`` per layer) and fits ``budget`` compiled: the program
@@ -547,20 +549,20 @@ def _instead(fn, args, argnums, loop: _Loop, profile: planner.LayerProfile, keep
   A JAX policy is compiled only where predicted to fit."""
   worth = {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
   if not loop.remat and set(keep) >= worth:
-    written = memory.compiled(jax.value_and_grad(fn, argnums=argnums), *args).temp
+    written = memory.compiled(grad(fn), *args).temp
     if written <= budget:
       return True, None, written, _layer_flops(loop, (), "everything")
   cheaper = sorted((f, name) for name in FIXED_POLICIES
                    if (f := _layer_flops(loop, (), name)) < flops * (1 - 1e-6))
   for f, name in cheaper:
     if _may_fit(loop, profile, budget, name, scale):
-      temp = _temp(fn, args, argnums, (), (), name)
+      temp = _temp(fn, args, grad, (), (), name)
       if temp <= budget:
         return False, name, temp, f
   return None
 
 
-def _plan_one(fn, args, argnums, budget: int, rate: float | None,
+def _plan_one(fn, args, grad, budget: int, rate: float | None,
               configuration: str) -> PlanReport:
   """The plan of one program (``configuration`` names it in the report).
 
@@ -574,18 +576,18 @@ def _plan_one(fn, args, argnums, budget: int, rate: float | None,
     raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
                      "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
                      "value")
-  low = _temp(fn, args, argnums, ())
+  low = _temp(fn, args, grad, ())
   if budget < low:
     raise planner.InfeasibleBudget(budget, low)
   names = tuple(t.name for t in loop.tensors)
-  high = _temp(fn, args, argnums, names)
+  high = _temp(fn, args, grad, names)
   scale = _scale(loop, names, low, high)
   scale = 1.0 if scale is None else scale
   profile = _profile(loop, low, rate, scale)
   profile, keep, off, predicted, _, compiled, rounds = _fit(
-      fn, args, argnums, loop, profile, budget, {frozenset(): low, frozenset(names): high}, scale)
+      fn, args, grad, loop, profile, budget, {frozenset(): low, frozenset(names): high}, scale)
   flops = _layer_flops(loop, keep)
-  instead = None if off else _instead(fn, args, argnums, loop, profile, keep, flops, budget,
+  instead = None if off else _instead(fn, args, grad, loop, profile, keep, flops, budget,
                                       scale)
   written, policy = False, None
   if instead is not None:
@@ -604,7 +606,8 @@ def _plan_one(fn, args, argnums, budget: int, rate: float | None,
 
 
 def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
-         argnums: int | Sequence[int] = 0, convert: bool = False, offload: bool | None = None,
+         argnums: int | Sequence[int] = 0, has_aux: bool = False, convert: bool = False,
+         offload: bool | None = None,
          host_bandwidth: float | None = None, flop_rate: float | None = None) -> Planned:
   """``fn`` whose gradient's compiled temp fits ``budget``: the planner chooses what its layer
   loop keeps, recomputes or offloads (see the module doc).
@@ -612,9 +615,10 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
   Args:
     fn: the loss (or any function whose gradient is taken), unmodified.
     *example_args: arguments to trace, profile and compile it with (arrays or shape structs).
-    budget: bytes for ``jax.jit(jax.value_and_grad(planned, argnums))``'s compiled temp, or a
-      string such as ``"300MiB"``.
+    budget: bytes for the compiled temp of ``jax.jit(jax.value_and_grad(planned, argnums,
+      has_aux=has_aux))``, or a string such as ``"300MiB"``.
     argnums: the arguments the gradient is taken of, as for ``jax.grad``.
+    has_aux: ``fn`` returns ``(loss, auxiliary data)``, as for ``jax.grad``.
     convert: also plan ``invact_jax.invert(fn)`` (its activations, norms, softmax and LM head
       converted: MONeT's operator variants) and take whichever recomputes less within the
       budget (planning takes twice as long).
@@ -635,7 +639,8 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
   """
   nums = _check(fn, example_args, argnums)
   budget = parse_budget(budget)
-  argnums = nums[0] if isinstance(argnums, int) else nums
+  grad = functools.partial(jax.value_and_grad, argnums=nums[0] if isinstance(argnums, int)
+                           else nums, has_aux=has_aux)
   rate = _offload_rate(offload, host_bandwidth, flop_rate)
   programs = {"as written": fn}
   if convert:
@@ -644,7 +649,7 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
   reports, infeasible = {}, []
   for name, program in programs.items():
     try:
-      reports[name] = _plan_one(program, example_args, argnums, budget, rate, name)
+      reports[name] = _plan_one(program, example_args, grad, budget, rate, name)
     except planner.InfeasibleBudget as e:
       infeasible.append(e.minimum_bytes)
   if not reports:

@@ -339,3 +339,19 @@ def test_convert_plans_the_inverted_program_too_and_takes_it_where_only_it_fits(
   assert str(planned.report).startswith("inverted: layer loop")
   # the plan changes what the converted program recomputes, not what it computes
   _assert_within_the_originals_error(invact_jax.invert(lm), planned, *args)
+
+
+def test_auxiliary_outputs_and_other_argnums(bounds):
+  """A loss that also returns data (``has_aux``), differentiated w.r.t. its second argument."""
+  low, high = bounds
+
+  def loss(x, params):
+    value = _loss()(params, x)
+    return value, {"loss": value}
+  args = (ARGS[1], ARGS[0])
+  planned = invact_jax.plan(loss, *args, budget=(low + high) // 2, argnums=1, has_aux=True)
+  assert planned.report.keep and planned.report.compiled_bytes <= (low + high) // 2
+  (value, aux), _ = jax.jit(jax.value_and_grad(planned, argnums=1, has_aux=True))(*args)
+  assert float(value) == float(aux["loss"]) == float(jax.jit(loss)(*args)[0])
+  _assert_within_the_originals_error(lambda p, x: loss(x, p)[0],
+                                     lambda p, x: planned(x, p)[0], ARGS[0], ARGS[1])
