@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 __all__ = ["Residual", "residuals", "residual_table", "FloorAudit", "floor_audit",
-           "CompiledMemory", "compiled", "reports_peak", "device_peak"]
+           "CompiledMemory", "compiled", "flops", "reports_peak", "device_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +211,25 @@ def compiled(fn: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
   return CompiledMemory(temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes),
                         output=int(m.output_size_in_bytes), alias=int(m.alias_size_in_bytes),
                         generated_code=int(m.generated_code_size_in_bytes))
+
+
+def flops(fn: Callable[..., Any], *args, **kwargs) -> float:
+  """XLA's FLOP count of ``jax.jit(fn)`` for ``args``: the lowered module's cost analysis
+  where the platform gives one (CPU: no compile), else the compiled module's (GPU).  XLA
+  counts a loop's body once, whatever its trip count.
+
+  Raises:
+    RuntimeError: the platform reports no FLOP count.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  lowered = jitted.lower(*args, **kwargs)
+  for analysis in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
+    got = analysis()
+    if isinstance(got, (list, tuple)):
+      got = got[0] if got else None
+    if got and "flops" in got:
+      return float(got["flops"])
+  raise RuntimeError(f"XLA reports no FLOP count on {jax.default_backend()}")
 
 
 def reports_peak(device=None) -> bool:

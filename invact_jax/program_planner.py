@@ -176,11 +176,7 @@ def _eval_inlined(closed, args) -> list:
   def hook(node, invals):
     if node.prim.name not in _REMAT:
       return None
-    body = node.params["jaxpr"]
-    inner = jax.make_jaxpr(lambda *a: jax.core.eval_jaxpr(
-        getattr(body, "jaxpr", body), getattr(body, "consts", ()), *a))(
-            *_graph.shape_structs([v.aval for v in getattr(body, "jaxpr", body).invars]))
-    return _eval_inlined(inner, invals)
+    return _eval_inlined(node.params["jaxpr"], invals)  # (open: its constants are inputs)
   return _graph.evaluate(graph, list(args), nested=hook)
 
 
@@ -361,19 +357,6 @@ def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
 
 
 # ---------------------------------------------------------------------------------- costs
-def _flops(fn: Callable, *args) -> float:
-  """XLA's FLOP count of ``fn`` (the lowered module's where the platform gives it, else the
-  compiled one's)."""
-  lowered = jax.jit(fn).lower(*args)
-  for analysis in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
-    got = analysis()
-    if isinstance(got, (list, tuple)):
-      got = got[0] if got else None
-    if got and "flops" in got:
-      return float(got["flops"])
-  raise RuntimeError(f"XLA reports no FLOP count on {jax.default_backend()}")
-
-
 def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> float:
   """FLOPs of one layer's forward and backward under the names policy keeping ``keep`` (or
   the JAX policy ``fixed``)."""
@@ -384,7 +367,7 @@ def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> 
   def scalar(*args):
     outs = [o for o in body(*args) if jnp.issubdtype(o.dtype, jnp.inexact)]
     return sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
-  return _flops(jax.value_and_grad(scalar, argnums=positions), *structs)
+  return memory.flops(jax.value_and_grad(scalar, argnums=positions), *structs)
 
 
 def _temp(fn: Callable, args, grad, keep, offload=(), fixed=None) -> int:
@@ -541,9 +524,10 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
 
 
 def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
-             flops: float, budget: int, scale: float):
+             flops: float, budget: int, scale: float, unremated: float):
   """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
-  less than the solved plan (``flops`` per layer) and fits ``budget`` compiled: the program
+  less than the solved plan (``flops`` per layer; ``unremated``: the layer's without remat)
+  and fits ``budget`` compiled: the program
   as written where the plan keeps every tensor worth keeping (a custom derivative's own
   residuals are no candidate), else JAX's policy that recomputes least; None if neither.
   A JAX policy is compiled only where predicted to fit."""
@@ -551,7 +535,7 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
   if not loop.remat and set(keep) >= worth:
     written = memory.compiled(grad(fn), *args).temp
     if written <= budget:
-      return True, None, written, _layer_flops(loop, (), "everything")
+      return True, None, written, unremated
   cheaper = sorted((f, name) for name in FIXED_POLICIES
                    if (f := _layer_flops(loop, (), name)) < flops * (1 - 1e-6))
   for f, name in cheaper:
@@ -586,9 +570,9 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
   profile = _profile(loop, low, rate, scale)
   profile, keep, off, predicted, _, compiled, rounds = _fit(
       fn, args, grad, loop, profile, budget, {frozenset(): low, frozenset(names): high}, scale)
-  flops = _layer_flops(loop, keep)
+  flops, unremated = _layer_flops(loop, keep), _layer_flops(loop, (), "everything")
   instead = None if off else _instead(fn, args, grad, loop, profile, keep, flops, budget,
-                                      scale)
+                                      scale, unremated)
   written, policy = False, None
   if instead is not None:
     written, policy, compiled, flops = instead
@@ -600,8 +584,7 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
       recompute=tuple(t.name for t in loop.tensors if t.name not in set(keep) | set(off)),
       budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),
       minimum_bytes=low, rounds=rounds,
-      predicted_recompute_flops=loop.length * max(
-          flops - _layer_flops(loop, (), "everything"), 0.0),
+      predicted_recompute_flops=loop.length * max(flops - unremated, 0.0),
       as_written=written, policy=policy, configuration=configuration)
 
 

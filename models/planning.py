@@ -44,17 +44,6 @@ FIXED_POLICIES: dict[str, tuple[str, ...]] = {
 PLANNED_CONFIGURATIONS = ("standard", "inverted", "inverted-norms")
 
 
-def _flops(fn, *args) -> float:
-  lowered = jax.jit(fn).lower(*args)
-  for analysis in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
-    ca = analysis()  # the lowered module's on CPU; on a GPU only the compiled one has it
-    if isinstance(ca, (list, tuple)):
-      ca = ca[0] if ca else None
-    if ca and "flops" in ca:
-      return float(ca["flops"])
-  raise RuntimeError(f"XLA reports no FLOP count on {jax.default_backend()}")
-
-
 def _step(cfg, batch: int, seq_len: int):
   loss, params, x, y = presets.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
   return jax.value_and_grad(loss), (params, x, y), loss
@@ -117,7 +106,7 @@ def _profile_one(cfg, batch: int, configuration: str, head_mode: str | None, *, 
 
   def flops(keep):
     step1, args1, _ = _step(one.replace(save_names=(tuple(keep),)), batch, seq_len)
-    return _flops(step1, *args1)
+    return memory.flops(step1, *args1)
 
   f0 = flops(())
   tag_bytes, tag_gain, tag_relief = [], [], []
@@ -180,7 +169,7 @@ def measure(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], 
   temp = compiled_temp(cfg, batch, configuration, keep, seq_len=seq_len, head_mode=head_mode)
   # FLOPs from the unrolled program: XLA's cost analysis counts a loop body once.
   step_u, args_u, _ = _step(c.replace(scan_layers=False), batch, seq_len)
-  return Measured(temp, _flops(step_u, *args_u))
+  return Measured(temp, memory.flops(step_u, *args_u))
 
 
 def device_peak(cfg, batch: int, configuration: str, keep: Sequence[Sequence[str]], *,

@@ -80,14 +80,8 @@ def _einsum_llama(shape, policy: str, dtype):
 
 
 def _flops(fn: Callable, args) -> float:
-  lowered = jax.jit(jax.value_and_grad(fn)).lower(*args)
-  got = lowered.cost_analysis()
-  if isinstance(got, (list, tuple)):
-    got = got[0]
-  if not got or "flops" not in got:
-    got = lowered.compile().cost_analysis()
-    got = got[0] if isinstance(got, (list, tuple)) else got
-  return float(got["flops"])
+  from invact_jax import memory  # pylint: disable=import-outside-toplevel
+  return memory.flops(jax.value_and_grad(fn), *args)
 
 
 def _temp(fn: Callable, args) -> int:
@@ -131,12 +125,14 @@ def _rows(name: str, build: Callable, args: tuple, depth: int, dtype: str, polic
   """The rows of program ``name``: ``build(policy)`` its loss under a fixed policy."""
   import invact_jax  # pylint: disable=import-outside-toplevel
   loss = build("none")
+  progress(f"{name} none")
   t0 = time.perf_counter()
-  _temp(loss, args)
+  fixed = {"none": (_temp(loss, args), 0.0)}  # one compile of the program as written, timed
   compile_s = time.perf_counter() - t0
   none_flops = _flops(loss, args)
-  fixed = {}
   for policy in policies:
+    if policy in fixed:
+      continue
     progress(f"{name} {policy}")
     fn = build(policy)
     fixed[policy] = (_temp(fn, args), depth * (_flops(fn, args) - none_flops))
