@@ -218,9 +218,7 @@ def _convert_closed(closed, opts: Options, known: dict | None = None):
   """A converted copy of a nested body (same input and output types), or None.  ``known``:
   body input index -> the constant it always receives."""
   structs = _graph.shape_structs(closed.in_avals)
-  graph = _graph.flatten(closed)
-  if known:
-    graph = _graph.substitute(graph, {graph.invars[k]: lit for k, lit in known.items()})
+  graph = _body_graph(closed, known or {})
   new = jax.make_jaxpr(lambda *a: run(graph, a, opts))(*structs)
   same = all(a.shape == b.shape and a.dtype == b.dtype and
              getattr(a, "weak_type", False) == getattr(b, "weak_type", False)
@@ -233,11 +231,46 @@ def _rebound(node: _graph.Node, invals, **params):
                                  eqn=node.eqn), invals)
 
 
-# Nested calls whose bodies are converted by tracing them on their own (shape structs), and
-# why that is not done inside a shard_map.
+# Nested calls whose bodies are converted by tracing them on their own (shape structs); inside
+# a shard_map, where their values vary over the mesh's axes, they are traced in place instead
+# (:func:`_in_place`), but for a remat, whose body is measured on its own.
 _TRACED_ALONE = ("checkpoint", "remat", "remat2", "scan", "pjit", "jit", "cond")
-_IN_SHARD_MAP = ("inside a shard_map: a {} body whose values vary over the mesh's axes only "
-                 "traces in place, not on its own as the conversion traces it; left as written")
+_IN_SHARD_MAP = ("inside a shard_map: a {} body whose values vary over the mesh's axes cannot "
+                 "be compiled on its own, and converting it unmeasured may raise the temp its "
+                 "policy keeps; left as written")
+
+
+def _in_place(node: _graph.Node, invals, opts: Options) -> list:
+  """A scan, jit or cond inside a ``shard_map`` converted by tracing its body where it is
+  (its values vary over the mesh's manual axes, so it cannot be traced on its own from shape
+  structs): the scan re-made by ``lax.scan``, the jit inlined, the cond by ``lax.switch``;
+  each with the same inputs, outputs and loop options."""
+  name, p = node.prim.name, node.params
+  if name == "scan":
+    n_consts, n_carry = _graph.scan_counts(p)
+    graph = _body_graph(p["jaxpr"], _known(node.ins, range(n_consts)))
+    consts, carry = invals[:n_consts], invals[n_consts:n_consts + n_carry]
+    body_opts = dataclasses.replace(opts, in_loop=True)
+
+    def body(c, x):
+      outs = run(graph, [*consts, *c, *x], body_opts)
+      return list(outs[:n_carry]), list(outs[n_carry:])
+    c, ys = jax.lax.scan(body, list(carry), list(invals[n_consts + n_carry:]),
+                         length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*c, *ys]
+  if name == "cond":
+    known = {k - 1: lit for k, lit in _known(node.ins, range(1, len(node.ins))).items()}
+    graphs = [_body_graph(b, known) for b in p["branches"]]
+    return list(jax.lax.switch(invals[0], [lambda *a, g=g: tuple(run(g, a, opts))
+                                            for g in graphs], *invals[1:]))
+  return run(_body_graph(p["jaxpr"], _known(node.ins, range(len(node.ins)))), invals, opts)
+
+
+def _body_graph(closed, known: dict) -> _graph.Graph:
+  graph = _graph.flatten(closed)
+  if known:
+    graph = _graph.substitute(graph, {graph.invars[k]: lit for k, lit in known.items()})
+  return graph
 
 
 def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
@@ -289,9 +322,11 @@ def nested(opts: Options):
     body = p.get("jaxpr") if name != "cond" else (p["branches"] or [None])[0]
     if (name in _TRACED_ALONE and body is not None
         and _graph.varies_over_mesh(getattr(body, "in_avals", ()))):
-      if contains_candidates(p):
-        opts.report.left_alone.append((name, node.where, _IN_SHARD_MAP.format(name)))
-      return None
+      if name in ("checkpoint", "remat", "remat2") or not contains_candidates(p):
+        if contains_candidates(p):
+          opts.report.left_alone.append((name, node.where, _IN_SHARD_MAP.format(name)))
+        return None
+      return _in_place(node, invals, opts)
     if name in ("checkpoint", "remat", "remat2"):
       converted = _remat_body(node, _graph.flatten(p["jaxpr"]), opts)
       return None if converted is None else list(

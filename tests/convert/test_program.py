@@ -723,35 +723,51 @@ def test_the_forward_is_jits_bit_for_bit_and_eager_calls_differ_by_rounding_only
     assert np.all(np.abs(eager - ref) <= 2 * ulp), (name, float(np.max(np.abs(eager - ref) / ulp)))
 
 
-@pytest.mark.parametrize("wrap", ["checkpoint", "scan"])
-def test_a_nested_body_inside_shard_map_is_left_as_written_with_the_reason(wrap):
-  """A remat or scan body within a shard_map cannot be traced on its own (its values vary over
-  the mesh's axes), as the conversion traces nested bodies: it runs as written, said in the
-  report (before: a ValueError from that trace)."""
+@pytest.mark.parametrize("wrap", ["scan", "jit", "cond", "checkpoint"])
+def test_nested_bodies_inside_shard_map(wrap):
+  """A scan, jit or cond body within a shard_map (its values vary over the mesh's axes, so it
+  cannot be traced on its own as the conversion traces nested bodies) is converted in place:
+  forward bit-identical, gradients at the float32 floor.  A remat body there cannot be
+  compiled on its own to check that converting it lowers the temp its policy keeps: it runs
+  as written, said in the report (before: every such body ran as written; earlier, a
+  ValueError from tracing it on its own)."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 (virtual) devices; conftest.py sets them")
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   mesh = jax.make_mesh((8,), ("data",))
   w = 0.1 * _x((2, 32, 32))
 
-  def layer(h, w):
-    return h + jax.nn.gelu(jax.nn.standardize(h, axis=-1) @ w)
+  def make(standardize, gelu):
+    def layer(h, w):
+      return h + gelu(standardize(h) @ w)
 
-  def local(w, x):
-    if wrap == "checkpoint":
-      h = jax.checkpoint(layer)(x, w[0])
-    else:
-      h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, w)
-    return jax.lax.psum(jnp.sum(jnp.sin(h)), "data")
+    def local(w, x):
+      if wrap == "checkpoint":
+        h = jax.checkpoint(layer)(x, w[0])
+      elif wrap == "jit":
+        h = jax.jit(layer)(x, w[0])
+      elif wrap == "cond":
+        h = jax.lax.cond(jnp.sum(w) > -1e9, layer, lambda h, w: h, x, w[0])
+      else:
+        h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, w)
+      return jax.lax.psum(jnp.sum(jnp.sin(h)), "data")
 
-  def loss(w, x):
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(w, x)
+    def loss(w, x):
+      return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(w, x)
+    return loss
+  loss = make(lambda h: jax.nn.standardize(h, axis=-1), jax.nn.gelu)
   x = jax.device_put(_x((8, 32)), jax.sharding.NamedSharding(mesh, P("data")))
   inv = invact_jax.invert(loss)
   assert jax.jit(inv)(w, x) == jax.jit(loss)(w, x)
-  assert inv.last_report.replaced == {}, inv.last_report
-  (why,) = {y for _, _, y in inv.last_report.left_alone}
-  assert "inside a shard_map" in why and "left as written" in why, why
-  for a, b in zip(jax.jit(jax.grad(inv, argnums=(0, 1)))(w, x),
-                  jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(w, x)
+  if wrap == "checkpoint":
+    assert inv.last_report.replaced == {}, inv.last_report
+    (why,) = {y for _, _, y in inv.last_report.left_alone}
+    assert "inside a shard_map" in why and "left as written" in why, why
+    for a, b in zip(g, jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return
+  assert inv.last_report.replaced == {"gelu": 1, "layer_norm": 1}, inv.last_report
+  assert not inv.last_report.left_alone, inv.last_report
+  hand = make(lambda h: invact_jax.layer_norm(h, epsilon=1e-5), invact_jax.gelu)
+  assert_at_float32_floor(loss, (w, x), g, argnums=(0, 1), hand_loss=hand)
