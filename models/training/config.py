@@ -80,8 +80,9 @@ class TrainConfig:
   remat: str = cli.option("none", "jax.checkpoint policy per layer",
                           choices=tuple(options.REMAT_POLICIES))
   memory_budget: int | None = cli.option(
-      None, "bytes (or e.g. 300MiB) for the gradient step: the planner picks what each layer "
-      "keeps and the configuration (layers scanned)", check=_positive, parse=parse_bytes)
+      None, "bytes (or e.g. 300MiB) for the gradient step's compiled temp per device: "
+      "invact_jax.plan picks what each layer keeps or recomputes and whether invert() of the "
+      "loss runs (layers scanned)", check=_positive, parse=parse_bytes)
   checkpoint_every: int = cli.option(500, "steps between checkpoints", check=_positive)
   log_every: int = cli.option(20, "steps between metrics lines", check=_positive)
   shift: int | None = cli.option(None, "random-translation augmentation in pixels (default: "

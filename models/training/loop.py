@@ -175,10 +175,9 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
       "state_bytes_per_device": trainer.state_bytes_per_device(),
       "platform": jax.default_backend(),
       "memory_plan": None if trainer.plan is None else {
-          "budget": trainer.plan.budget, "configuration": trainer.plan.configuration,
-          "head_mode": trainer.plan.head_mode,
-          "keep": [list(k) for k in trainer.plan.save_names()],
-          "predicted_bytes": trainer.plan.predicted_bytes},
+          k: getattr(trainer.plan, k) for k in (
+              "budget", "configuration", "keep", "offload", "recompute", "policy",
+              "as_written", "predicted_bytes", "compiled_bytes", "predicted_recompute_flops")},
   }
   run_dir.check_present(workdir, "the summary")  # (the last save may have recreated it)
   if main:

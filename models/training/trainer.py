@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from invact_jax import memory
-from models import options, text, vit
+from models import text, vit
 from models.training import checkpoints
 from models.training import config
 from models.training import data as data_lib
@@ -26,24 +26,18 @@ def dropout_key(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed + 1), step)
 
 
-def plan_model(model_cfg, budget: int, batch: int, seq_len: int = 128):
-  """The model config under the planner's cheapest plan whose compiled gradient step
-  (per device, layers scanned) fits ``budget`` bytes -- uniform or per layer, whichever
-  compiles to fewer FLOPs; raises ConfigError if none fits."""
+def plan_loss(loss: Callable[..., Any], example_args: tuple, budget: int):
+  """``loss`` (``(mean loss, accuracy)`` of ``(params, x, y, key)``) planned by
+  :func:`invact_jax.plan` so that its gradient step's compiled temp fits ``budget`` bytes at
+  ``example_args`` (one device's batch): what each layer of its scan keeps, recomputes or
+  offloads, with ``invact_jax.invert`` of it as an operator variant; raises ConfigError if
+  nothing fits (the message names the minimum)."""
+  import invact_jax  # pylint: disable=import-outside-toplevel
   from invact_jax import planner  # pylint: disable=import-outside-toplevel
-  from models import planning  # pylint: disable=import-outside-toplevel
-  cfg = model_cfg.replace(scan_layers=True)
-  least = planning.least_temp(cfg, batch, planning.PLANNED_CONFIGURATIONS, seq_len=seq_len)
-  if budget < least:  # before the profiling (minutes): no plan can fit
-    raise errors.ConfigError(f"--memory-budget: {planner.InfeasibleBudget(int(budget), least)}")
-  profiles = planning.profile(cfg, batch, seq_len=seq_len)
   try:
-    plan, _ = planning.plan_for_budget(cfg, batch, budget, profiles, seq_len=seq_len,
-                                       uniform=None)
+    return invact_jax.plan(loss, *example_args, budget=budget, has_aux=True, convert=True)
   except planner.InfeasibleBudget as e:
     raise errors.ConfigError(f"--memory-budget: {e}") from None
-  return cfg.replace(save_names=plan.save_names(),
-                     **options.configuration(plan.configuration, head_mode=plan.head_mode)), plan
 
 
 @dataclasses.dataclass
@@ -65,14 +59,17 @@ class Trainer:
     self.mesh = Mesh(np.array(devs), ("data",))
     config.validate(self.cfg, self.dataset, self.mesh.size)
     self.model_cfg = self.cfg.model_config(self.dataset)
-    self.plan = None
     if self.cfg.memory_budget is not None:
-      self.model_cfg, self.plan = plan_model(
-          self.model_cfg, self.cfg.memory_budget, self.cfg.batch_size // self.mesh.size,
-          **({"seq_len": self.dataset.seq_len} if self.dataset.modality == "text" else {}))
+      self.model_cfg = self.model_cfg.replace(scan_layers=True)  # the planner's layer loop
     module = text.TextTransformer if self.dataset.modality == "text" else vit.ViT
     model = module(self.model_cfg, rngs=nnx.Rngs(self.cfg.seed))
     self.graphdef, params = nnx.split(model, nnx.Param)
+    self.objective = self._mean_loss
+    self.plan = None
+    if self.cfg.memory_budget is not None:
+      self.objective = plan_loss(self._mean_loss, self._one_device_args(params),
+                                 self.cfg.memory_budget)
+      self.plan = self.objective.report
     self.total = self.cfg.total_steps(self.dataset.x_train.shape[0])
     self.lr = config.schedule(self.cfg, self.total)
     self.tx = optax.adamw(self.lr, weight_decay=self.cfg.weight_decay)
@@ -114,8 +111,20 @@ class Trainer:
     # split a layer's output features over the devices and all-gather its batch instead:
     # measured on the digits ViT, its input images, logits and attention scores).
     params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: self.replicated, params))
+    return self.objective(params, x, y, key)
+
+  def _mean_loss(self, params, x, y, key):
+    """(mean cross-entropy, accuracy) of one batch, on one device (what a plan plans)."""
     loss, correct = self._losses(params, x, y, key)
     return loss.mean(), jnp.mean(correct)
+
+  def _one_device_args(self, params) -> tuple:
+    """Shape structs of ``(params, x, y, key)`` for one device's share of a batch."""
+    d, b = self.dataset, self.cfg.batch_size // self.mesh.size
+    struct = lambda a, lead: jax.ShapeDtypeStruct((lead, *a.shape[1:]), a.dtype)  # noqa: E731
+    return (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params),
+            struct(d.x_train, b), struct(d.y_train, b),
+            jax.eval_shape(lambda: dropout_key(self.cfg.seed, 0)))
 
   def _losses(self, params, x, y, key):
     """Per-example (per-position for text) cross-entropy and correctness; a text model's
