@@ -4,8 +4,10 @@ layer loop, what the backward keeps, recomputes or offloads, under a byte budget
 The pipeline, for ``plan(fn, *example_args, budget=...)``:
 
 1. Trace ``fn`` and find its layer loop: a ``lax.scan`` over stacked inputs (parameters),
-   through nested ``jit`` calls; of several, the one whose tensors weigh most (the report
-   names the others).
+   through nested ``jit`` calls and inside ``shard_map``s (profiled from one device's shapes
+   and re-made where it stands; not where its layer holds a collective, which traces only
+   with the mesh); of several, the one whose tensors weigh most (the report names the
+   others).
 2. The candidate tensors of one layer: the values the program names with
    ``checkpoint_name`` (MaxText, keras-hub, the project's models), and otherwise the outputs of
    its matmuls, convolutions and custom-derivative calls (``invert``'s converted sites),
@@ -158,10 +160,12 @@ class _Loop:
   tensors: tuple[Tensor, ...]
   names: dict                    # body output ref -> name (the values to tag)
   remat: bool = False            # whether the body has a jax.checkpoint of its own
+  # The shard_maps it sits in, outermost first: (node, its body's graph) each.
+  within: tuple = ()
 
   @property
   def where(self) -> str:
-    return self.node.where or "lax.scan"
+    return (self.node.where or "lax.scan") + (" inside a shard_map" if self.within else "")
 
   @property
   def length(self) -> int:
@@ -170,14 +174,35 @@ class _Loop:
 
 def _eval_inlined(closed, args) -> list:
   """Evaluate ``closed`` with every ``jax.checkpoint`` in it run as plain equations (the
-  plan's policy replaces the program's own)."""
+  plan's policy replaces the program's own), and, for a body traced on its own out of a
+  ``shard_map``, its ``pvary`` casts as the identity they are on values (:func:`_tagged`
+  casts again where it runs in place)."""
   graph = _graph.flatten(closed)
 
   def hook(node, invals):
+    if node.prim.name == "pvary":
+      return list(invals)
     if node.prim.name not in _REMAT:
       return None
     return _eval_inlined(node.params["jaxpr"], invals)  # (open: its constants are inputs)
   return _graph.evaluate(graph, list(args), nested=hook)
+
+
+def _varying(value) -> frozenset:
+  """The ``shard_map`` axes ``value`` varies over (none outside one)."""
+  mat = getattr(jax.typeof(value), "mat", None) if isinstance(value, jax.Array) else None
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _as_varying(values: list) -> list:
+  """``values`` cast to vary over every axis one of them varies over (as JAX casts the
+  operands of an equation it traces inside a ``shard_map``)."""
+  axes = [_varying(v) for v in values]
+  union = frozenset().union(*axes)
+  if not union:
+    return values
+  return [jax.lax.pcast(v, tuple(sorted(union - a)), to="varying") if union - a else v
+          for v, a in zip(values, axes)]
 
 
 def _nbytes(aval) -> int:
@@ -217,21 +242,27 @@ def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
   return tuple(tensors), names
 
 
-def _as_loop(node: _graph.Node) -> _Loop | None:
-  """The layer loop ``node`` is, or None (not a scan over stacked inputs, or inside a
-  ``shard_map``)."""
+def _as_loop(node: _graph.Node, within: tuple = ()) -> _Loop | None:
+  """The layer loop ``node`` is, or None (not a scan over stacked inputs; or, inside a
+  ``shard_map``, one whose layer does not trace on its own: its collectives need the mesh)."""
   p = node.params
   if node.prim.name != "scan" or int(p.get("length", 0)) < 2:
     return None
   n_consts, n_carry = _graph.scan_counts(p)
   body = p["jaxpr"]
-  if len(body.in_avals) <= n_consts + n_carry or _graph.varies_over_mesh(body.in_avals):
+  if len(body.in_avals) <= n_consts + n_carry:
     return None
-  inlined = jax.make_jaxpr(lambda *a: _eval_inlined(body, a))(*_graph.shape_structs(body.in_avals))
+  structs = _graph.shape_structs(body.in_avals)  # (one device's shapes inside a shard_map)
+  try:
+    inlined = jax.make_jaxpr(lambda *a: _eval_inlined(body, a))(*structs)
+  except NameError:  # a collective over an axis of the enclosing shard_map's mesh
+    if within:
+      return None
+    raise
   graph = _graph.flatten(inlined)
   tensors, names = _candidates(graph)
   remat = any(e.primitive.name in _REMAT for e in _eqns(body.jaxpr))
-  return _Loop(node, inlined, graph, tensors, names, remat)
+  return _Loop(node, inlined, graph, tensors, names, remat, within)
 
 
 def _read_by_the_backward(loop: _Loop) -> _Loop | None:
@@ -290,13 +321,29 @@ def _may_fit(loop: _Loop, profile: planner.LayerProfile, budget: int, fixed: str
   return profile.base_bytes + added <= 1.1 * budget
 
 
-def _loops(closed) -> tuple[_graph.Graph, list[_Loop]]:
-  """The program's graph and its layer loops, heaviest first (by their candidates' bytes;
-  :func:`_read_by_the_backward` narrows a loop's candidates)."""
+def _loops(closed) -> tuple[_graph.Graph, list[_Loop], list[str]]:
+  """The program's graph; its layer loops, also those inside its ``shard_map``s, heaviest
+  first (by their candidates' bytes; :func:`_read_by_the_backward` narrows a loop's
+  candidates); and the loops inside a ``shard_map`` that cannot be planned (where, why)."""
   graph = _graph.flatten(closed)
-  loops = [l for l in map(_as_loop, graph.nodes) if l is not None]
+  skipped = []
+
+  def find(g: _graph.Graph, within: tuple) -> list[_Loop]:
+    out = []
+    for n in g.nodes:
+      if _graph.is_shard_map(n):
+        inner = _graph.flatten(n.params["jaxpr"])
+        out += find(inner, within + ((n, inner),))
+      elif (loop := _as_loop(n, within)) is not None:
+        out.append(loop)
+      elif within and n.prim.name == "scan":
+        skipped.append(f"{n.where or 'lax.scan'} inside a shard_map: its layer holds a "
+                       "collective, so it traces only with the mesh, not on its own as the "
+                       "planner profiles a layer")
+    return out
+  loops = find(graph, ())
   loops.sort(key=lambda l: -l.length * sum(t.bytes for t in l.tensors))
-  return graph, loops
+  return graph, loops, skipped
 
 
 # ------------------------------------------------------------------------ applying a plan
@@ -308,7 +355,8 @@ def _tagged(loop: _Loop) -> Callable[..., list]:
     env = dict(zip(graph.invars, args))
     value = lambda r: r.val if isinstance(r, _graph.Lit) else env[r]  # noqa: E731
     for n in graph.nodes:
-      for ref, out in zip(n.outs, _graph.bind(n, [value(r) for r in n.ins])):
+      ins = [value(r) for r in n.ins]
+      for ref, out in zip(n.outs, _graph.bind(n, _as_varying(ins) if loop.within else ins)):
         env[ref] = jax.ad_checkpoint.checkpoint_name(out, loop.names[ref]) if ref in loop.names else out
     return [value(r) for r in graph.outvars]
   return run
@@ -332,17 +380,27 @@ def _planned_body(loop: _Loop, keep: Sequence[str], offload: Sequence[str],
 
 def _run(closed, args_flat, keep, offload, fixed=None) -> list:
   """The program of ``closed`` on ``args_flat`` with its heaviest layer loop planned."""
-  graph, loops = _loops(closed)
+  graph, loops, _ = _loops(closed)
   if not loops:
     return _graph.evaluate(graph, list(args_flat))
   target = loops[0]
-  new = _planned_body(target, keep, offload, fixed)
+  if target.within:  # its values vary over the mesh's axes: the body is traced where it is
+    body = jax.checkpoint(_tagged(target), policy=_policy(keep, offload, fixed),
+                          prevent_cse=False)
+    at_loop = lambda node, invals: _graph.rescan(node, body, invals)  # noqa: E731
+  else:
+    new = _planned_body(target, keep, offload, fixed)
+    at_loop = lambda node, invals: _graph.bind(_graph.Node(  # noqa: E731
+        node.prim, dict(node.params, jaxpr=new), node.ins, node.outs, eqn=node.eqn), invals)
 
   def hook(node, invals):
-    if node is not target.node:
-      return None
-    return _graph.bind(_graph.Node(node.prim, dict(node.params, jaxpr=new), node.ins, node.outs,
-                                   eqn=node.eqn), invals)
+    if node is target.node:
+      return at_loop(node, invals)
+    for shard_map, body in target.within:
+      if node is shard_map:
+        return _graph.rewrap_shard_map(
+            node, lambda *a, body=body: _graph.evaluate(body, list(a), nested=hook), invals)
+    return None
   return _graph.evaluate(graph, list(args_flat), nested=hook)
 
 
@@ -554,12 +612,12 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
     ValueError: ``fn`` has no layer loop.
     planner.InfeasibleBudget: ``budget`` is below its compiled temp keeping nothing.
   """
-  _, loops = _loops(jax.make_jaxpr(fn)(*args))
+  _, loops, skipped = _loops(jax.make_jaxpr(fn)(*args))
   loop = _read_by_the_backward(loops[0]) if loops else None
   if loop is None:
     raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
                      "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
-                     "value")
+                     "value" + "".join(f"; {why}" for why in skipped))
   low = _temp(fn, args, grad, ())
   if budget < low:
     raise planner.InfeasibleBudget(budget, low)
@@ -579,7 +637,7 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
     keep, predicted = (profile.tags if written else ()), compiled
   return PlanReport(
       loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
-      other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]),
+      other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]) + tuple(skipped),
       tensors=loop.tensors, keep=tuple(keep), offload=tuple(off),
       recompute=tuple(t.name for t in loop.tensors if t.name not in set(keep) | set(off)),
       budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),

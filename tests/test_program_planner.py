@@ -276,6 +276,41 @@ def test_sharded_inputs_and_jit():
   _assert_within_the_originals_error(loss, planned, ARGS[0], x)
 
 
+def test_a_layer_loop_inside_shard_map():
+  """Data parallelism written with shard_map around the scanned layers (each device runs the
+  loop on its share of the batch; the loss's mean is a pmean): the loop is found inside the
+  shard_map, planned from one device's shapes, and re-made where it stands (its values vary
+  over the mesh's axis); the plan fits and the gradient is the original's.  A loop whose layer
+  holds a collective (it needs the mesh to trace) is no candidate."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+  x = jax.device_put(jnp.tile(ARGS[1], (8, 1, 1)), jax.NamedSharding(mesh, P("data")))
+  inner = _loss()
+
+  def loss(params, x):
+    return jax.shard_map(lambda p, x: jax.lax.pmean(inner(p, x), "data"), mesh=mesh,
+                         in_specs=(P(), P("data")), out_specs=P())(params, x)
+  planned = invact_jax.plan(loss, ARGS[0], x, budget=int(0.5 * _temp(loss, ARGS[0], x)))
+  report = planned.report
+  assert "inside a shard_map" in report.loop and report.depth == D, report
+  assert report.keep and report.recompute and not report.as_written, report
+  assert report.compiled_bytes <= report.budget
+  assert _temp(planned, ARGS[0], x) == report.compiled_bytes
+  _assert_within_the_originals_error(loss, planned, ARGS[0], x)
+
+  def reduced_layer(h, p):  # a collective inside the layer (a global mean taken off)
+    h, _ = _layer(False)(h, p)
+    return h - jax.lax.pmean(jnp.mean(h), "data"), None
+
+  def collective(params, x):
+    def local(p, x):
+      return jax.lax.pmean(jnp.mean(jax.lax.scan(reduced_layer, x, p)[0] ** 2), "data")
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(params, x)
+  with pytest.raises(ValueError, match="no layer loop .* inside a shard_map: its layer holds a "
+                     "collective"):
+    invact_jax.plan(collective, ARGS[0], x, budget=10 ** 9)
+
+
 def test_offloading_is_costed_where_the_device_has_host_memory(monkeypatch):
   """A stand-in device with pinned_host: each tensor's offload cost is its bytes at the given
   bandwidth in FLOPs of the given rate, and a tight budget offloads rather than recomputes

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -331,6 +331,38 @@ def scan_counts(params: dict) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].unpack()
   return len(consts), len(carry)
+
+
+def rewrap_shard_map(node: Node, body: Callable[..., Sequence], invals) -> list:
+  """The outputs of ``shard_map`` node ``node`` on ``invals`` with ``body`` (a function of its
+  body's inputs) as its body, under the node's mesh, specs, manual axes and check."""
+  p = node.params
+  return list(jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"],
+                            in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                            axis_names=frozenset(p.get("newly_manual_axes", ())),
+                            check_vma=p.get("check_vma", True))(*invals))
+
+
+def rescan(node: Node, body: Callable[..., Sequence], invals) -> list:
+  """The outputs of ``scan`` node ``node`` on ``invals``, re-made by ``lax.scan`` where it
+  is traced, with ``body`` (a function of the body's inputs: constants, carry, one step's
+  slices) as its body and the node's length, direction and unrolling."""
+  p = node.params
+  n_consts, n_carry = scan_counts(p)
+  consts, carry = invals[:n_consts], invals[n_consts:n_consts + n_carry]
+
+  def step(c, x):
+    outs = body(*consts, *c, *x)
+    return list(outs[:n_carry]), list(outs[n_carry:])
+  c, ys = jax.lax.scan(step, list(carry), list(invals[n_consts + n_carry:]), length=p["length"],
+                       reverse=p["reverse"], unroll=p["unroll"])
+  return [*c, *ys]
+
+
+def is_shard_map(node: Node) -> bool:
+  """Whether ``node`` is a ``shard_map`` call :func:`rewrap_shard_map` can re-make."""
+  return (node.prim.name == "shard_map"
+          and {"mesh", "in_specs", "out_specs", "jaxpr"} <= set(node.params))
 
 
 def varies_over_mesh(avals) -> bool:

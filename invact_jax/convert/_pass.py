@@ -247,17 +247,9 @@ def _in_place(node: _graph.Node, invals, opts: Options) -> list:
   each with the same inputs, outputs and loop options."""
   name, p = node.prim.name, node.params
   if name == "scan":
-    n_consts, n_carry = _graph.scan_counts(p)
-    graph = _body_graph(p["jaxpr"], _known(node.ins, range(n_consts)))
-    consts, carry = invals[:n_consts], invals[n_consts:n_consts + n_carry]
+    graph = _body_graph(p["jaxpr"], _known(node.ins, range(_graph.scan_counts(p)[0])))
     body_opts = dataclasses.replace(opts, in_loop=True)
-
-    def body(c, x):
-      outs = run(graph, [*consts, *c, *x], body_opts)
-      return list(outs[:n_carry]), list(outs[n_carry:])
-    c, ys = jax.lax.scan(body, list(carry), list(invals[n_consts + n_carry:]),
-                         length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-    return [*c, *ys]
+    return _graph.rescan(node, lambda *a: run(graph, a, body_opts), invals)
   if name == "cond":
     known = {k - 1: lit for k, lit in _known(node.ins, range(1, len(node.ins))).items()}
     graphs = [_body_graph(b, known) for b in p["branches"]]
@@ -331,13 +323,9 @@ def nested(opts: Options):
       converted = _remat_body(node, _graph.flatten(p["jaxpr"]), opts)
       return None if converted is None else list(
           jax.core.eval_jaxpr(converted.jaxpr, converted.consts, *invals))
-    if name == "shard_map" and {"mesh", "in_specs", "out_specs", "jaxpr"} <= set(p):
+    if _graph.is_shard_map(node):
       graph = _graph.flatten(p["jaxpr"])
-      body = jax.shard_map(lambda *a: tuple(run(graph, a, opts)), mesh=p["mesh"],
-                           in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
-                           axis_names=frozenset(p.get("newly_manual_axes", ())),
-                           check_vma=p.get("check_vma", True))
-      return list(body(*invals))
+      return _graph.rewrap_shard_map(node, lambda *a: run(graph, a, opts), invals)
     if name == "scan" or name in ("pjit", "jit"):
       consts = range(_graph.scan_counts(p)[0] if name == "scan" else len(node.ins))
       body_opts = dataclasses.replace(opts, in_loop=True) if name == "scan" else opts
