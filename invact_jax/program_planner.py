@@ -11,8 +11,9 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
 2. The candidate tensors of one layer: the values the program names with
    ``checkpoint_name`` (MaxText, keras-hub, the project's models), and otherwise the outputs of
    its matmuls, convolutions and custom-derivative calls (``invert``'s converted sites),
-   named ``matmul_0``, ``matmul_1``, ... in program order, each with its source line.
-   Elementwise values are always recomputed from them (they cost no matmul).  A ``jax.checkpoint``
+   named ``matmul_0``, ``matmul_1``, ... in program order, each with its source line; and the
+   matmuls' operands the layer computes elementwise (a norm's output, the probabilities:
+   ``matmul_3_lhs``).  Other elementwise values are always recomputed from them.  A ``jax.checkpoint``
    the layer already has is replaced by the plan's.
 3. Their costs from the program: bytes exactly from shape and dtype (per layer); the recompute
    FLOPs each saves from XLA's cost analysis of one layer's lowered gradient (no compile);
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import re
 from typing import Any, Callable, Sequence
@@ -44,6 +46,10 @@ __all__ = ["plan", "Planned", "PlanReport", "Tensor", "parse_budget", "FIXED_POL
 # Equations whose outputs are candidates when the program names none of them itself.
 _AUTO = {"dot_general": "matmul", "conv_general_dilated": "conv",
          "custom_vjp_call": "custom_vjp", "custom_vjp_call_jaxpr": "custom_vjp"}
+# Equations that only re-lay, re-type or slice a value: a matmul operand computed by them is
+# the value they start from (a layer's weight sliced from its stack is an input).
+_LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
+                     "convert_element_type", "copy", "copy_p", "slice", "dynamic_slice"})
 _REMAT = ("checkpoint", "remat", "remat2")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -230,6 +236,7 @@ def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
       k = counts.get(kind, 0)
       counts[kind] = k + 1
       auto[ref] = (f"{kind}_{k}", n.where)
+  _operands(graph, named, auto, outputs)
   tensors, names = [], {}
   for name, refs in named.items():
     avals = [graph.avals[r] for r, _ in refs]
@@ -240,6 +247,40 @@ def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
     tensors.append(Tensor(name, tuple(a.shape), str(a.dtype), _nbytes(a), where, "invact_jax"))
     names[ref] = name
   return tuple(tensors), names
+
+
+def _operands(graph: _graph.Graph, named: dict, auto: dict, outputs: set) -> None:
+  """Add to ``auto`` the matmuls' operands that the layer computes with elementwise
+  equations (a norm's output, a rotary embedding's, the probabilities, an activation times a
+  gate), each named after the first matmul it feeds and its side (``matmul_0_lhs``,
+  ``query_proj_lhs``): keeping one spares its chain's recompute.  A value the layer takes in,
+  or one that is a candidate already (maybe re-laid or sliced), is none."""
+  taken = set(auto) | {r for refs in named.values() for r, _ in refs}
+  used = set(named) | {name for name, _ in auto.values()}
+  # a matmul's output the program names (the name's input) goes by that name
+  called = {graph.nodes[graph.producer[r][0]].ins[0]: name
+            for name, refs in named.items() for r, _ in refs if r in graph.producer}
+  for n in graph.nodes:
+    kind = _AUTO.get(n.prim.name)
+    if kind not in ("matmul", "conv"):
+      continue
+    out = n.outs[0]
+    consumer = auto[out][0] if out in auto else called.get(out, kind)
+    for side, src in zip(("lhs", "rhs"), n.ins):
+      while (not isinstance(src, _graph.Lit) and src in graph.producer
+             and graph.nodes[graph.producer[src][0]].prim.name in _LAYOUT):
+        src = graph.nodes[graph.producer[src][0]].ins[0]
+      if (isinstance(src, _graph.Lit) or src not in graph.producer or src in taken
+          or src in outputs):
+        continue
+      aval = graph.avals[src]
+      if getattr(aval, "shape", ()) and jnp.issubdtype(aval.dtype, jnp.inexact):
+        name = f"{consumer}_{side}"
+        name = next(f"{name}_{k}" for k in itertools.count(1) if f"{name}_{k}" not in used) \
+            if name in used else name
+        taken.add(src)
+        used.add(name)
+        auto[src] = (name, graph.nodes[graph.producer[src][0]].where)
 
 
 def _as_loop(node: _graph.Node, within: tuple = ()) -> _Loop | None:
