@@ -25,7 +25,8 @@ def main(argv=None) -> int:
   p.add_argument("--d", type=cli.positive_int, default=256)
   p.add_argument("--vocab", type=cli.positive_int, default=32768)
   p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                 choices=("float32", "bfloat16"))
+                 choices=lm_head.DTYPES,
+                 help="bfloat16/float32: bfloat16 hidden states, float32 master weight")
   p.add_argument("--repeats", type=cli.positive_int, default=7)
   p.add_argument("--tiles", nargs="+", type=lm_head.parse_tile, default=[],
                  metavar="[backward:]TOKENSxVOCAB",

@@ -53,16 +53,32 @@ class Head:
     return (self.x.shape[0], self.x.shape[1], self.w.shape[1])
 
 
-def make_head(tokens: int, d: int, vocab: int, dtype, seed: int = 0) -> Head:
+#: The heads' dtypes: one for ``x`` and ``w``, or ``"bfloat16/float32"``: bfloat16 hidden
+#: states with the float32 master weight (mixed precision, as Flax's ``dtype=bfloat16`` with
+#: ``param_dtype=float32`` computes).
+DTYPES = ("float32", "bfloat16", "bfloat16/float32")
+
+
+def split_dtype(spec: str) -> tuple[Any, Any]:
+  """``(x dtype, w dtype)`` of a :data:`DTYPES` entry."""
+  x, _, w = spec.partition("/")
+  return jnp.dtype(x), jnp.dtype(w or x)
+
+
+def make_head(tokens: int, d: int, vocab: int, dtype, seed: int = 0, w_dtype=None) -> Head:
+  """A head of random hidden states (``dtype``), weight (``w_dtype``, default ``dtype``) and
+  labels."""
   k = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(k[0], (tokens, d), jnp.float32).astype(dtype)
-  w = (jax.random.normal(k[1], (d, vocab), jnp.float32) / np.sqrt(d)).astype(dtype)
+  w = (jax.random.normal(k[1], (d, vocab), jnp.float32) / np.sqrt(d)).astype(
+      dtype if w_dtype is None else w_dtype)
   return Head(x, w, jax.random.randint(k[2], (tokens,), 0, vocab, jnp.int32))
 
 
 def plain(x, w, labels):
-  """What users write: logits in the inputs' dtype, the loss in float32 (optax)."""
-  logits = (x @ w).astype(jnp.float32)
+  """What users write: logits in the hidden states' dtype (a float32 master weight cast to
+  it), the loss in float32 (optax)."""
+  logits = (x @ w.astype(x.dtype)).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
@@ -237,12 +253,14 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
   """Every head in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
   ``tiles`` (:func:`tile_heads`) on one head per dtype, timed interleaved; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
-  ``time_vs_plain`` are against the plain head of the same framework and dtype."""
+  ``time_vs_plain`` are against the plain head of the same framework and dtype
+  (:data:`DTYPES`; PyTorch's rows for one-dtype heads only)."""
   out = []
   for dtype in dtypes:
-    head = make_head(tokens, d, vocab, jnp.dtype(dtype))
-    if torch:  # first, while this process holds little of the device's memory
-      out += torch_rows(head, jnp.dtype(dtype).name, repeats)
+    x_dtype, w_dtype = split_dtype(dtype)
+    head = make_head(tokens, d, vocab, x_dtype, w_dtype=w_dtype)
+    if torch and x_dtype == w_dtype:  # first, while this process holds little memory
+      out += torch_rows(head, x_dtype.name, repeats)
     g64 = reference_grads(head)
     losses = {k: f for k, f in heads().items() if names is None or k in names}
     measured, steps = [], {}
@@ -256,7 +274,7 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     for row in measured:
       if row["head"] in seconds:
         row["time_s"] = seconds[row["head"]]
-      out.append({"dtype": jnp.dtype(dtype).name, "tokens": tokens, "d": d, "vocab": vocab,
+      out.append({"dtype": dtype, "tokens": tokens, "d": d, "vocab": vocab,
                   "framework": "jax", **row})
     del steps
   for r in out:

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from models.benchmarks import child
 from models.benchmarks import lm_head
@@ -22,6 +23,23 @@ def test_rows_measure_every_jax_head_without_a_logits_buffer_for_ours(monkeypatc
   assert by["plain"]["logits_buffer"] and not by["invact_jax"]["logits_buffer"]
   assert by["plain"]["temp_vs_plain"] == 1.0 and by["invact_jax"]["temp_vs_plain"] < 1.0
   assert all(r["framework"] == "jax" and r["grad_error"] < 1e-5 for r in rs), rs
+
+
+def test_a_float32_master_weight_with_bfloat16_hidden_states(monkeypatch):
+  """``bfloat16/float32`` (mixed precision): the plain head casts the master weight to
+  bfloat16 for its logits; ours takes it as it is (its default: gradients in the forward) and
+  keeps no logits, with a gradient as close to float64 as the plain head's or closer;
+  PyTorch's rows are for one-dtype heads only."""
+  monkeypatch.setattr(lm_head_torch, "importable", lambda: pytest.fail("torch rows"))
+  rs = lm_head.rows(512, 16, 32768, dtypes=("bfloat16/float32",), repeats=1,  # 4 chunks
+                    names=("plain", "invact_jax", "invact_jax.invert(plain)"))
+  by = {r["head"]: r for r in rs}
+  assert {r["dtype"] for r in rs} == {"bfloat16/float32"} and set(by) == {
+      "plain", "invact_jax", "invact_jax.invert(plain)"}
+  assert by["plain"]["logits_buffer"]
+  for name in ("invact_jax", "invact_jax.invert(plain)"):
+    assert not by[name]["logits_buffer"] and by[name]["temp_vs_plain"] < 1.0, by[name]
+    assert by[name]["grad_error"] <= 1.1 * by["plain"]["grad_error"], (by[name], by["plain"])
 
 
 def test_torch_rows_get_the_same_head_and_their_own_baseline(monkeypatch):
