@@ -74,6 +74,8 @@ class HeadMatch:
     why_not_folded: why the reduction was not folded ("" when it was).
     soft_cap: ``c`` of the logits' ``c * tanh(z / c)``, or None.
     logits_dtype: the 16-bit dtype the program's matmul rounds the logits to, or None.
+    z_loss: the weight of the log-sum-exp's square added to each token's loss (PaLM's and
+      MaxText's z-loss), 0 for none.
   """
   nodes: list
   root: int
@@ -88,6 +90,7 @@ class HeadMatch:
   why_not_folded: str = ""
   soft_cap: float | None = None
   logits_dtype: str | None = None
+  z_loss: float = 0.0
 
   public = "linear_cross_entropy"
 
@@ -103,6 +106,8 @@ class HeadMatch:
   @property
   def name(self) -> str:
     extra = f", label smoothing {self.smoothing:g}" if self.smoothing else ""
+    if self.z_loss:
+      extra += f", z-loss {self.z_loss:g}"
     if self.soft_cap is not None:
       extra += f", logits soft-capped at {self.soft_cap:g}"
     if self.fold:
@@ -343,6 +348,29 @@ class _Head:
     if ins[0] in self.sums:
       self.rows[o] = {"ls" + self.sums[ins[0]]: 1.0}
 
+  def _square(self, n, ins, o) -> None:
+    """``lse ** 2`` (``square``, ``integer_pow`` 2 or ``lse * lse``): a z-loss's term; any
+    other product is :meth:`_mul_div`'s."""
+    if n.prim.name == "integer_pow" and n.params.get("y") != 2:
+      return
+    if n.prim.name == "mul" and ins[0] != ins[1]:
+      self._mul_div(n, ins, o)
+      return
+    row = None if isinstance(ins[0], Lit) else self.rows.get(ins[0])
+    if row is not None and self._is_lse(row):
+      self.rows[o] = {"zsq": 1.0}
+
+  @staticmethod
+  def _is_lse(row: dict) -> bool:
+    """Whether ``row`` is one log-sum-exp (its log-sum and the shift it was taken at)."""
+    lss = [k for k in row if k.startswith("ls")]
+    if len(lss) != 1 or abs(row[lss[0]] - 1.0) > _TOL:
+      return False
+    rest = {s: c for s, c in row.items() if s != lss[0]}
+    shift = lss[0][2:]
+    return rest == ({shift: 1.0} if shift else {}) or (
+        shift and set(rest) == {shift} and abs(rest[shift] - 1.0) <= _TOL)
+
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
     if not isinstance(src, Lit) and src in self.elem and self._is_v(src):
@@ -391,8 +419,11 @@ class _Head:
     if jnp.issubdtype(a.dtype, jnp.floating):
       self.rows[o] = {self._shift(): 1.0}
 
-  def loss(self, row: dict) -> tuple[float, float] | None:
-    """``(sign, smoothing)`` when ``row`` is (the negation of) a cross-entropy."""
+  def loss(self, row: dict) -> tuple[float, float, float] | None:
+    """``(sign, smoothing, z_loss)`` when ``row`` is (the negation of) a cross-entropy (plus
+    ``z_loss`` times the log-sum-exp's square)."""
+    z_loss = row.get("zsq", 0.0)
+    row = {s: c for s, c in row.items() if s != "zsq"}
     shifts = {k for k in row if k.startswith("k")}
     lss = {k[2:] for k in row if k.startswith("ls")}
     if len(lss) != 1:
@@ -412,16 +443,18 @@ class _Head:
     if set(rest) != set(expect) or any(abs(rest[s] - expect[s]) > 1e-5 for s in rest):
       return None
     del shifts
-    return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing)
+    if z_loss * sign < 0.0:
+      return None
+    return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing), z_loss * sign
 
 
 #: Primitive -> how a value computed by it from followed values is followed.
 _STEPS = {
     **{p: _Head._same for p in _primitives.HEAD_SAME | _primitives.SHAPE | {"transpose"}},
     "add": _Head._add_sub, "sub": _Head._add_sub, "neg": _Head._neg,
-    "mul": _Head._mul_div, "div": _Head._mul_div, "exp": _Head._exp,
+    "mul": _Head._square, "div": _Head._mul_div, "exp": _Head._exp,
     "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
-    "tanh": _Head._tanh,
+    "tanh": _Head._tanh, "square": _Head._square, "integer_pow": _Head._square,
     **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "select_n",
                                       "is_finite")},
 }
@@ -612,7 +645,7 @@ def _region(g: _graph.Graph, h: _Head, di: int, root: int, outvars: set) -> set:
 
 
 def _per_token(g: _graph.Graph, h: _Head, o, xs: tuple) -> tuple | None:
-  """``(sign, smoothing)`` when the row value ``o`` is (the negation of) a cross-entropy per
+  """``(sign, smoothing, z_loss)`` when the row value ``o`` is (the negation of) a cross-entropy per
   token of ``x``'s leading shape against labels of that shape, else None."""
   res = h.loss(h.rows[o])
   squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
@@ -621,10 +654,24 @@ def _per_token(g: _graph.Graph, h: _Head, o, xs: tuple) -> tuple | None:
   if h.permuted and squeeze(g.avals[o].shape) != squeeze(xs[:-1]):
     return None  # token axes moved: the losses are not in the tokens' order
   labels = h.labels
-  if tuple(np.shape(labels.val) if isinstance(labels, Lit) else g.avals[labels].shape) \
-      != xs[:-1]:
-    return None
+  shape = tuple(np.shape(labels.val) if isinstance(labels, Lit) else g.avals[labels].shape)
+  if shape != xs[:-1] and not (np.prod(shape) == np.prod(xs[:-1]) and not h.permuted
+                               and _keeps_order(g, h.label_nodes)):
+    return None  # (labels reshaped on their way, as the logits are: both in the tokens' order)
   return res
+
+
+def _keeps_order(g: _graph.Graph, nodes) -> bool:
+  """Whether the labels' path (``nodes``) keeps their row-major order: no broadcast that
+  spreads or permutes them."""
+  for i in nodes:
+    n = g.nodes[i]
+    if n.prim.name == "broadcast_in_dim" and n.ins and not isinstance(n.ins[0], Lit):
+      dims = tuple(n.params["broadcast_dimensions"])
+      if (np.prod(g.avals[n.ins[0]].shape) != np.prod(g.avals[n.outs[0]].shape)
+          or dims != tuple(sorted(dims))):
+        return False
+  return True
 
 
 def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
@@ -685,7 +732,7 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       fold, why, head_w = _fold(g, o, w, nodes, outvars, taken, allow_fold)
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                                None if h.bias is None else h.bias[0], h.labels, vaxis, res[1],
-                               res[0], fold, why, h.cap, _rounded_to(g, n)))
+                               res[0], fold, why, h.cap, _rounded_to(g, n), res[2]))
       taken.update(matches[-1].nodes)
       escaped = False
       break

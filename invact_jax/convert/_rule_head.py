@@ -31,7 +31,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   mode = "forward" if m.fold else "backward"
   chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
   opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
-                          0.0, m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype)
+                          float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype)
   heads = 4 if m.bias is not None else 3  # x, w, (bias,) labels; then the reduction's reads
 
   if m.fold is None:
