@@ -9,9 +9,11 @@ Flax and Equinox versions instead of being spelled out by hand:
   numeric parameters (``alpha``, ``negative_slope``) are traced as sentinels and read back
   from the program;
 * compositions: ``x * sigmoid(c * x)`` (transformers' ``quick_gelu``) as a scaled SiLU;
-* softmax over the last axis: ``jax.nn.softmax`` and the hand-written max-subtracted form
+  GPT-2's tanh GELU written by hand (``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 *
+  x ** 3)))`` and its usual reorderings) as ``gelu``;
+* softmax over the last axis: ``jax.nn.softmax``, the hand-written max-subtracted form
   (where ``jax.nn.softmax`` is one ``custom_jvp`` call, whose body the conversion does not
-  enter).
+  enter) and ``exp(x - logsumexp(x))``.
 
 Norms, and softmaxes over any axes, are found by their algebra instead (:mod:`._algebra`).
 """
@@ -19,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from invact_jax.ops.activations import registry
 from invact_jax.ops.softmax import base as _softmax_base
@@ -83,9 +85,31 @@ def _scaled_silu(x):
   return x * jax.nn.sigmoid(SENTINELS["c"] * x)
 
 
+_TANH_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_tanh_half_first(x):
+  """GPT-2's GELU as nanoGPT/minGPT ports and transformers' ``gelu_new`` write it."""
+  return 0.5 * x * (1.0 + jnp.tanh(_TANH_GELU_C * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_tanh_x_first(x):
+  return x * 0.5 * (1.0 + jnp.tanh(_TANH_GELU_C * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_tanh_cubed_by_products(x):
+  return 0.5 * x * (1.0 + jnp.tanh(_TANH_GELU_C * (x + 0.044715 * x * x * x)))
+
+
 def _composition_forms() -> list[Form]:
+  gelu = registry.get("gelu_tanh")
+  hand = [Form(f"tanh GELU by hand ({name})", "activation", "gelu", lambda dtype, fn=fn: fn,
+               entry=gelu)
+          for name, fn in (("0.5 * x * (1 + tanh(...x ** 3))", _gelu_tanh_half_first),
+                           ("x * 0.5 * (1 + tanh(...x ** 3))", _gelu_tanh_x_first),
+                           ("0.5 * x * (1 + tanh(...x * x * x))", _gelu_tanh_cubed_by_products))]
   return [Form("x * sigmoid(c * x) (quick_gelu)", "scaled_silu", "silu",
-               lambda dtype: _scaled_silu, entry=registry.get("silu"), params=("c",))]
+               lambda dtype: _scaled_silu, entry=registry.get("silu"), params=("c",)), *hand]
 
 
 # ---------------------------------------------------------------------------- softmax
@@ -99,6 +123,10 @@ def _hand_softmax_no_stop(x):
   return e / jnp.sum(e, axis=-1, keepdims=True)
 
 
+def _softmax_from_logsumexp(x):
+  return jnp.exp(x - jax.nn.logsumexp(x, axis=-1, keepdims=True))
+
+
 def _softmax_forms() -> list[Form]:
   def build(fn):
     return lambda dtype: fn
@@ -107,7 +135,9 @@ def _softmax_forms() -> list[Form]:
           Form("softmax by hand (exp(x - max) / sum)", "softmax", "softmax",
                build(_hand_softmax)),
           Form("softmax by hand (exp(x - max) / sum, no stop_gradient)", "softmax", "softmax",
-               build(_hand_softmax_no_stop))]
+               build(_hand_softmax_no_stop)),
+          Form("softmax as exp(x - logsumexp(x))", "softmax", "softmax",
+               build(_softmax_from_logsumexp))]
 
 
 FORMS: tuple[Form, ...] = tuple(_softmax_forms() + _composition_forms() + _activation_forms())

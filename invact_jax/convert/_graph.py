@@ -277,7 +277,10 @@ def evaluate(graph: Graph, args, *, units=(), nested: Callable | None = None) ->
   bind it as it is)."""
   env = dict(zip(graph.invars, args))
   value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
+  results = {r for r in graph.outvars if not isinstance(r, Lit)}
   for item in schedule(graph, units):
+    if not isinstance(item, Unit) and _dead(graph, graph.nodes[item], results):
+      continue  # (its inputs may be a unit's insides, computed no more)
     if isinstance(item, Unit):
       root = graph.producer.get(item.outputs[0]) if item.outputs else None
       with _source(graph.nodes[root[0]].eqn if root else None):  # what it keeps: the user's line
@@ -293,6 +296,13 @@ def evaluate(graph: Graph, args, *, units=(), nested: Callable | None = None) ->
     for k, v in zip(n.outs, outs):
       env[k] = v
   return [value(r) for r in graph.outvars]
+
+
+def _dead(graph: Graph, node: Node, results: set) -> bool:
+  """Whether ``node`` computes nothing anything reads (``jax.nn.logsumexp``'s unused
+  ``sign``) and has no effect."""
+  return (not getattr(node.eqn, "effects", True) and node.outs
+          and not any(o in results or graph.consumers.get(o) for o in node.outs))
 
 
 def region(graph: Graph, node_ids, ins: list, outs: list) -> Callable[..., tuple]:

@@ -249,12 +249,16 @@ def match_at(pat: Pattern, program: _graph.Graph, i: int, claimed: set) -> FormM
 
 def escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
   """Whether a value the nodes ``inside`` compute, other than ``out``, is used outside them
-  (then converting saves nothing and the values would be computed anyway: left alone)."""
+  (then converting saves nothing and the values would be computed anyway: left alone).  A
+  reader whose results are all dropped (``jax.nn.logsumexp``'s unused ``sign``) uses
+  nothing."""
   for i in inside:
     for o in g.nodes[i].outs:
       if o == out:
         continue
-      if o in outvars or any(c not in inside for c in g.consumers.get(o, ())):
+      if o in outvars or any(c not in inside and any(r in outvars or g.consumers.get(r)
+                                                     for r in g.nodes[c].outs)
+                             for c in g.consumers.get(o, ())):
         return True
   return False
 

@@ -1,6 +1,7 @@
 """invact_jax.invert: the program-level conversion (ops found by their computation)."""
 import dataclasses
 import functools
+import math
 
 import chex
 import flax.linen as nn
@@ -381,6 +382,51 @@ def test_quick_gelu_is_a_scaled_silu(dtype):
   assert_at_float32_floor(loss, (w, x), g)
   saved = memory.residuals(invact_jax.invert(lambda h: jnp.sum(jnp.sin(quick_gelu(h)))), h)
   assert sorted(str(r.dtype) for r in saved) == sorted([dtype, dtype, "uint8"]), saved
+
+
+_C = math.sqrt(2.0 / math.pi)
+_HAND_GELUS = {  # GPT-2's tanh GELU as ports of it write it
+    "half_first": lambda x: 0.5 * x * (1.0 + jnp.tanh(_C * (x + 0.044715 * x ** 3))),
+    "x_first": lambda x: x * 0.5 * (1.0 + jnp.tanh(_C * (x + 0.044715 * x ** 3))),
+    "products": lambda x: 0.5 * x * (1.0 + jnp.tanh(_C * (x + 0.044715 * x * x * x))),
+    "power": lambda x: 0.5 * x * (1.0 + jnp.tanh(0.7978845608 * (x + 0.044715 * jnp.power(x, 3)))),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_HAND_GELUS))
+def test_a_tanh_gelu_written_by_hand_is_a_gelu(spelling):
+  """nanoGPT's / transformers' ``gelu_new``: one GELU keeping y and a bit (before: only its
+  tanh was converted), forward bit-identical, gradients at the float32 floor."""
+  gelu = _HAND_GELUS[spelling]
+  w = _x((32, 32), seed=2) / 8
+  loss = lambda w, x: jnp.sum(jnp.sin(gelu(x @ w)))  # noqa: E731
+  x = _x()
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(w, x)
+  assert inv.last_report.replaced == {"gelu": 1}, inv.last_report
+  assert jax.jit(inv)(w, x) == jax.jit(loss)(w, x)
+  assert_at_float32_floor(loss, (w, x), g, hand_loss=lambda w, x: jnp.sum(jnp.sin(
+      invact_jax.gelu(x @ w, approximate=True))))
+  saved = memory.residuals(invact_jax.invert(lambda h: jnp.sum(jnp.sin(gelu(h)))), x)
+  assert sorted(str(r.dtype) for r in saved) == ["float32", "float32", "uint8"], saved
+
+
+def test_softmax_as_exp_of_x_minus_logsumexp():
+  """``exp(x - logsumexp(x))`` is a softmax (``jax.nn.logsumexp``'s unused ``sign`` does not
+  count as another use of its sum): keeps the probabilities alone."""
+  w = _x((32, 32), seed=2) / 8
+  soft = lambda s: jnp.exp(s - jax.nn.logsumexp(s, -1, keepdims=True))  # noqa: E731
+  loss = lambda w, x: jnp.sum(jnp.sin(soft(x @ w) @ w))  # noqa: E731
+  x = _x()
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(w, x)
+  assert inv.last_report.forms == {"softmax as exp(x - logsumexp(x))": 1}, inv.last_report
+  assert jax.jit(inv)(w, x) == jax.jit(loss)(w, x)
+  assert_at_float32_floor(loss, (w, x), g)
+  single = lambda h: jnp.sum(jnp.sin(soft(h)))  # noqa: E731
+  saved = memory.residuals(invact_jax.invert(single), x)
+  assert [r.shape for r in saved] == [x.shape, x.shape], saved  # the probabilities, sin's cos
+  assert sum(r.bytes for r in saved) < sum(r.bytes for r in memory.residuals(single, x))
 
 
 def test_shard_map_bodies_are_converted():
