@@ -194,16 +194,11 @@ def _eval_inlined(closed, args) -> list:
   return _graph.evaluate(graph, list(args), nested=hook)
 
 
-def _varying(value) -> frozenset:
-  """The ``shard_map`` axes ``value`` varies over (none outside one)."""
-  mat = getattr(jax.typeof(value), "mat", None) if isinstance(value, jax.Array) else None
-  return frozenset(getattr(mat, "varying", ()) or ())
-
-
 def _as_varying(values: list) -> list:
   """``values`` cast to vary over every axis one of them varies over (as JAX casts the
   operands of an equation it traces inside a ``shard_map``)."""
-  axes = [_varying(v) for v in values]
+  axes = [_graph.varying_axes(jax.typeof(v)) if isinstance(v, jax.Array) else frozenset()
+          for v in values]
   union = frozenset().union(*axes)
   if not union:
     return values

@@ -253,13 +253,6 @@ def plan_for_budget(cfg, batch: int, budget: int, profiles: Sequence[planner.Lay
   return found
 
 
-def least_temp(cfg, batch: int, configurations: Sequence[str], *, seq_len: int = 128) -> int:
-  """The least compiled temp any plan of ``configurations`` can have (every layer keeping
-  nothing): the true minimum budget, one compile per configuration."""
-  return min(compiled_temp(cfg, batch, c, ((),) * cfg.depth, seq_len=seq_len)
-             for c in configurations)
-
-
 def _least_within(cfg, batch, budget, profiles, *, seq_len):
   """Per configuration the plan that keeps nothing, compiled: the cheapest that fits
   ``budget``; InfeasibleBudget naming the least compiled temp when none does."""

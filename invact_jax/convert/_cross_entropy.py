@@ -293,6 +293,9 @@ class _Head:
 
   def _mul_div(self, n, ins, o) -> None:
     a, b = ins
+    if n.prim.name == "mul" and a == b:
+      self._square(n, ins, o)
+      return
     c = self._const(b)
     if c is None and n.prim.name == "mul" and self._const(a) is not None:
       c, a = self._const(a), b
@@ -349,12 +352,9 @@ class _Head:
       self.rows[o] = {"ls" + self.sums[ins[0]]: 1.0}
 
   def _square(self, n, ins, o) -> None:
-    """``lse ** 2`` (``square``, ``integer_pow`` 2 or ``lse * lse``): a z-loss's term; any
-    other product is :meth:`_mul_div`'s."""
+    """``lse ** 2`` (``square``, ``integer_pow`` 2, or ``lse * lse`` from :meth:`_mul_div`):
+    a z-loss's term."""
     if n.prim.name == "integer_pow" and n.params.get("y") != 2:
-      return
-    if n.prim.name == "mul" and ins[0] != ins[1]:
-      self._mul_div(n, ins, o)
       return
     row = None if isinstance(ins[0], Lit) else self.rows.get(ins[0])
     if row is not None and self._is_lse(row):
@@ -362,14 +362,12 @@ class _Head:
 
   @staticmethod
   def _is_lse(row: dict) -> bool:
-    """Whether ``row`` is one log-sum-exp (its log-sum and the shift it was taken at)."""
+    """Whether ``row`` is one log-sum-exp: its log-sum plus the shift it was taken at."""
     lss = [k for k in row if k.startswith("ls")]
-    if len(lss) != 1 or abs(row[lss[0]] - 1.0) > _TOL:
+    if len(lss) != 1:
       return False
-    rest = {s: c for s, c in row.items() if s != lss[0]}
-    shift = lss[0][2:]
-    return rest == ({shift: 1.0} if shift else {}) or (
-        shift and set(rest) == {shift} and abs(rest[shift] - 1.0) <= _TOL)
+    want = {lss[0]: 1.0, **({lss[0][2:]: 1.0} if lss[0][2:] else {})}
+    return set(row) == set(want) and all(abs(row[s] - c) <= _TOL for s, c in want.items())
 
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
@@ -452,7 +450,7 @@ class _Head:
 _STEPS = {
     **{p: _Head._same for p in _primitives.HEAD_SAME | _primitives.SHAPE | {"transpose"}},
     "add": _Head._add_sub, "sub": _Head._add_sub, "neg": _Head._neg,
-    "mul": _Head._square, "div": _Head._mul_div, "exp": _Head._exp,
+    "mul": _Head._mul_div, "div": _Head._mul_div, "exp": _Head._exp,
     "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
     "tanh": _Head._tanh, "square": _Head._square, "integer_pow": _Head._square,
     **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "select_n",

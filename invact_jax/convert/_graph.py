@@ -279,7 +279,7 @@ def evaluate(graph: Graph, args, *, units=(), nested: Callable | None = None) ->
   value = lambda r: r.val if isinstance(r, Lit) else env[r]  # noqa: E731
   results = {r for r in graph.outvars if not isinstance(r, Lit)}
   for item in schedule(graph, units):
-    if not isinstance(item, Unit) and _dead(graph, graph.nodes[item], results):
+    if not isinstance(item, Unit) and dead(graph, graph.nodes[item], results):
       continue  # (its inputs may be a unit's insides, computed no more)
     if isinstance(item, Unit):
       root = graph.producer.get(item.outputs[0]) if item.outputs else None
@@ -298,9 +298,9 @@ def evaluate(graph: Graph, args, *, units=(), nested: Callable | None = None) ->
   return [value(r) for r in graph.outvars]
 
 
-def _dead(graph: Graph, node: Node, results: set) -> bool:
+def dead(graph: Graph, node: Node, results: set) -> bool:
   """Whether ``node`` computes nothing anything reads (``jax.nn.logsumexp``'s unused
-  ``sign``) and has no effect."""
+  ``sign``) and has no effect (``results``: the graph's outputs)."""
   return (not getattr(node.eqn, "effects", True) and node.outs
           and not any(o in results or graph.consumers.get(o) for o in node.outs))
 
@@ -375,10 +375,15 @@ def is_shard_map(node: Node) -> bool:
           and {"mesh", "in_specs", "out_specs", "jaxpr"} <= set(node.params))
 
 
+def varying_axes(aval) -> frozenset:
+  """The ``shard_map`` manual axes values of ``aval`` vary over (none outside one)."""
+  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()) or ())
+
+
 def varies_over_mesh(avals) -> bool:
   """Whether values of these avals vary over a ``shard_map``'s manual axes: a body that takes
   them only traces inside its shard_map, not on its own from :func:`shape_structs`."""
-  return any(not getattr(getattr(a, "mat", None), "empty", True) for a in avals)
+  return any(varying_axes(a) for a in avals)
 
 
 def shape_structs(avals) -> list:

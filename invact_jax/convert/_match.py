@@ -256,8 +256,7 @@ def escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
     for o in g.nodes[i].outs:
       if o == out:
         continue
-      if o in outvars or any(c not in inside and any(r in outvars or g.consumers.get(r)
-                                                     for r in g.nodes[c].outs)
+      if o in outvars or any(c not in inside and not _graph.dead(g, g.nodes[c], outvars)
                              for c in g.consumers.get(o, ())):
         return True
   return False

@@ -14,7 +14,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from invact_jax import memory
+import invact_jax
+from invact_jax import memory, planner
 from models import text, vit
 from models.training import checkpoints
 from models.training import config
@@ -32,8 +33,6 @@ def plan_loss(loss: Callable[..., Any], example_args: tuple, budget: int):
   ``example_args`` (one device's batch): what each layer of its scan keeps, recomputes or
   offloads, with ``invact_jax.invert`` of it as an operator variant; raises ConfigError if
   nothing fits (the message names the minimum)."""
-  import invact_jax  # pylint: disable=import-outside-toplevel
-  from invact_jax import planner  # pylint: disable=import-outside-toplevel
   try:
     return invact_jax.plan(loss, *example_args, budget=budget, has_aux=True, convert=True)
   except planner.InfeasibleBudget as e:
@@ -67,7 +66,7 @@ class Trainer:
     self.objective = self._mean_loss
     self.plan = None
     if self.cfg.memory_budget is not None:
-      self.objective = plan_loss(self._mean_loss, self._one_device_args(params),
+      self.objective = plan_loss(self._mean_loss, (params, *self._one_device_batch()),
                                  self.cfg.memory_budget)
       self.plan = self.objective.report
     self.total = self.cfg.total_steps(self.dataset.x_train.shape[0])
@@ -118,13 +117,11 @@ class Trainer:
     loss, correct = self._losses(params, x, y, key)
     return loss.mean(), jnp.mean(correct)
 
-  def _one_device_args(self, params) -> tuple:
-    """Shape structs of ``(params, x, y, key)`` for one device's share of a batch."""
+  def _one_device_batch(self) -> tuple:
+    """Shape structs of ``(x, y, key)`` for one device's share of a batch."""
     d, b = self.dataset, self.cfg.batch_size // self.mesh.size
-    struct = lambda a, lead: jax.ShapeDtypeStruct((lead, *a.shape[1:]), a.dtype)  # noqa: E731
-    return (jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params),
-            struct(d.x_train, b), struct(d.y_train, b),
-            jax.eval_shape(lambda: dropout_key(self.cfg.seed, 0)))
+    struct = lambda a: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype)  # noqa: E731
+    return struct(d.x_train), struct(d.y_train), dropout_key(self.cfg.seed, 0)
 
   def _losses(self, params, x, y, key):
     """Per-example (per-position for text) cross-entropy and correctness; a text model's
