@@ -342,9 +342,22 @@ def _newest_per_device(paths) -> list:
   return [(p, meta) for _, p, meta in sorted(best.values(), key=lambda b: str(b[1]))]
 
 
+def _at_default_tiles(by: dict, meta: dict, dtype: str) -> tuple[dict | None, str]:
+  """``(row, label)``: the run's sweep row at today's default mode and tiles
+  (:func:`invact_jax.ops.cross_entropy.base.default_tiles`; the label names it), else its
+  ``invact_jax`` row (the defaults when it ran)."""
+  from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
+  mode = "forward" if split_dtype(dtype)[1].itemsize >= 4 else "backward"
+  t, v = base.default_tiles(meta["tokens"], meta["vocab"], mode,
+                            "cpu" if meta["device"] == "cpu" else "gpu")
+  row = by.get(f"invact_jax {mode} {t}x{v}")
+  return (row, f", {mode} {t}×{v}") if row else (by.get("invact_jax"), "")
+
+
 def headline_rows(root) -> list[str]:
   """README headline rows: per device, the newest LM head run's plain head against
-  :func:`invact_jax.linear_cross_entropy` with its defaults (the run's first dtype)."""
+  :func:`invact_jax.linear_cross_entropy` with today's defaults (the run's first dtype): its
+  sweep row at the default tiles where it has one."""
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
   out = []
@@ -352,15 +365,15 @@ def headline_rows(root) -> list[str]:
     rows = json.loads(p.read_text())["rows"]
     dtype = next(r["dtype"] for r in rows if r["framework"] == "jax")
     by = {r["head"]: r for r in rows if r["framework"] == "jax" and r["dtype"] == dtype}
-    plain, ours = by.get("plain"), by.get("invact_jax")
+    plain, (ours, tile) = by.get("plain"), _at_default_tiles(by, meta, dtype)
     if not plain or not ours or "error" in plain or "error" in ours:
       continue
     what = f"LM head, {meta['tokens']}×{meta['d']}×{meta['vocab']}, {dtype}"
     src = f"[{p.name}](bench/{p.name}) · [docs](docs/lm-head.md)"
     on = f"{meta['device']}, JAX {meta['jax']}, {meta['date']}"
     out.append(f"| memory: compiled temp, {what} | {plain['temp_bytes'] / 2**20:,.1f} MiB | "
-               f"{ours['temp_bytes'] / 2**20:,.1f} MiB ({ours['temp_vs_plain']:.1%}) | {on} | "
-               f"{src} |")
+               f"{ours['temp_bytes'] / 2**20:,.1f} MiB ({ours['temp_vs_plain']:.1%}{tile}) | "
+               f"{on} | {src} |")
     out.append(f"| speed: step, {what} | {plain['time_s'] * 1e3:,.1f} ms | "
                f"{ours['time_s'] * 1e3:,.1f} ms ({ours['time_vs_plain']:.2f}×) | same run | "
                f"{src} |")

@@ -303,6 +303,20 @@ def test_the_default_mode_is_forward_where_its_accumulator_is_the_gradient():
       x, w, y, reduction="none", **TILES)), x, w) == [((N,), "float32")]
 
 
+@pytest.mark.parametrize("platform, mode, expected", [
+    ("cpu", "backward", (1024, 1024)), ("cpu", "forward", (32, 2048)),
+    ("gpu", "backward", (8192, 4096)), ("gpu", "forward", (2048, 128256))])
+def test_default_tiles_per_platform_from_the_sweeps(platform, mode, expected):
+  """docs/lm-head.md's sweeps: on CPU small tiles; on the H100 (N = 8192, V = 128256) 8192 x
+  4096 for the recomputing backward, 2048 tokens over the whole vocabulary for gradients in
+  the forward; the token tile divides the tokens where a multiple of 8 does."""
+  from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
+  assert base.default_tiles(8192, 128256, mode, platform) == expected
+  assert base.default_tiles(6000, 128256, mode, "gpu")[0] == (2000 if mode == "forward"
+                                                              else 6000)  # divides 6000
+  assert base.default_tiles(100, 512, mode, platform) == (100, 512)  # a tile of them all
+
+
 @pytest.mark.parametrize("argnums, kept", [((0,), [(N, D)]), ((1,), [(D, V)]),
                                            ((0, 1), [(D, V), (N, D)])])
 def test_gradients_in_the_forward_only_for_the_differentiated_arguments(argnums, kept):

@@ -41,14 +41,18 @@ __all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "reference", "default
 #: The gradient modes: computed with the loss (scalar losses) or by recomputing the logits.
 GRADIENTS = ("forward", "backward")
 
-# Default tiles: logits per tile, by gradient mode and platform.  "backward": about 2^20
-# (4 MiB in float32), up to 1024 tokens, on every platform.  "forward": a chunk holds its
-# tokens' logits over the whole vocabulary; on CPU 2^22 (16 MiB, 128 tokens at V = 32768) and
-# weight-gradient updates of 2048 vocabulary entries (`scripts/bench_lm_head.py --tiles`, see
-# docs/lm-head.md); elsewhere 2^26 and one update per chunk (a prediction until a GPU sweep).
-_BACKWARD_ELEMENTS = 1 << 20
+# Default tiles: logits per tile, by gradient mode and platform, from the tile sweeps of
+# `scripts/bench_lm_head.py --tiles` (docs/lm-head.md).  CPU: "backward" 2^20 (4 MiB in
+# float32), up to 1024 tokens; "forward" 2^22 (16 MiB, 128 tokens at V = 32768) and
+# weight-gradient updates of 2048 vocabulary entries.  Elsewhere (measured on an H100, bf16,
+# N = 8192, d = 4096, V = 128256): "backward" 2^25, up to 8192 tokens (8192 x 4096: 1.51x the
+# plain head where 1024 x 1024 took 3.24x); "forward" 2^28 and one update per chunk (2048
+# tokens: 1.01x, where 512 tokens, 16 passes over the float32 weight-gradient accumulator,
+# took 1.50x).
+_BACKWARD = {"cpu": (1 << 20, 1024)}
+_BACKWARD_OTHER = (1 << 25, 8192)
 _FORWARD_ELEMENTS = {"cpu": 1 << 22}
-_FORWARD_ELEMENTS_OTHER = 1 << 26
+_FORWARD_ELEMENTS_OTHER = 1 << 28
 _FORWARD_UPDATE = {"cpu": 2048}
 _MAX_FORWARD_TOKENS = 4096
 
@@ -103,9 +107,10 @@ def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
     platform: ``"cpu"``, ``"gpu"``, ... (default: JAX's default backend).
 
   Returns:
-    "backward": about 2^20 logits per tile, up to 1024 tokens, the rest along the vocabulary.
+    "backward": about 2^20 logits per tile on CPU, up to 1024 tokens (2^25 elsewhere, up
+    to 8192 tokens), the rest along the vocabulary.
     "forward": tokens whose logits over the whole vocabulary fill the platform's budget
-    (2^22 elements on CPU, 2^26 elsewhere; 8 to 4096 tokens), and the weight gradient's
+    (2^22 elements on CPU, 2^28 elsewhere; 8 to 4096 tokens), and the weight gradient's
     update tile (2048 entries on CPU, the whole vocabulary elsewhere).
   """
   platform = platform or jax.default_backend()
@@ -113,8 +118,9 @@ def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
     elements = _FORWARD_ELEMENTS.get(platform, _FORWARD_ELEMENTS_OTHER)
     t = _token_tile(tokens, max(8, min(_MAX_FORWARD_TOKENS, elements // max(vocab, 1))))
     return t, max(1, min(vocab, _FORWARD_UPDATE.get(platform, vocab)))
-  t = _token_tile(tokens, 1024)
-  return t, max(1, min(vocab, _BACKWARD_ELEMENTS // t))
+  elements, most = _BACKWARD.get(platform, _BACKWARD_OTHER)
+  t = _token_tile(tokens, most)
+  return t, max(1, min(vocab, elements // t))
 
 
 # ------------------------------------------------------------------------ the formula
