@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: train test gpu-test gpu-report clean
+.PHONY: train test gpu-test gpu-report device-wheels clean
 train: $(VENV)/.installed
 	$(BIN)/python scripts/train_vit.py $(ARGS)
 
@@ -22,6 +22,18 @@ gpu-test:
 # Every GPU figure, ~8 minutes.
 gpu-report:
 	PYTHONPATH=. $(PYTHON) scripts/gpu_report.py $(ARGS)
+
+# The wheels a GPU session carries in .whl (ignored; the GPU machine downloads nothing; see
+# docs/gpu-report.md): liger-kernel, tokamax and what tokamax imports that the machine's image
+# (Python 3.12) lacks.
+DEVICE_WHEELS = liger-kernel==0.8.5 tokamax==0.0.17 einshape==1.0 pydantic==2.14.4 \
+  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==4.16.0 qwix==0.1.8 immutabledict==4.3.1 tensorboardx==2.6.5 \
+  xprof==2.24.2 fire==0.7.1 termcolor==3.3.0 jax-triton==0.3.1
+device-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(DEVICE_WHEELS)
 
 # keras-hub (its backbones, for the conversion's tests) goes in without the TensorFlow its
 # tokenizers need (pip extras cannot say --no-deps), at the versions keras-hub pins itself.

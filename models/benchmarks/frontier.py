@@ -52,8 +52,8 @@ from models import reference_layers
 __all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "HEADS", "JaxRow", "PlanRow", "TorchRow",
            "LM_ORDER", "GPU_STACKS",
            "DRY_STACKS", "Shape", "build", "measure", "child_row", "rows", "profile_from_rows",
-           "plan_specs", "layers_that_fit", "pareto", "per_token_layer", "markdown",
-           "newest_per_model", "earlier_rows", "headline_rows", "plot"]
+           "plan_specs", "layers_that_fit", "head_tiles", "pareto", "per_token_layer",
+           "markdown", "newest_per_model", "earlier_rows", "headline_rows", "plot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +320,15 @@ def _key(spec: dict) -> dict:
           "configuration": configuration, "head": head_of(spec), "dtype": spec["dtype"]}
 
 
+def head_tiles(s: Shape, platform: str) -> dict:
+  """The tiles :func:`invact_jax.invert` gives a language model's head on ``platform``
+  (:func:`invact_jax.ops.cross_entropy.base.default_tiles`, per gradient mode): an invact
+  row records them, and a later run carries it over only while they are the same."""
+  from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
+  return {"platform": platform, **{m: list(base.default_tiles(s.tokens, s.vocab, m, platform))
+                                   for m in base.GRADIENTS}}
+
+
 def measure(spec: dict) -> dict:
   """One row: ``spec`` = {stack, policy, invact, dtype, repeats[, layers][, batch][, head]
   [, runs, configuration]}."""
@@ -329,6 +338,8 @@ def measure(spec: dict) -> dict:
   step = jax.jit(jax.value_and_grad(loss))
   compiled = step.lower(*args).compile()
   row = {**_key(spec), "layers": s.layers, "batch": s.batch}
+  if spec["invact"] and s.vocab:
+    row["head_tiles"] = head_tiles(s, jax.default_backend())
   if memory.reports_peak():
     peak = memory.device_peak(step, *args)
     # activations: the step's peak increase minus what it returns (the gradients: params'
@@ -349,11 +360,14 @@ def measure(spec: dict) -> dict:
 
 
 def child_row(spec: dict) -> dict:
-  """A row measured in this process (``python -m models.benchmarks.frontier``)."""
+  """A row measured in this process (``python -m models.benchmarks.frontier``); a spec with
+  ``fit`` (a stack's name) gives ``{"fit": n}``, :func:`layers_that_fit` of that stack."""
   try:
+    if "fit" in spec:
+      return {"fit": layers_that_fit(spec["fit"], spec["dtype"], field=spec["field"])}
     return measure(spec)
   except Exception as e:  # pylint: disable=broad-except  # out of memory, unsupported, ...
-    return child.error_row(e, **_key(spec))
+    return child.error_row(e, **({} if "fit" in spec else _key(spec)))
 
 
 # --------------------------------------------------------------- the planner's rows
@@ -600,9 +614,9 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
   """Per stack: the torch rows where torch is importable (the baselines first: a deadline
   cuts the JAX rows, not the comparison), every (policy, invact) row, then the planner's plans
   (with ``plans``, where the policies it is calibrated on were measured); per language model
-  the rows of :data:`LM_ORDER` (:func:`_lm_rows`), those in ``done`` (an earlier run's rows)
-  carried over, not measured again.  Stacks in :data:`FIT` have as many layers, or the
-  largest batch, as fit (on a GPU).  Rows measured here carry ``date``."""
+  the rows of :data:`LM_ORDER` (:func:`_lm_rows`), those in ``done`` (an earlier run's rows
+  of the same layers and batch) carried over, not measured again.  Stacks in :data:`FIT`
+  have as many layers, or the largest batch, as fit (on a GPU; found in a child process).  Rows measured here carry ``date``."""
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
   policies = [p for p in (policies or POLICIES) if p != "minimal_offloaded" or has_memory_kinds()]
   out = []
@@ -635,12 +649,27 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
         row["prediction_error"] = row["activation_bytes"] / spec["predicted_bytes"] - 1
       out.append(row)
 
+  def fitted(name, field):
+    """The stack's ``field`` that fits, from a child process: compiling for the device
+    (autotuning) grows this process's allocator, which would keep that memory from the
+    rows' own processes."""
+    spec = {"fit": name, "dtype": dtype, "field": field}
+    res = child_row(spec) if in_process else child.run_child(
+        "models.benchmarks.frontier", spec, deadline - time.time())
+    return res.get("fit"), res.get("error")
+
   torch_ok = frontier_torch.importable()
   for name in stacks:
     fit = FIT.get(name)
     fields = {"layers": STACKS[name].layers, "batch": STACKS[name].batch}
     if fit:
-      fields[fit] = layers_that_fit(name, dtype, field=fit)
+      progress(f"frontier {name}: the {fit} that fits")
+      fields[fit], why = fitted(name, fit)
+      if why is not None:
+        out.append({"model": name, "framework": "jax", "configuration": "default",
+                    "invact": False, "head": "plain" if STACKS[name].vocab else "",
+                    "error": f"the {fit} that fits: {why}"})
+        continue
     if STACKS[name].vocab:
       if not _lm_rows(name, fields, out, policies=policies, torch_configurations=torch_configurations,
                       torch_ok=torch_ok, one=one, torch_row=torch_row, plan_rows=plan_rows,
@@ -672,10 +701,15 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
 def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one, torch_row,
              plan_rows, plans, done, deadline, dtype, repeats, progress) -> bool:
   """A language model's rows in :data:`LM_ORDER` appended to ``out`` (rows of ``done`` for
-  the same model, configuration, invact and head carried over); False when the deadline
-  cut them."""
+  the same model, configuration, invact, head, layers and batch carried over, an invact row
+  only while its head's tiles are today's, :func:`head_tiles`); False when the deadline cut
+  them."""
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
-  earlier = [r for r in done if r.get("model") == name and "error" not in r]
+  shape = dataclasses.replace(STACKS[name], **fields)
+  earlier = [r for r in done if r.get("model") == name and "error" not in r
+             and all(r.get(k) == v for k, v in fields.items())
+             and (not r.get("invact") or r.get("head_tiles") == head_tiles(
+                 shape, (r.get("head_tiles") or {}).get("platform", "")))]
   wanted = frontier_torch.CONFIGURATIONS if torch_configurations is None else torch_configurations
   for item in LM_ORDER:
     if isinstance(item, PlanRow):
@@ -903,7 +937,11 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
   out.with_suffix(".md").write_text(markdown(rs) + "\n")
   if any("error" not in r for r in rs):
     plot(rs, out.with_suffix(".png"))
-  return {"json": str(out.with_suffix(".json")), "rows": rs}
+  path = out.with_suffix(".json").resolve()
+  root = pathlib.Path(__file__).resolve().parents[2]
+  # the report names it as the docs link it: from the repository's root where it is inside
+  return {"json": str(path.relative_to(root) if path.is_relative_to(root) else path),
+          "rows": rs}
 
 
 if __name__ == "__main__":  # a child: one row, one JSON line

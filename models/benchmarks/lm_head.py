@@ -91,9 +91,19 @@ def ours_backward(x, w, labels):
 
 
 def _tokamax(implementation: str) -> Callable | None:
+  """tokamax's head with ``implementation``; None where tokamax is not installed; where it
+  is but its import fails (a dependency missing), a loss that raises that error (the row
+  says why)."""
   if importlib.util.find_spec("tokamax") is None:
     return None
-  import tokamax  # pylint: disable=import-outside-toplevel
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except Exception as e:  # pylint: disable=broad-except  # e.g. tokamax's xprof missing
+    failed = e
+
+    def broken(x, w, labels):
+      raise failed
+    return broken
   fn = getattr(tokamax, "linear_softmax_cross_entropy_loss", None)
   if fn is None:
     return None

@@ -306,6 +306,43 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
   for r in measured:
     assert any(o is r for o in second), r   # carried, not measured again
   assert all(r.get("date") != "2026-11-27" for r in second if "error" not in r)
+  # rows of another batch are not carried (a later run's fit may differ): nothing is left to
+  # carry, and the deadline has passed
+  other = [{**r, "batch": r["batch"] + 1} for r in measured]
+  third = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
+                        in_process=True, torch_configurations=(), done=other, deadline=0.0)
+  assert not any(o is r for o in third for r in other), third
+  # an invact row measured with other head tiles (an earlier default) is measured again
+  assert all(r["head_tiles"]["platform"] == "cpu" for r in measured if r["invact"])
+  stale = [{**r, "head_tiles": None} if r["invact"] else r for r in measured]
+  fourth = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
+                         in_process=True, torch_configurations=(), done=stale, deadline=0.0)
+  assert fourth and all(not r["invact"] and any(r is o for o in stale) for r in fourth), fourth
+
+
+def test_the_fit_runs_apart_from_the_rows(monkeypatch):
+  """A fitted stack's batch comes from :func:`frontier.child_row` (a child process on a GPU,
+  so that compiling for the fit holds no device memory while the rows run); a fit that fails
+  leaves one error row and no rows at a guessed size."""
+  s = frontier.STACKS["dry-llama3"]
+  assert frontier.child_row({"fit": "dry-llama3", "dtype": "float32", "field": "batch"}) == {
+      "fit": s.batch}  # CPU: no limit, the stack's own
+  seen = []
+  real = frontier.layers_that_fit
+  monkeypatch.setattr(frontier, "FIT", {"dry-llama3": "batch"})
+  monkeypatch.setattr(frontier, "layers_that_fit",
+                      lambda *a, **k: seen.append((a, k)) or real(*a, **k))
+  done = [{"model": "dry-llama3", "framework": "jax", "invact": False, "configuration": c,
+           "head": "plain", "layers": s.layers, "batch": s.batch, "activation_bytes": 1,
+           "step_ms": 1.0} for c in ("default", "dots_no_batch")]
+  rs = frontier.rows(["dry-llama3"], dtype="float32", policies=["none", "dots_no_batch"],
+                     in_process=True, torch_configurations=(), done=done, deadline=0.0)
+  assert seen == [(("dry-llama3", "float32"), {"field": "batch"})]
+  assert rs[:2] == done
+  monkeypatch.setattr(frontier, "layers_that_fit", lambda *a, **k: 1 / 0)
+  (row,) = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
+                         torch_configurations=(), done=done, deadline=0.0)
+  assert row["error"].startswith("the batch that fits: ZeroDivisionError"), row
 
 
 def test_plans_are_calibrated_from_shapes_before_the_presets_are_measured():

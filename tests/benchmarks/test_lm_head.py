@@ -25,6 +25,23 @@ def test_rows_measure_every_jax_head_without_a_logits_buffer_for_ours(monkeypatc
   assert all(r["framework"] == "jax" and r["grad_error"] < 1e-5 for r in rs), rs
 
 
+def test_tokamax_installed_but_not_importable_is_an_error_row(monkeypatch):
+  """tokamax present whose import fails (on the GPU machine without its xprof): its rows say
+  so and the other rows are measured."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(lm_head_torch, "importable", lambda: False)
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: object() if name == "tokamax" else real(name, *a))
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # import tokamax raises ImportError
+  rs = lm_head.rows(64, 16, 256, dtypes=("float32",), repeats=1,
+                    names=("plain", "tokamax chunked_xla"))
+  by = {r["head"]: r for r in rs}
+  assert "error" not in by["plain"], rs
+  assert by["tokamax chunked_xla"]["error"].startswith("ModuleNotFoundError: import of tokamax"), rs
+
+
 def test_a_float32_master_weight_with_bfloat16_hidden_states(monkeypatch):
   """``bfloat16/float32`` (mixed precision): the plain head casts the master weight to
   bfloat16 for its logits; ours takes it as it is (its default: gradients in the forward) and
