@@ -561,21 +561,37 @@ def fold_reduction(g: _graph.Graph, loss, outvars: set) -> tuple[Fold | None, st
   return Fold(frozenset(nodes), ends[0], tuple(extras)), ""
 
 
-def _wide_source(g: _graph.Graph, w, region: set):
-  """``(source, cast node)`` when ``w`` is a 16-bit cast of a float32/float64 value read only
-  by ``region``, else ``(w, None)``."""
-  if isinstance(w, Lit) or w not in g.producer:
-    return w, None
-  i = g.producer[w][0]
-  n = g.nodes[i]
-  if n.prim.name != "convert_element_type" or isinstance(n.ins[0], Lit):
-    return w, None
-  src = n.ins[0]
-  if jnp.dtype(g.avals[w].dtype).itemsize >= 4 or not jnp.issubdtype(
-      g.avals[src].dtype, jnp.floating) or jnp.dtype(g.avals[src].dtype).itemsize < 4 or any(
-          c not in region for c in g.consumers.get(w, ())) or w in g.outvars:
-    return w, None
-  return src, i
+def _wide_source(g: _graph.Graph, w, region: set) -> tuple:
+  """``(source, absorbed nodes, transposed)``: where ``w`` is a 16-bit cast of a float32 or
+  float64 value, possibly transposed before or after the cast (a tied embedding's
+  ``table.astype(bf16).T``), each step read only by ``region`` and the steps after it, the
+  wide value, those steps' nodes and whether one of them transposes; else ``(w, [], False)``."""
+  steps, ref, readers = [], w, set(region)
+  for _ in range(2):
+    if isinstance(ref, Lit) or ref not in g.producer or ref in g.outvars or any(
+        c not in readers for c in g.consumers.get(ref, ())):
+      break
+    i = g.producer[ref][0]
+    n = g.nodes[i]
+    src = n.ins[0]
+    kinds = [k for _, k in steps]
+    if isinstance(src, Lit):
+      break
+    if n.prim.name == "transpose" and "transpose" not in kinds and tuple(
+        n.params["permutation"]) == (1, 0):
+      steps.append((i, "transpose"))
+    elif (n.prim.name == "convert_element_type" and "cast" not in kinds
+          and jnp.dtype(g.avals[ref].dtype).itemsize < 4
+          and jnp.issubdtype(g.avals[src].dtype, jnp.floating)
+          and jnp.dtype(g.avals[src].dtype).itemsize >= 4):
+      steps.append((i, "cast"))
+    else:
+      break
+    readers.add(i)
+    ref = src
+  if "cast" not in [k for _, k in steps]:
+    return w, [], False
+  return ref, [i for i, _ in steps], any(k == "transpose" for _, k in steps)
 
 
 def _head_dot(g: _graph.Graph, n) -> tuple | None:
@@ -674,19 +690,19 @@ def _keeps_order(g: _graph.Graph, nodes) -> bool:
 
 def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
           allow_fold: bool) -> tuple:
-  """``(fold or None, why not, the head's weight)``; a 16-bit cast of a float32 weight read
-  only by the head is taken into ``nodes`` and its source is the head's weight."""
+  """``(fold or None, why not, the head's weight, whether it is the matmul's weight
+  transposed)``; a 16-bit cast of a float32 weight read only by the head (transposed before
+  or after the cast or not) is taken into ``nodes`` and its source is the head's weight."""
   fold, why = fold_reduction(g, o, outvars) if allow_fold else (
       None, "inside a loop body (its forward's gradients would be kept per step)")
   if fold is not None and fold.nodes & taken:
     fold, why = None, "the program's reduction overlaps another conversion"
-  head_w, cast = _wide_source(g, w, nodes)
-  if cast is not None:
-    nodes.add(cast)
+  head_w, absorbed, transposed = _wide_source(g, w, nodes)
+  nodes.update(absorbed)
   if fold is not None and jnp.dtype(g.avals[head_w].dtype).itemsize < 4:
     fold, why = None, ("a 16-bit weight (its float32 gradient accumulator would double the "
                        "gradient's memory)")
-  return fold, why, head_w
+  return fold, why, head_w, transposed
 
 
 def _rounded_to(g: _graph.Graph, dot) -> str | None:
@@ -727,9 +743,10 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       if _match.escapes(g, nodes, o, outvars):
         escaped = True
         continue
-      fold, why, head_w = _fold(g, o, w, nodes, outvars, taken, allow_fold)
+      fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold)
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
-                               None if h.bias is None else h.bias[0], h.labels, vaxis, res[1],
+                               None if h.bias is None else h.bias[0], h.labels,
+                               1 - vaxis if transposed else vaxis, res[1],
                                res[0], fold, why, h.cap, _rounded_to(g, n), res[2]))
       taken.update(matches[-1].nodes)
       escaped = False

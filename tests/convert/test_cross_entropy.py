@@ -220,6 +220,42 @@ def test_a_bfloat16_cast_of_a_float32_weight_is_read_as_the_float32_weight():
   assert "per token" in form and "16-bit weight" in form, form
 
 
+@pytest.mark.parametrize("form", ["cast_then_transpose", "transpose_then_cast", "einsum",
+                                  "cast_shared_with_the_embedding"])
+def test_a_tied_float32_table_cast_and_transposed_is_read_as_the_table(form):
+  """A tied embedding as the head (Llama 3.2, Gemma): ``h @ table.astype(bf16).T`` or
+  ``h @ table.T.astype(bf16)`` reads the float32 [V, d] table, so the gradients are computed
+  in the forward into its float32 gradient; where the bfloat16 cast is also the embedding's
+  (read elsewhere) the head keeps the 16-bit weight and the recomputing backward."""
+  x, w, _, y = _inputs()
+  table, xb = w.T, x.astype(jnp.bfloat16)  # [V, D] float32
+
+  def f(x, table):
+    cast = table.astype(jnp.bfloat16)
+    if form == "cast_shared_with_the_embedding":
+      x = x + cast[y]  # the embedding reads the same bfloat16 cast
+    head_w = {"cast_then_transpose": lambda: cast.T,
+              "transpose_then_cast": lambda: table.T.astype(jnp.bfloat16),
+              "einsum": lambda: None, "cast_shared_with_the_embedding": lambda: cast.T}[form]()
+    logits = (jnp.einsum("...d,vd->...v", x, cast) if head_w is None else x @ head_w)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                           y).mean()
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(xb, table)
+  (form_text,) = inv.last_report.forms
+  shared = form == "cast_shared_with_the_embedding"
+  assert ("16-bit weight" in form_text) if shared else ("folded in" in form_text), form_text
+  kept = {(tuple(r.shape), str(r.dtype)) for r in invact_jax.memory.residuals(inv, xb, table)
+          if not r.is_argument}
+  assert (((V, D), "float32") in kept) != shared, kept
+  g0 = jax.jit(jax.grad(f, argnums=(0, 1)))(xb, table)
+  assert g[1].dtype == g0[1].dtype == jnp.float32
+  with jax.enable_x64(True):
+    g64 = jax.grad(f, argnums=(0, 1))(np.asarray(xb, np.float64), np.asarray(table, np.float64))
+  err = lambda g: max(_rel64(a, c) for a, c in zip(g, g64))  # noqa: E731
+  assert err(g) <= 1.1 * err(g0), (err(g), err(g0))
+
+
 def _rel64(a, c):
   a, c = np.asarray(a, np.float64), np.asarray(c, np.float64)
   return float(np.linalg.norm(a - c) / np.linalg.norm(c))
