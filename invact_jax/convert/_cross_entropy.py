@@ -371,8 +371,10 @@ class _Head:
 
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
-    if not isinstance(src, Lit) and src in self.elem and self._is_v(src):
-      labels, nodes = self._advanced_index(n, idx) or self._labels_of(idx)
+    if not isinstance(src, Lit) and src in self.elem and (
+        self._is_v(src) or self._rows_of_flat(src) is not None):
+      labels, nodes = ((self._advanced_index(n, idx) or self._labels_of(idx)) if self._is_v(src)
+                       else self._flat_index(n, src, idx) or (None, []))
       if labels is None or (self.labels is not None and self.labels != labels):
         return
       self.labels = labels
@@ -404,6 +406,64 @@ class _Head:
       nodes += chain
     labels, label_nodes = self._labels_of(cat.ins[-1])
     return None if labels is None else (labels, nodes + label_nodes)
+
+  def _rows_of_flat(self, ref) -> int | None:
+    """The number of rows when ``ref`` is the logits flattened (a 1-D reshape of a followed
+    [..., V] value: row after row), else None."""
+    g = self.g
+    if isinstance(ref, Lit) or ref not in g.producer or len(g.avals[ref].shape) != 1:
+      return None
+    n = g.nodes[g.producer[ref][0]]
+    src = n.ins[0]
+    if (n.prim.name != "reshape" or isinstance(src, Lit) or src not in self.elem
+        or not self._is_v(src) or n.params.get("dimensions") is not None):
+      return None
+    return math.prod(g.avals[src].shape[:-1])
+
+  def _flat_index(self, n, src, idx):
+    """``z.reshape(-1)[arange(rows) * V + labels]`` (or ``jnp.take`` of it, NumPy's wrap of
+    negative indices included): ``(labels, nodes)``, else None."""
+    g = self.g
+    dn = n.params["dimension_numbers"]
+    rows = self._rows_of_flat(src)
+    if (tuple(dn.offset_dims) or tuple(dn.collapsed_slice_dims) != (0,)
+        or tuple(dn.start_index_map) != (0,) or isinstance(idx, Lit)):
+      return None
+    producer = lambda r: (None if isinstance(r, Lit) or r not in g.producer  # noqa: E731
+                          else g.producer[r][0])
+    nodes, r = [], idx
+    while (i := producer(r)) is not None and g.nodes[i].prim.name in (
+        "broadcast_in_dim", "reshape", "select_n", "lt", "convert_element_type"):
+      node = g.nodes[i]
+      nodes.append(i)
+      if node.prim.name == "select_n":  # select(i < 0, i, i + size): the wrap
+        pred, keep, wrapped = node.ins
+        w = producer(wrapped)
+        if (w is None or g.nodes[w].prim.name != "add" or keep not in g.nodes[w].ins
+            or producer(pred) is None):
+          return None
+        nodes += [w, producer(pred)]
+        r = keep
+      else:
+        r = node.ins[0]
+    i = producer(r)
+    if i is None or g.nodes[i].prim.name != "add":
+      return None
+    nodes.append(i)
+    for offset, labels in (g.nodes[i].ins, g.nodes[i].ins[::-1]):
+      m = producer(offset)
+      if m is None or g.nodes[m].prim.name != "mul":
+        continue
+      a, b = g.nodes[m].ins
+      stride = self._const(b) if isinstance(b, Lit) else self._const(a)
+      position = a if isinstance(b, Lit) else b
+      if stride != self.vocab or _position_along(g, position, 0) is None or tuple(
+          g.avals[position].shape) != (rows,):
+        continue
+      found, label_nodes = self._labels_of(labels)
+      if found is not None:
+        return found, nodes + [m] + _position_along(g, position, 0) + label_nodes
+    return None
 
   def _shift_step(self, n, ins, o) -> None:
     """A row constant computed from z (a max and its clamps): a shift."""

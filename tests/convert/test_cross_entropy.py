@@ -52,6 +52,13 @@ FORMS = {
             (x @ w).reshape(-1, w.shape[1])),
     "advanced_index_3d": lambda x, w, b, y: (lambda z: jnp.mean(
         jax.nn.logsumexp(z, -1) - z[jnp.arange(B)[:, None], jnp.arange(T)[None, :], y]))(x @ w),
+    # the label's logit from the flattened logits: row * V + label
+    "flat_index": lambda x, w, b, y: (lambda z: jnp.mean(
+        jax.nn.logsumexp(z, -1).reshape(-1)
+        - z.reshape(-1)[jnp.arange(B * T) * w.shape[1] + y.reshape(-1)]))(x @ w),
+    "flat_jnp_take": lambda x, w, b, y: (lambda z: jnp.mean(
+        jax.nn.logsumexp(z, -1) - jnp.take(z.reshape(-1), y.reshape(-1) + w.shape[1] * jnp.arange(
+            B * T))))((x @ w + b).reshape(-1, w.shape[1])),
 }
 
 
@@ -304,6 +311,26 @@ def test_an_index_that_is_not_each_tokens_position_is_no_head():
   inv = invact_jax.invert(f)
   jax.grad(inv, argnums=(0, 1))(x, w)
   assert "linear_cross_entropy" not in inv.last_report.replaced
+
+
+@pytest.mark.parametrize("index", ["reversed_rows", "labels_alone", "other_stride"])
+def test_a_flat_index_that_is_not_row_times_vocabulary_plus_label_is_no_head(index):
+  """From the flattened logits, only ``arange(rows) * V + labels`` picks each token's label
+  logit; another token's row, the first row's entries or another stride is no cross-entropy."""
+  x, w, _, y = _inputs()
+  n, labels = B * T, y.reshape(-1)
+  flat_index = {"reversed_rows": lambda: jnp.arange(n)[::-1] * V + labels,
+                "labels_alone": lambda: labels,
+                "other_stride": lambda: jnp.arange(n) * (V - 1) + labels}[index]
+
+  def f(x, w):
+    z = (x @ w).reshape(-1, V)
+    return jnp.mean(jax.nn.logsumexp(z, -1) - z.reshape(-1)[flat_index()])
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  assert "linear_cross_entropy" not in inv.last_report.replaced, inv.last_report
+  g0 = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+  assert all(np.array_equal(a, c) for a, c in zip(g, g0))
 
 
 def test_the_head_keeps_the_programs_bfloat16_rounding_of_the_logits():
