@@ -737,6 +737,36 @@ def _through(g: _graph.Graph, ref, prims) -> tuple:
   return ref, nodes
 
 
+def _masked(g: _graph.Graph, ref, fill: float) -> tuple | None:
+  """``(mask, value, nodes)`` when ``ref`` is ``where(mask, value, fill)`` (``select_n(mask,
+  fill, value)``, the fill a literal broadcast and cast), else None."""
+  if isinstance(ref, Lit) or ref not in g.producer:
+    return None
+  i = g.producer[ref][0]
+  n = g.nodes[i]
+  if n.prim.name != "select_n" or len(n.ins) != 3 or isinstance(n.ins[2], Lit) or (
+      np.asarray(n.ins[0].val).dtype if isinstance(n.ins[0], Lit)
+      else g.avals[n.ins[0]].dtype) != np.bool_:
+    return None
+  const, chain = n.ins[1], []
+  while not isinstance(const, Lit) and const in g.producer and len(g.nodes[
+      g.producer[const][0]].ins) == 1 and g.nodes[g.producer[const][0]].prim.name in (
+          "broadcast_in_dim", "convert_element_type"):
+    chain.append(g.producer[const][0])
+    const = g.nodes[chain[-1]].ins[0]
+  if not isinstance(const, Lit) or np.size(const.val) != 1:
+    return None
+  value = float(np.asarray(const.val).reshape(()))
+  if not (value == fill or (np.isinf(fill) and np.isinf(value) and value * fill > 0)):
+    return None
+  return n.ins[0], n.ins[2], [i, *chain]
+
+
+def _same(a, b) -> bool:
+  """The same program value, or the same constant array."""
+  return a is b or (isinstance(a, Lit) and isinstance(b, Lit) and a.val is b.val)
+
+
 def _widens(g: _graph.Graph, node) -> bool:
   """A cast to a floating dtype at least as precise as its input's."""
   src, dst = _dtype(g, node.ins[0]), g.avals[node.outs[0]].dtype
@@ -762,9 +792,16 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
       continue
     si = g.producer[s][0]
     summed, up = _through(g, g.nodes[si].ins[0], ("convert_element_type",))
-    if summed != e or any(not _widens(g, g.nodes[j]) for j in up):
+    where = None
+    if summed != e:  # jax.nn.softmax(where=mask): the sum of the exponentials under the mask
+      where = _masked(g, summed, 0.0)
+      widened = _through(g, where[1], ("convert_element_type",)) if where else (None, [])
+      if widened[0] != e:
+        continue
+      up = up + widened[1]
+    if any(not _widens(g, g.nodes[j]) for j in up):
       continue
-    chain = chain + up
+    chain = chain + up + (where[2] if where is not None else [])
     axes = tuple(sorted(int(a) for a in g.nodes[si].params["axes"]))
     shape = tuple(g.avals[e].shape)
     if tuple(g.avals[d].shape) != tuple(1 if i in axes else n for i, n in enumerate(shape)) \
@@ -784,13 +821,27 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
         inputs = [u] + ([k] if not isinstance(k, Lit) else [])
     if isinstance(inputs[0], Lit) or not jnp.issubdtype(g.avals[e].dtype, jnp.floating):
       continue
+    root, out = di, node.outs[0]
+    if where is not None:
+      # a masked softmax is one where the masked exponentials are 0 (their inputs -inf, as
+      # jax.nn.softmax(where=) sets them): then the sum under the mask is the whole sum
+      masked_in = _masked(g, inputs[0], -np.inf)
+      if len(nodes) < 5 or masked_in is None or not _same(masked_in[0], where[0]):
+        continue
+      if not isinstance(where[0], Lit):
+        inputs.append(where[0])
+      after = [c for c in g.consumers.get(out, ())]
+      final = _masked(g, g.nodes[after[0]].outs[0], 0.0) if len(after) == 1 else None
+      if final is not None and _same(final[0], where[0]) and final[1] == out:
+        root, out = after[0], g.nodes[after[0]].outs[0]  # where(mask, p, 0): kept instead
+        nodes += [after[0], *final[2]]
     nodes = sorted(set(nodes))
     if set(nodes) & taken:
       continue
-    if _match.escapes(g, set(nodes), node.outs[0], outvars):
+    if _match.escapes(g, set(nodes), out, outvars):
       left.append(([ei], "its exponentials or their sum are also used elsewhere"))
       continue
-    matches.append(SoftmaxMatch(axes, nodes, di, 0, inputs))
+    matches.append(SoftmaxMatch(axes, nodes, root, 0, inputs))
     taken.update(nodes)
   return matches, left
 

@@ -210,6 +210,9 @@ SOFTMAXES = {
     "axis_minus_2": lambda q, k, v: jax.nn.softmax(q, axis=-2) * v,
     "axis_1": lambda q, k, v: jax.nn.softmax(q, axis=1) * v,
     "masked": lambda q, k, v: jax.nn.softmax(jnp.where(k > 0, q, -1e9), axis=-1) * v,
+    # jax.nn.softmax(where=): the masked entries 0, and their gradient
+    "where": lambda q, k, v: jax.nn.softmax(q, axis=-1, where=k > 0) * v,
+    "where_axis_1": lambda q, k, v: jax.nn.softmax(q, axis=1, where=k > -0.5) * v,
     "dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, implementation="xla"),
     "dot_product_attention_causal": lambda q, k, v: jax.nn.dot_product_attention(
@@ -246,6 +249,30 @@ def test_a_softmax_summed_in_float32_is_found_in_bfloat16():
   np.testing.assert_array_equal(np.asarray(jit(inv)(q)), np.asarray(jit(loss)(q)))
   assert_at_float32_floor(loss, (q,), g, hand_loss=loss)
   assert kept_bytes(inv, q) < kept_bytes(loss, q)
+
+
+def test_a_masked_softmax_in_bfloat16_and_a_mask_on_the_sum_alone():
+  """jax.nn.softmax(where=) of bfloat16 (the sum in float32) is found; exponentials summed
+  under a mask but not masked themselves (their masked entries not 0) are no softmax: left
+  as written."""
+  q, k = _x((2, 8, 4, 16), jnp.bfloat16), _x((2, 8, 4, 16), seed=1)
+
+  def loss(q, k):
+    return jnp.sum(jnp.sin(jax.nn.softmax(q, axis=-1, where=k > 0).astype(jnp.float32)))
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv))(q, k)
+  assert inv.last_report.replaced == {"softmax": 1}, inv.last_report
+  np.testing.assert_array_equal(np.asarray(jit(inv)(q, k)), np.asarray(jit(loss)(q, k)))
+  assert_at_float32_floor(lambda q: loss(q, k), (q,), g, hand_loss=lambda q: loss(q, k))
+
+  def sum_masked(q, k):
+    e = jnp.exp(q - jax.lax.stop_gradient(jnp.max(q, -1, keepdims=True)))
+    return jnp.sum(jnp.sin(e / jnp.sum(jnp.where(k > 0, e, 0.0), -1, keepdims=True)))
+  q32 = q.astype(jnp.float32)
+  inv = invact_jax.invert(sum_masked)
+  g = jax.jit(jax.grad(inv))(q32, k)
+  assert "softmax" not in inv.last_report.replaced, inv.last_report
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.jit(jax.grad(sum_masked))(q32, k)))
 
 
 def test_two_norms_of_one_input_are_both_found():
