@@ -826,7 +826,7 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
       # a masked softmax is one where the masked exponentials are 0 (their inputs -inf, as
       # jax.nn.softmax(where=) sets them): then the sum under the mask is the whole sum
       masked_in = _masked(g, inputs[0], -np.inf)
-      if len(nodes) < 5 or masked_in is None or not _same(masked_in[0], where[0]):
+      if masked_in is None or not _same(masked_in[0], where[0]):
         continue
       if not isinstance(where[0], Lit):
         inputs.append(where[0])
