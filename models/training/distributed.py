@@ -74,22 +74,32 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   return True
 
 
-def agree(options: dict, timeout_s: float = 60.0) -> None:
+_AGREED: dict[str, int] = {}  # topic -> calls of agree() so far in this process
+
+
+def agree(options: dict, timeout_s: float = 60.0, topic: str = "options",
+          how: str = "were started differently",
+          advice: str = "start every process with the same options and data") -> None:
   """Every process of the run holds the same ``options`` (the run's options and its data's
-  fingerprint): compared through the coordination service before the first step.
+  fingerprint; or, under another ``topic``, what each process derived from them, such as its
+  memory plan): compared through the coordination service before the first step.
 
   Each process publishes its options; process 0 compares them all and publishes the verdict.
-  On a difference process 0 raises ConfigError naming the first option that differs and the
-  processes, the others print the same line and exit 2, and nothing trains."""
+  On a difference process 0 raises ConfigError (``the processes {how}: ...``) naming the
+  first option that differs, the processes and ``advice``; the others print the same line and exit 2, and nothing trains.
+  A topic may be compared again (each call of it in order has keys of its own)."""
   client = _client()
   if client is None or jax.process_count() == 1:
     return
+  # every process calls agree() in the same order: the n-th call of a topic has keys of its own
+  _AGREED[topic] = _AGREED.get(topic, -1) + 1
+  prefix = f"invact_jax/{topic}/{_AGREED[topic]}"
   me = jax.process_index()
   text = json.dumps(options, sort_keys=True, default=str)
-  client.key_value_set(f"invact_jax/options/{me}", text, allow_overwrite=True)
+  client.key_value_set(f"{prefix}/{me}", text, allow_overwrite=True)
   wait_ms = int(timeout_s * 1000)
   if me != 0:
-    verdict = client.blocking_key_value_get("invact_jax/options/verdict", wait_ms)
+    verdict = client.blocking_key_value_get(f"{prefix}/verdict", wait_ms)
     if verdict == "ok":
       return
     # Process 0 says it (fail()); this one acknowledges and leaves first: process 0 hosts the
@@ -99,19 +109,19 @@ def agree(options: dict, timeout_s: float = 60.0) -> None:
   mine, verdict = json.loads(text), "ok"
   for p in range(1, jax.process_count()):
     try:
-      theirs = json.loads(client.blocking_key_value_get(f"invact_jax/options/{p}", wait_ms))
+      theirs = json.loads(client.blocking_key_value_get(f"{prefix}/{p}", wait_ms))
     except Exception as e:  # pylint: disable=broad-except  # the service's timeout or loss
-      verdict = f"process {p} did not publish its options within {timeout_s:.0f} s ({first_line(e)})"
+      verdict = f"process {p} did not publish its {topic} within {timeout_s:.0f} s ({first_line(e)})"
       break
     differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if differ:
       k = differ[0]
       more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
-      verdict = (f"the processes were started differently: {k} is "
+      verdict = (f"the processes {how}: {k} is "
                  f"{mine.get(k, '(absent)')!r} in process 0 and {theirs.get(k, '(absent)')!r} "
-                 f"in process {p}{more}; start every process with the same options and data")
+                 f"in process {p}{more}; {advice}")
       break
-  client.key_value_set("invact_jax/options/verdict", verdict, allow_overwrite=True)
+  client.key_value_set(f"{prefix}/verdict", verdict, allow_overwrite=True)
   if verdict != "ok":
     raise ConfigError(verdict)
 

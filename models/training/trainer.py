@@ -20,6 +20,7 @@ from models import text, vit
 from models.training import checkpoints
 from models.training import config
 from models.training import data as data_lib
+from models.training import distributed
 from models.training import errors
 
 
@@ -69,6 +70,12 @@ class Trainer:
       self.objective = plan_loss(self._mean_loss, (params, *self._one_device_batch()),
                                  self.cfg.memory_budget)
       self.plan = self.objective.report
+      # each process plans its own copy of the step: all must run the same program
+      distributed.agree({k: getattr(self.plan, k) for k in (
+          "configuration", "keep", "offload", "policy", "as_written")}, topic="plan",
+          how="planned differently",
+          advice="the planner measures by compiling: run every process on the same kind of "
+                 "device and software")
     self.total = self.cfg.total_steps(self.dataset.x_train.shape[0])
     self.lr = config.schedule(self.cfg, self.total)
     self.tx = optax.adamw(self.lr, weight_decay=self.cfg.weight_decay)

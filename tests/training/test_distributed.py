@@ -16,6 +16,7 @@ import pytest
 
 from models.training import checkpoints
 from models.training import data as data_lib
+from models.training import distributed
 from models.training import supervisor
 from models import training
 from models.training import main as train_main
@@ -375,3 +376,34 @@ distributed.collective_failed(RuntimeError(
             else supervisor.SERVICE_GONE)
   assert done.stderr.splitlines() == [
       f"error: lost the other processes ({reason}); once all are back, continue with --resume"]
+
+
+def test_agree_compares_each_call_of_a_topic_under_keys_of_its_own(monkeypatch):
+  """The processes' memory plans are compared like their options (trainer.py): process 0
+  reads each process's entry and publishes the verdict, naming the first difference; a
+  second comparison of the same topic (--compare plans twice) does not read the first's
+  entries."""
+  store = {}
+
+  class Client:
+    def key_value_set(self, key, value, allow_overwrite=False):
+      del allow_overwrite
+      store[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+      del timeout_ms
+      return store[key]
+  monkeypatch.setattr(distributed, "_client", Client)
+  monkeypatch.setattr(distributed, "_AGREED", {})
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  plan = {"keep": ["matmul_0"], "policy": None}
+  store["invact_jax/plan/0/1"] = json.dumps(plan)
+  distributed.agree(plan, topic="plan", how="planned differently", advice="same devices")
+  assert store["invact_jax/plan/0/verdict"] == "ok"
+  store["invact_jax/plan/1/1"] = json.dumps({**plan, "keep": []})
+  with pytest.raises(training.ConfigError, match=re.escape(
+      "the processes planned differently: keep is ['matmul_0'] in process 0 and [] in "
+      "process 1; same devices")):
+    distributed.agree(plan, topic="plan", how="planned differently", advice="same devices")
+  assert store["invact_jax/plan/1/verdict"].startswith("the processes planned differently")
