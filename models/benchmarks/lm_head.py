@@ -399,17 +399,20 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
   if why:
     print(f"error: --tokens/--d/--vocab: {why}", file=sys.stderr)
     return 2
-  measured = rows(a.tokens, a.d, a.vocab, a.dtypes, a.repeats, tiles=a.tiles)
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "tokens": a.tokens, "d": a.d, "vocab": a.vocab, "repeats": a.repeats,
           "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
           "command": "python scripts/bench_lm_head.py " + " ".join(argv)}
   print(f"JAX {meta['jax']}, {meta['device']}, Python {meta['python']}, N={a.tokens} "
         f"d={a.d} V={a.vocab}, median of {a.repeats}, {meta['date']}")
-  print(table(measured))
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump({"meta": meta, "rows": measured}, f, indent=1)
+  measured = []
+  for i, dtype in enumerate(a.dtypes):  # each dtype's rows written as they are done: a run
+    measured += rows(a.tokens, a.d, a.vocab, (dtype,), a.repeats, tiles=a.tiles)  # cut short
+    print(table([r for r in measured if r["dtype"] == dtype]), flush=True)  # keeps them
+    if a.json:
+      unfinished = {"unfinished": list(a.dtypes[i + 1:])} if i + 1 < len(a.dtypes) else {}
+      with open(a.json, "w") as f:
+        json.dump({"meta": {**meta, **unfinished}, "rows": measured}, f, indent=1)
   return 0
 
 

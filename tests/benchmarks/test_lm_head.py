@@ -103,3 +103,23 @@ def test_run_child_returns_the_last_json_line_or_the_error(tmp_path):
   assert ok["head"] == "torch nope" and "unknown head" in ok["error"], ok
   bad = child.run_child("models.benchmarks.no_such_module", {}, 60.0)
   assert "No module named" in bad["error"]
+
+
+def test_each_dtypes_rows_are_written_as_they_are_done(monkeypatch, tmp_path):
+  """A run cut short (a device call's time limit) keeps the dtypes it finished, and says
+  which it did not."""
+  import argparse  # pylint: disable=import-outside-toplevel
+
+  def rows(tokens, d, vocab, dtypes, repeats, tiles=()):
+    if dtypes == ("bfloat16",):
+      raise TimeoutError("cut short")
+    return [{"dtype": dtypes[0], "head": "plain", "framework": "jax", "time_s": 1.0}]
+  monkeypatch.setattr(lm_head, "rows", rows)
+  out = tmp_path / "lm_head.json"
+  a = argparse.Namespace(tokens=64, d=16, vocab=256, dtypes=["float32", "bfloat16"], repeats=1,
+                         tiles=[], json=str(out))
+  with pytest.raises(TimeoutError):
+    lm_head.run(a, ["--dtypes", "float32", "bfloat16"])
+  saved = json.loads(out.read_text())
+  assert [r["dtype"] for r in saved["rows"]] == ["float32"]
+  assert saved["meta"]["unfinished"] == ["bfloat16"]
