@@ -756,8 +756,7 @@ def _masked(g: _graph.Graph, ref, fill: float) -> tuple | None:
     const = g.nodes[chain[-1]].ins[0]
   if not isinstance(const, Lit) or np.size(const.val) != 1:
     return None
-  value = float(np.asarray(const.val).reshape(()))
-  if not (value == fill or (np.isinf(fill) and np.isinf(value) and value * fill > 0)):
+  if float(np.asarray(const.val).reshape(())) != fill:  # (-inf == -inf)
     return None
   return n.ins[0], n.ins[2], [i, *chain]
 
@@ -830,7 +829,7 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
         continue
       if not isinstance(where[0], Lit):
         inputs.append(where[0])
-      after = [c for c in g.consumers.get(out, ())]
+      after = list(g.consumers.get(out, ()))
       final = _masked(g, g.nodes[after[0]].outs[0], 0.0) if len(after) == 1 else None
       if final is not None and _same(final[0], where[0]) and final[1] == out:
         root, out = after[0], g.nodes[after[0]].outs[0]  # where(mask, p, 0): kept instead

@@ -431,18 +431,21 @@ class _Head:
       return None
     producer = lambda r: (None if isinstance(r, Lit) or r not in g.producer  # noqa: E731
                           else g.producer[r][0])
+    size = rows * self.vocab
     nodes, r = [], idx
     while (i := producer(r)) is not None and g.nodes[i].prim.name in (
-        "broadcast_in_dim", "reshape", "select_n", "lt", "convert_element_type"):
+        "broadcast_in_dim", "reshape", "select_n", "convert_element_type"):
       node = g.nodes[i]
       nodes.append(i)
-      if node.prim.name == "select_n":  # select(i < 0, i, i + size): the wrap
+      if node.prim.name == "select_n":  # where(i < 0, i + size, i): NumPy's wrap
         pred, keep, wrapped = node.ins
-        w = producer(wrapped)
-        if (w is None or g.nodes[w].prim.name != "add" or keep not in g.nodes[w].ins
-            or producer(pred) is None):
+        lt, add = producer(pred), producer(wrapped)
+        if (lt is None or add is None or g.nodes[lt].prim.name != "lt"
+            or g.nodes[add].prim.name != "add" or g.nodes[lt].ins[0] is not keep
+            or self._const(g.nodes[lt].ins[1]) != 0.0 or g.nodes[add].ins[0] is not keep
+            or self._const(g.nodes[add].ins[1]) != size):
           return None
-        nodes += [w, producer(pred)]
+        nodes += [lt, add]
         r = keep
       else:
         r = node.ins[0]

@@ -313,7 +313,8 @@ def test_an_index_that_is_not_each_tokens_position_is_no_head():
   assert "linear_cross_entropy" not in inv.last_report.replaced
 
 
-@pytest.mark.parametrize("index", ["reversed_rows", "labels_alone", "other_stride"])
+@pytest.mark.parametrize("index", ["reversed_rows", "labels_alone", "other_stride",
+                                   "shifted_where"])
 def test_a_flat_index_that_is_not_row_times_vocabulary_plus_label_is_no_head(index):
   """From the flattened logits, only ``arange(rows) * V + labels`` picks each token's label
   logit; another token's row, the first row's entries or another stride is no cross-entropy."""
@@ -321,7 +322,9 @@ def test_a_flat_index_that_is_not_row_times_vocabulary_plus_label_is_no_head(ind
   n, labels = B * T, y.reshape(-1)
   flat_index = {"reversed_rows": lambda: jnp.arange(n)[::-1] * V + labels,
                 "labels_alone": lambda: labels,
-                "other_stride": lambda: jnp.arange(n) * (V - 1) + labels}[index]
+                "other_stride": lambda: jnp.arange(n) * (V - 1) + labels,
+                "shifted_where": lambda: (lambda i: jnp.where(labels > 3, i, i + 1))(
+                    jnp.arange(n) * V + labels)}[index]
 
   def f(x, w):
     z = (x @ w).reshape(-1, V)
