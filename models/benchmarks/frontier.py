@@ -616,7 +616,8 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
   (with ``plans``, where the policies it is calibrated on were measured); per language model
   the rows of :data:`LM_ORDER` (:func:`_lm_rows`), those in ``done`` (an earlier run's rows
   of the same layers and batch) carried over, not measured again.  Stacks in :data:`FIT`
-  have as many layers, or the largest batch, as fit (on a GPU; found in a child process).  Rows measured here carry ``date``."""
+  have as many layers, or the largest batch, as fit (on a GPU; found in a child process).
+  Rows measured here carry ``date``."""
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
   policies = [p for p in (policies or POLICIES) if p != "minimal_offloaded" or has_memory_kinds()]
   out = []
