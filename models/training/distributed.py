@@ -86,7 +86,8 @@ def agree(options: dict, timeout_s: float = 60.0, topic: str = "options",
 
   Each process publishes its options; process 0 compares them all and publishes the verdict.
   On a difference process 0 raises ConfigError (``the processes {how}: ...``) naming the
-  first option that differs, the processes and ``advice``; the others print the same line and exit 2, and nothing trains.
+  first option that differs, the processes and ``advice``; the others print the same line
+  and exit 2, and nothing trains.
   A topic may be compared again (each call of it in order has keys of its own)."""
   client = _client()
   if client is None or jax.process_count() == 1:
@@ -111,7 +112,8 @@ def agree(options: dict, timeout_s: float = 60.0, topic: str = "options",
     try:
       theirs = json.loads(client.blocking_key_value_get(f"{prefix}/{p}", wait_ms))
     except Exception as e:  # pylint: disable=broad-except  # the service's timeout or loss
-      verdict = f"process {p} did not publish its {topic} within {timeout_s:.0f} s ({first_line(e)})"
+      verdict = (f"process {p} did not publish its {topic} within {timeout_s:.0f} s "
+                 f"({first_line(e)})")
       break
     differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if differ:
