@@ -371,10 +371,10 @@ class _Head:
 
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
-    if not isinstance(src, Lit) and src in self.elem and (
-        self._is_v(src) or self._rows_of_flat(src) is not None):
-      labels, nodes = ((self._advanced_index(n, idx) or self._labels_of(idx)) if self._is_v(src)
-                       else self._flat_index(n, src, idx) or (None, []))
+    rows = None if isinstance(src, Lit) or self._is_v(src) else self._rows_of_flat(src)
+    if not isinstance(src, Lit) and src in self.elem and (self._is_v(src) or rows is not None):
+      labels, nodes = ((self._advanced_index(n, idx) or self._labels_of(idx)) if rows is None
+                       else self._flat_index(n, rows, idx) or (None, []))
       if labels is None or (self.labels is not None and self.labels != labels):
         return
       self.labels = labels
@@ -420,12 +420,11 @@ class _Head:
       return None
     return math.prod(g.avals[src].shape[:-1])
 
-  def _flat_index(self, n, src, idx):
+  def _flat_index(self, n, rows: int, idx):
     """``z.reshape(-1)[arange(rows) * V + labels]`` (or ``jnp.take`` of it, NumPy's wrap of
     negative indices included): ``(labels, nodes)``, else None."""
     g = self.g
     dn = n.params["dimension_numbers"]
-    rows = self._rows_of_flat(src)
     if (tuple(dn.offset_dims) or tuple(dn.collapsed_slice_dims) != (0,)
         or tuple(dn.start_index_map) != (0,) or isinstance(idx, Lit)):
       return None
@@ -460,12 +459,12 @@ class _Head:
       a, b = g.nodes[m].ins
       stride = self._const(b) if isinstance(b, Lit) else self._const(a)
       position = a if isinstance(b, Lit) else b
-      if stride != self.vocab or _position_along(g, position, 0) is None or tuple(
-          g.avals[position].shape) != (rows,):
+      along = _position_along(g, position, 0)
+      if stride != self.vocab or along is None or tuple(g.avals[position].shape) != (rows,):
         continue
       found, label_nodes = self._labels_of(labels)
       if found is not None:
-        return found, nodes + [m] + _position_along(g, position, 0) + label_nodes
+        return found, nodes + [m] + along + label_nodes
     return None
 
   def _shift_step(self, n, ins, o) -> None:
@@ -629,32 +628,32 @@ def _wide_source(g: _graph.Graph, w, region: set) -> tuple:
   float64 value, possibly transposed before or after the cast (a tied embedding's
   ``table.astype(bf16).T``), each step read only by ``region`` and the steps after it, the
   wide value, those steps' nodes and whether one of them transposes; else ``(w, [], False)``."""
-  steps, ref, readers = [], w, set(region)
-  for _ in range(2):
+  steps, ref, readers = {}, w, set(region)  # "transpose"/"cast" -> its node
+  while len(steps) < 2:
     if isinstance(ref, Lit) or ref not in g.producer or ref in g.outvars or any(
         c not in readers for c in g.consumers.get(ref, ())):
       break
     i = g.producer[ref][0]
     n = g.nodes[i]
     src = n.ins[0]
-    kinds = [k for _, k in steps]
     if isinstance(src, Lit):
       break
-    if n.prim.name == "transpose" and "transpose" not in kinds and tuple(
-        n.params["permutation"]) == (1, 0):
-      steps.append((i, "transpose"))
-    elif (n.prim.name == "convert_element_type" and "cast" not in kinds
-          and jnp.dtype(g.avals[ref].dtype).itemsize < 4
+    if n.prim.name == "transpose" and tuple(n.params["permutation"]) == (1, 0):
+      kind = "transpose"
+    elif (n.prim.name == "convert_element_type" and jnp.dtype(g.avals[ref].dtype).itemsize < 4
           and jnp.issubdtype(g.avals[src].dtype, jnp.floating)
           and jnp.dtype(g.avals[src].dtype).itemsize >= 4):
-      steps.append((i, "cast"))
+      kind = "cast"
     else:
       break
+    if kind in steps:
+      break
+    steps[kind] = i
     readers.add(i)
     ref = src
-  if "cast" not in [k for _, k in steps]:
+  if "cast" not in steps:
     return w, [], False
-  return ref, [i for i, _ in steps], any(k == "transpose" for _, k in steps)
+  return ref, list(steps.values()), "transpose" in steps
 
 
 def _head_dot(g: _graph.Graph, n) -> tuple | None:

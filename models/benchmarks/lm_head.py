@@ -357,7 +357,7 @@ def _at_default_tiles(by: dict, meta: dict, dtype: str) -> tuple[dict | None, st
   (:func:`invact_jax.ops.cross_entropy.base.default_tiles`; the label names it), else its
   ``invact_jax`` row (the defaults when it ran)."""
   from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
-  mode = "forward" if split_dtype(dtype)[1].itemsize >= 4 else "backward"
+  mode = base.default_mode("mean", split_dtype(dtype)[1])
   t, v = base.default_tiles(meta["tokens"], meta["vocab"], mode,
                             "cpu" if meta["device"] == "cpu" else "gpu")
   row = by.get(f"invact_jax {mode} {t}x{v}")

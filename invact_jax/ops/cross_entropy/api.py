@@ -93,9 +93,8 @@ def _loss_options(fn, reduction, ignore_index, label_smoothing, z_loss, logit_so
 
 def _mode_and_tiles(fn, reduction, w, n, vocab, gradients, chunk_size, vocab_chunk_size):
   """Checked ``(gradient mode, tokens per tile, vocabulary entries per tile)``."""
-  if gradients is None:  # "forward" where its weight-gradient accumulator is the gradient
-    gradients = "forward" if reduction != "none" and jnp.dtype(w.dtype).itemsize >= 4 \
-        else "backward"
+  if gradients is None:
+    gradients = base.default_mode(reduction, w.dtype)
   if gradients not in base.GRADIENTS:
     raise ValueError(f"invact_jax.{fn}: argument `gradients` must be one of {base.GRADIENTS} "
                      f"or None, got {gradients!r}")

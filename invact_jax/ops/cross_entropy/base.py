@@ -36,7 +36,8 @@ import jax.numpy as jnp
 
 from invact_jax.ops import _common
 
-__all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "reference", "default_tiles"]
+__all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "reference", "default_mode",
+           "default_tiles"]
 
 #: The gradient modes: computed with the loss (scalar losses) or by recomputing the logits.
 GRADIENTS = ("forward", "backward")
@@ -95,6 +96,20 @@ def _token_tile(tokens: int, limit: int) -> int:
   if t is None:
     t = min(limit, max(8, -(-tokens // 8) * 8))
   return max(1, min(t, tokens)) if tokens else 1
+
+
+def default_mode(reduction: str, w_dtype) -> str:
+  """The gradient mode a head gets by default.
+
+  Args:
+    reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+    w_dtype: the weight's dtype.
+
+  Returns:
+    ``"forward"`` for a scalar loss whose weight-gradient accumulator is the gradient itself
+    (a weight of 4 bytes or more), else ``"backward"``.
+  """
+  return "forward" if reduction != "none" and jnp.dtype(w_dtype).itemsize >= 4 else "backward"
 
 
 def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
