@@ -467,8 +467,7 @@ def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> 
 def _temp(fn: Callable, args, grad, keep, offload=(), fixed=None) -> int:
   """Compiled temp of ``jit(grad(fn planned with keep/offload))`` (``grad``: the program's
   ``jax.value_and_grad`` with its ``argnums`` and ``has_aux``)."""
-  return memory.compiled(grad(_apply(fn, keep, offload, fixed)),
-                         *args).temp
+  return memory.analysed(grad(_apply(fn, keep, offload, fixed)), *args).temp
 
 
 def _has_pinned_host() -> bool:
@@ -627,7 +626,7 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
   A JAX policy is compiled only where predicted to fit."""
   worth = {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
   if not loop.remat and set(keep) >= worth:
-    written = memory.compiled(grad(fn), *args).temp
+    written = memory.analysed(grad(fn), *args).temp
     if written <= budget:
       return True, None, written, unremated
   cheaper = sorted((f, name) for name in FIXED_POLICIES

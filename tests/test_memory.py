@@ -80,6 +80,19 @@ def test_scanned_compiled_temp_bytes_lower_than_jax_nn(name):
   assert m_ours.temp <= m_ckpt.temp
 
 
+def test_analysed_compiles_cheaply_to_the_default_compiles_memory_figures():
+  """The planner's and the fallback's measuring compiles (LLVM at -O0 on CPU) assign the
+  buffers as the default compile (-O2 here, whatever the suite's XLA_FLAGS) does."""
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  ws = (jnp.full((4, 128, 512), 0.05), jnp.full((4, 512, 128), 0.05))
+  step = _scanned_grad(CASES["gelu_tanh"].reference())
+  at_o2 = jax.jit(step).lower(x, ws).compile(
+      compiler_options={"xla_backend_optimization_level": 2}).memory_analysis()
+  if jax.default_backend() == "cpu":
+    assert memory.analysis_options() == {"xla_backend_optimization_level": 0}
+  assert memory.analysed(step, x, ws).temp == at_o2.temp_size_in_bytes > 0
+
+
 def test_device_peak_explains_missing_stats_on_cpu():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU-only check")

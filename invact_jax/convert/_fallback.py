@@ -8,6 +8,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from invact_jax import memory
 from invact_jax.convert import _graph
 from invact_jax.convert import _pass
 
@@ -42,7 +43,8 @@ def gradient_temp(closed, graph: _graph.Graph, structs: list, positions,
   # (explicit shardings): the shardings are not part of the structs, and the equations
   # re-derive them from their inputs.
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    analysis = jax.jit(step).lower(*structs).compile().memory_analysis()
+    lowered = jax.jit(step).lower(*structs)
+    analysis = lowered.compile(compiler_options=memory.analysis_options() or None).memory_analysis()
   return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
 
