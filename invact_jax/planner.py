@@ -15,7 +15,8 @@ backward ends, so the peak is the largest of the runs' phases:
                              - input[c] * layers after r )        (c: the configuration)
 
 ``base`` is the measured peak with nothing kept (every layer fully recomputed), so the
-model is calibrated per platform; ``models.planning`` measures all of it and
+model is calibrated per platform; :func:`invact_jax.plan` measures it for any program's
+layer loop (and the GPU frontier, ``models.benchmarks.frontier``, from its own rows) and
 checks the prediction against XLA's compiled memory.  ``relief`` is the backward's recompute
 workspace that keeping a tag removes (one layer is recomputed at a time, so the largest of
 the run's tags counts); ``input`` is a layer's input, which the scan keeps for every layer

@@ -101,9 +101,13 @@ class PlanReport:
     as_written: whether the program as written fits: then it runs unchanged (every tensor
       kept, nothing recomputed) and ``predicted_bytes`` is its compiled temp.
     policy: the JAX policy the layers run under instead of the names kept
-      (:data:`FIXED_POLICIES`; its ``predicted_bytes`` is its compiled temp), or None.
+      (:data:`FIXED_POLICIES`, or ``"everything"``: no remat, where the layer had a
+      ``jax.checkpoint`` of its own; its ``predicted_bytes`` is its compiled temp), or None.
     configuration: ``"as written"``, or ``"inverted"`` where ``plan(convert=True)`` took
       ``invact_jax.invert(fn)``.
+    step_flops: FLOPs of the planned gradient step (XLA's cost analysis of the program, its
+      layer counted ``depth`` times), by which ``plan(convert=True)`` chooses between the
+      programs (their backwards differ in more than the recompute); None without ``convert``.
   """
   loop: str
   depth: int
@@ -121,12 +125,15 @@ class PlanReport:
   as_written: bool = False
   policy: str | None = None
   configuration: str = "as written"
+  step_flops: float | None = None
 
   def __str__(self) -> str:
     what = {**{n: "keep" for n in self.keep}, **{n: "offload" for n in self.offload}}
     lines = [f"{self.configuration}: layer loop {self.loop} ({self.depth} layers)"
              + (": the program as written fits (nothing recomputed)" if self.as_written else "")
-             + (f": JAX's {self.policy} policy fits and recomputes less" if self.policy else "")
+             + (": the layer fits without its own jax.checkpoint (no remat)"
+                if self.policy == "everything" else
+                f": JAX's {self.policy} policy fits and recomputes less" if self.policy else "")
              + "".join(f"\nleft as written: {w}" for w in self.other_loops),
              f"budget {self.budget:,} B: predicted {self.predicted_bytes:,} B, compiled "
              f"{self.compiled_bytes:,} B (keeping nothing: {self.minimum_bytes:,} B); recomputes "
@@ -620,15 +627,19 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
              flops: float, budget: int, scale: float, unremated: float):
   """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
   less than the solved plan (``flops`` per layer; ``unremated``: the layer's without remat)
-  and fits ``budget`` compiled: the program
-  as written where the plan keeps every tensor worth keeping (a custom derivative's own
-  residuals are no candidate), else JAX's policy that recomputes least; None if neither.
-  A JAX policy is compiled only where predicted to fit."""
+  and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (a custom
+  derivative's own residuals are no candidate), the program as written, or the layer without
+  its own ``jax.checkpoint`` (``"everything"``); else JAX's policy that recomputes least;
+  None if neither.  A JAX policy is compiled only where predicted to fit."""
   worth = {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
-  if not loop.remat and set(keep) >= worth:
+  if set(keep) >= worth and not loop.remat:
     written = memory.analysed(grad(fn), *args).temp
     if written <= budget:
       return True, None, written, unremated
+  if set(keep) >= worth and unremated < flops * (1 - 1e-6):
+    temp = _temp(fn, args, grad, (), (), "everything")
+    if temp <= budget:
+      return False, "everything", temp, unremated
   cheaper = sorted((f, name) for name in FIXED_POLICIES
                    if (f := _layer_flops(loop, (), name)) < flops * (1 - 1e-6))
   for f, name in cheaper:
@@ -640,8 +651,9 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
 
 
 def _plan_one(fn, args, grad, budget: int, rate: float | None,
-              configuration: str) -> PlanReport:
-  """The plan of one program (``configuration`` names it in the report).
+              configuration: str, with_step: bool = False) -> PlanReport:
+  """The plan of one program (``configuration`` names it in the report; ``with_step``: its
+  ``step_flops`` counted).
 
   Raises:
     ValueError: ``fn`` has no layer loop.
@@ -669,7 +681,11 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
   written, policy = False, None
   if instead is not None:
     written, policy, compiled, flops = instead
-    keep, predicted = (profile.tags if written else ()), compiled
+    keep, predicted = (profile.tags if written or policy == "everything" else ()), compiled
+  step = None
+  if with_step:  # the loop's body is counted once by XLA: the other layers added
+    planned = fn if written else _apply(fn, keep, off, policy)
+    step = memory.flops(grad(planned), *args) + (loop.length - 1) * flops
   return PlanReport(
       loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
       other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]) + tuple(skipped),
@@ -678,7 +694,7 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
       budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),
       minimum_bytes=low, rounds=rounds,
       predicted_recompute_flops=loop.length * max(flops - unremated, 0.0),
-      as_written=written, policy=policy, configuration=configuration)
+      as_written=written, policy=policy, configuration=configuration, step_flops=step)
 
 
 def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
@@ -696,8 +712,8 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
     argnums: the arguments the gradient is taken of, as for ``jax.grad``.
     has_aux: ``fn`` returns ``(loss, auxiliary data)``, as for ``jax.grad``.
     convert: also plan ``invact_jax.invert(fn)`` (its activations, norms, softmax and LM head
-      converted: MONeT's operator variants) and take whichever recomputes less within the
-      budget (planning takes twice as long).
+      converted: MONeT's operator variants) and take the one whose planned step does fewer
+      FLOPs within the budget (planning takes twice as long).
     offload: whether tensors may go to host memory (None: where the device has
       ``pinned_host``).
     host_bandwidth: bytes/s between device and host, to cost offloading (None: measured).
@@ -725,11 +741,14 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
   reports, infeasible = {}, []
   for name, program in programs.items():
     try:
-      reports[name] = _plan_one(program, example_args, grad, budget, rate, name)
+      reports[name] = _plan_one(program, example_args, grad, budget, rate, name,
+                                with_step=len(programs) > 1)
     except planner.InfeasibleBudget as e:
       infeasible.append(e.minimum_bytes)
   if not reports:
     raise planner.InfeasibleBudget(budget, min(infeasible))
-  best = min(reports, key=lambda n: (reports[n].predicted_recompute_flops,
+  # The step's FLOPs, not the recompute alone: the converted backward's own arithmetic (an
+  # inverse, a chunked head's recomputed logits) differs from the original's.
+  best = min(reports, key=lambda n: (reports[n].step_flops or reports[n].predicted_recompute_flops,
                                      reports[n].compiled_bytes))
   return Planned(programs[best], reports[best])

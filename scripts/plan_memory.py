@@ -1,19 +1,17 @@
 #!/usr/bin/env python3
-"""Memory-budget planner: frontier of recompute cost vs memory, against fixed remat policies.
+"""The memory-budget planner's frontier on the project's models: invact_jax.plan at budgets
+from full remat's compiled temp to no remat's, beside JAX's policies and MaxText's presets.
 
-  python scripts/plan_memory.py                               # ViT-B/16 and GPT-2, bf16, batch 8
-  python scripts/plan_memory.py --models vit-b16 --points 5 --batch 4
-  python scripts/plan_memory.py --replot bench/plan_memory_gpt2.json   # redraw, no compiling
-  python scripts/plan_memory.py --models gpt2 --profiles bench/plan_memory_gpt2.json  # re-plan
+  python scripts/plan_memory.py                                # ViT-B/16 and GPT-2, bf16, batch 8
+  python scripts/plan_memory.py --models gpt2 --seq-len 256 --points 5
+  python scripts/plan_memory.py --replot bench/plan_memory.json   # redraw, no compiling
 
-For each model: profiles each configuration (standard / inverted activations; see
-models/planning.py), then solves the integer program (invact_jax.planner, HiGHS) at budgets
-from the minimum feasible to the unconstrained peak, compiles every plan and every fixed
-policy (full, save_qkv_proj, save_dot_except_mlp, minimal, nothing) with layers scanned, and
-prints a table with predicted vs compiled bytes and measured recompute FLOPs.  Writes JSON and
-a PNG of the frontier (default bench/plan_memory.*; the README's runs are
-bench/plan_memory_vit.* and bench/plan_memory_gpt2.*).  CPU figures are XLA's compiled
-temp_size_in_bytes.
+Per model (layers scanned, its blocks' tensors named): the compiled temp and recompute FLOPs
+of JAX's fixed policies and of MaxText-style presets over the models' names, then
+invact_jax.plan (with invact_jax.invert of the model as an operator variant, --no-convert:
+without) at each budget, compiled.  Writes JSON, a markdown table and a PNG (default
+bench/plan_memory.*); models/benchmarks/plan_memory.py and plan_program.py say what each
+column is.  CPU figures are XLA's compiled temp_size_in_bytes.
 """
 import sys
 

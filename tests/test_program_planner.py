@@ -283,6 +283,14 @@ def test_nested_scans_and_a_layers_own_remat(bounds):
     return jnp.mean(jax.lax.scan(body, x, params)[0] ** 2)
   r = invact_jax.plan(remat, *ARGS, budget=(low + high) // 2).report
   assert r.keep and r.compiled_bytes > _temp(remat, *ARGS)  # keeps what the remat recomputed
+  # Where no remat fits, the layer runs without its own: nothing recomputed.
+  unremated = _temp(lambda p, x: jnp.mean(jax.lax.scan(_layer(False), x, p)[0] ** 2), *ARGS)
+  everything = invact_jax.plan(remat, *ARGS, budget=unremated)
+  r = everything.report
+  assert (r.policy, r.predicted_recompute_flops, r.recompute) == ("everything", 0.0, ())
+  assert r.compiled_bytes == unremated and not r.as_written
+  assert "no remat" in str(r)
+  _assert_within_the_originals_error(remat, everything, *ARGS)
 
 
 def test_sharded_inputs_and_jit():

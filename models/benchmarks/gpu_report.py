@@ -10,13 +10,12 @@ The logic behind ``scripts/gpu_report.py``.  Sections, each bounded in time:
   the step time (one child process, configurations interleaved, medians).
 * ``max_batch``: the largest ViT-B/16 batch that runs, default vs inverted-all (bisection,
   one child process per probe, bounded probes).
-* ``planner``: :mod:`models.benchmarks.plan_memory` ``--device-peak`` for three budgets.
+* ``planner``: :mod:`models.benchmarks.plan_memory` (``invact_jax.plan``) at three budgets.
 * ``frontier``: :mod:`models.benchmarks.frontier`: jax.checkpoint policies and MaxText's
   presets with and without invact_jax, and PyTorch (+ Liger-Kernel), on the memory-time plane.
 
 Children are modules, never scripts (:mod:`models.benchmarks.child`): this module's
-:func:`measure` run as ``python -m models.benchmarks.gpu_report SPEC_JSON`` and the planner's
-``python -m models.benchmarks.plan_memory``.  The GPU tests are not a section: they run as
+:func:`measure` run as ``python -m models.benchmarks.gpu_report SPEC_JSON``.  The GPU tests are not a section: they run as
 ``python -m pytest -m gpu`` (docs/gpu-report.md); reports of earlier runs that hold a
 ``tests`` section still render it.
 """
@@ -288,11 +287,9 @@ def _largest(r: dict) -> str:
 
 def planner(out_dir: pathlib.Path, *, model: str, batch: int, timeout_s: float,
             seq_len: int | None = None) -> dict:
-  """:mod:`models.benchmarks.plan_memory` for three budgets, ``device_peak`` on a GPU, in a
-  child process (:func:`measure`'s ``"planner"``)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  options = {"models": model, "batch": batch, "points": 3, "configurations": "standard,inverted",
-             "out": str(out_dir / "gpu_planner"), "device_peak": jax.default_backend() == "gpu",
+  """:mod:`models.benchmarks.plan_memory` at three budgets in a child process
+  (:func:`measure`'s ``"planner"``)."""
+  options = {"models": model, "batch": batch, "points": 3, "out": str(out_dir / "gpu_planner"),
              **({} if seq_len is None else {"seq_len": seq_len})}
   cmd = [sys.executable, "-m", "models.benchmarks.gpu_report",
          json.dumps({"kind": "planner", "options": options})]
@@ -374,18 +371,10 @@ def markdown(report: dict) -> str:
         f"{c}: {_largest(r)}" for c, r in mb["results"].items()), ""]
   pl = report.get("planner")
   if pl and "results" in pl:
-    lines += ["**Planner on the device** (`" + pl["command"] + "`):", "",
-              "| model | budget MiB | configuration | predicted MiB | device temp MiB | error |",
-              "|---|---:|---|---:|---:|---:|"]
-    for model, fr in pl["results"].items():
-      for p in fr["plans"]:
-        if "infeasible" in p:
-          continue
-        err = p.get("device_prediction_error")
-        lines.append(f"| {model} | {_mib(p['budget'])} | {p['configuration']} | "
-                     f"{_mib(p['predicted_bytes'])} | {_mib(p.get('device_temp_bytes'))} | "
-                     f"{'n/a' if err is None else f'{err:+.1%}'} |")
-    lines.append("")
+    from models.benchmarks import plan_program  # pylint: disable=import-outside-toplevel
+    lines += ["**Planner on the device** (`" + pl["command"] + "`; compiled: XLA's temp on the "
+              "device):", "",
+              plan_program.table([r for rows in pl["results"].values() for r in rows]), ""]
   elif pl:
     lines += [f"**Planner on the device**: not measured: {pl.get('note') or pl.get('error') or pl.get('tail', '')[-300:]}", ""]
   fr = report.get("frontier")
@@ -477,7 +466,7 @@ def _planner(report, args, dry, on_gpu, progress, section_deadline, deadline):
   del on_gpu, section_deadline
   progress("planner")
   report["planner"] = planner(
-      # ViT-B/16 at batch 8: bench/plan_memory_vit.json's model and batch (the CPU frontier).
+      # ViT-B/16 at batch 8: scripts/plan_memory.py's default model and batch.
       args.out_dir, model="vit-ti16" if dry else "vit-b16", batch=2 if dry else 8,
       timeout_s=deadline - time.time(), seq_len=8 if dry else None)
 

@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PROGRAMS", "run", "rows", "table"]
+__all__ = ["PROGRAMS", "run", "rows", "rows_of", "table"]
 
 #: name -> (frontier shape fields, whether the layers carry MaxText's names)
 PROGRAMS = {
@@ -95,7 +95,7 @@ def rows(name: str, dtype: str = "float32", layers: int | None = None,
   from models.benchmarks import frontier  # pylint: disable=import-outside-toplevel
   fields, named = PROGRAMS[name]
   if fields is None:
-    return _rows(name, *_penzai(layers, dtype), dtype,
+    return rows_of(name, *_penzai(layers, dtype), dtype,
                  ["none", "full", "dots", "dots_no_batch"], progress)
   shape = frontier.Shape(**{**fields, **({"layers": layers} if layers else {})})
   if named is None:
@@ -104,7 +104,7 @@ def rows(name: str, dtype: str = "float32", layers: int | None = None,
     build = lambda policy: frontier.build(shape, policy, False, jnp.dtype(dtype), named=named)  # noqa: E731
   policies = ["none", "full", "dots", "dots_no_batch"] + (
       ["minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj"] if named else [])
-  return _rows(name, lambda policy: build(policy)[0], build("none")[1], shape.layers, dtype,
+  return rows_of(name, lambda policy: build(policy)[0], build("none")[1], shape.layers, dtype,
                policies, progress)
 
 
@@ -120,9 +120,12 @@ def _penzai(layers: int | None, dtype: str):
   return with_policy.get, (params,), third_party.SIZES["plan"][1]
 
 
-def _rows(name: str, build: Callable, args: tuple, depth: int, dtype: str, policies: list,
-          progress: Callable[[str], None]) -> list[dict]:
-  """The rows of program ``name``: ``build(policy)`` its loss under a fixed policy."""
+def rows_of(name: str, build: Callable, args: tuple, depth: int, dtype: str, policies: list,
+          progress: Callable[[str], None], *, points: int = 4,
+          convert: bool = False) -> list[dict]:
+  """The rows of program ``name``: ``build(policy)`` its loss under a fixed policy; plans at
+  ``points`` budgets evenly spaced from full remat's compiled temp to no remat's, with
+  ``invact_jax.invert`` of the loss as an operator variant where ``convert``."""
   import invact_jax  # pylint: disable=import-outside-toplevel
   loss = build("none")
   progress(f"{name} none")
@@ -138,17 +141,18 @@ def _rows(name: str, build: Callable, args: tuple, depth: int, dtype: str, polic
     fixed[policy] = (_temp(fn, args), depth * (_flops(fn, args) - none_flops))
   low, high = fixed["full"][0], fixed["none"][0]
   out = []
-  for i in range(4):
-    budget = int(low + i * (high - low) / 3)
+  for i in range(points):
+    budget = int(low + i * (high - low) / (points - 1))
     progress(f"{name} plan at {budget:,} B")
     t0 = time.perf_counter()
-    planned = invact_jax.plan(loss, *args, budget=budget)
+    planned = invact_jax.plan(loss, *args, budget=budget, convert=convert)
     plan_s = time.perf_counter() - t0
     r = planned.report
     fits = {p: f for p, (t, f) in fixed.items() if t <= budget}
     best = min(fits, key=fits.get) if fits else None
     out.append({
         "program": name, "dtype": dtype, "layers": depth, "budget": budget,
+        "configuration": r.configuration,
         "keep": list(r.keep), "offload": list(r.offload), "as_written": r.as_written,
         "policy": r.policy,
         "predicted_bytes": r.predicted_bytes, "compiled_bytes": r.compiled_bytes,
@@ -168,8 +172,10 @@ def table(rs: list[dict]) -> str:
            "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"]
   mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
   for r in rs:
-    keep = ("as written" if r["as_written"] else f"JAX's {r['policy']}" if r.get("policy")
-            else (", ".join(r["keep"]) or "(nothing)"))
+    keep = ("as written" if r["as_written"] else "no remat" if r.get("policy") == "everything"
+            else f"JAX's {r['policy']}" if r.get("policy") else (", ".join(r["keep"]) or "(nothing)"))
+    if r.get("configuration", "as written") != "as written":
+      keep = f"{r['configuration']}: {keep}"
     fixed = r["best_fixed_recompute_flops"]
     lines.append(
         f"| {r['program']} | {r['layers']} | {mib(r['budget'])} | {keep} | "

@@ -105,8 +105,8 @@ def agree(options: dict, timeout_s: float = 60.0, topic: str = "options",
       return
     # Process 0 says it (fail()); this one acknowledges and leaves first: process 0 hosts the
     # coordination service, and a process still running when it leaves is aborted by XLA.
-    client.key_value_set(f"{_Watchdog.PREFIX}/ack/{me}", "1", allow_overwrite=True)
-    _say_and_exit(f"error: process 0: {verdict}", 2)
+    _say_and_exit(f"error: process 0: {verdict}", 2, then=lambda: client.key_value_set(
+        f"{_Watchdog.PREFIX}/ack/{me}", "1", allow_overwrite=True))
   mine, verdict = json.loads(text), "ok"
   for p in range(1, jax.process_count()):
     try:
@@ -133,9 +133,11 @@ def fail(message: str, code: int) -> int:
   watchdogs stop with the same line and code) and exit at once: a normal exit would wait in
   JAX's shutdown barrier for processes that wait for this one, until XLA aborts it.  Returns
   ``code`` when there are no others."""
+  client = _client()
+  if client is not None and not _LEAVING.acquire(blocking=False):
+    threading.Event().wait()  # the watchdog said another process's line and exits
   sys.stderr.write(f"error: {message}\n")
   sys.stderr.flush()
-  client = _client()
   if client is None:
     return code
   try:
@@ -217,8 +219,9 @@ class _Watchdog:
         lost(SERVICE_GONE)
       for key, value in errors:  # another process failed with a one-line error: same line
         code, message = value.split(" ", 1)
-        self.client.key_value_set(f"{self.PREFIX}/ack/{self.me}", "1", allow_overwrite=True)
         _say_and_exit(f"error: process {key.rsplit('/', 1)[-1]}: {message}", int(code),
+                      then=lambda: self.client.key_value_set(
+                          f"{self.PREFIX}/ack/{self.me}", "1", allow_overwrite=True),
                       linger_s=1.0)  # let the failing process leave first (it waits for acks)
       now = time.monotonic()
       for p, (value, since) in seen.items():
@@ -247,11 +250,25 @@ def lost(reason: str) -> None:
   _say_and_exit(lost_message(reason), 1)
 
 
-def _say_and_exit(line: str, code: int, linger_s: float = 0.0) -> None:
-  """One line on stderr, then exit at once (from any thread: the main one may be stuck in a
-  collective, and a normal exit would wait in JAX's shutdown barrier)."""
+# Held by the first thread that leaves: one line per process, whichever thread notices first.
+_LEAVING = threading.Lock()
+
+
+def _say_and_exit(line: str, code: int, linger_s: float = 0.0, then=None) -> None:
+  """One line on stderr, then ``then()`` (an acknowledgement to the process that failed, which
+  may then take the coordination service down), then exit at once (from any thread: the main
+  one may be stuck in a collective, and a normal exit would wait in JAX's shutdown barrier).
+  A second thread that would leave meanwhile (the watchdog seeing the service go once the
+  acknowledgement let process 0 exit) waits for the first one's exit instead of saying more."""
+  if not _LEAVING.acquire(blocking=False):
+    threading.Event().wait()  # another thread said its line and exits
   sys.stderr.write(line + "\n")
   sys.stderr.flush()
+  if then is not None:
+    try:
+      then()
+    except Exception:  # pylint: disable=broad-except  # the service may be gone already
+      pass
   time.sleep(linger_s)
   os._exit(code)  # pylint: disable=protected-access
 

@@ -196,12 +196,11 @@ def test_the_planner_section_runs_plan_memory_in_a_child_with_its_options(monkey
   seen = []
   monkeypatch.setattr(plan_memory, "run", lambda options: seen.append(options) or 2)
   row = gpu_report.measure({"kind": "planner", "options": {
-      "models": "gpt2", "batch": 2, "points": 3, "configurations": "standard,inverted",
-      "out": str(tmp_path / "p"), "device_peak": False, "seq_len": 8}})
+      "models": "gpt2", "batch": 2, "points": 3, "out": str(tmp_path / "p"), "seq_len": 8}})
   assert row == {"returncode": 2}
   (opts,) = seen
   assert opts == plan_memory.Options(models="gpt2", batch=2, points=3, seq_len=8,
-                                     configurations="standard,inverted", out=tmp_path / "p")
+                                     out=tmp_path / "p")
   # The parent: the child's row says plan_memory's exit code; its results are read back.
   (tmp_path / "gpu_planner.json").write_text(json.dumps({"results": {"gpt2": {"x": 1}}}))
   answers = iter(['{"returncode": 0}', '{"returncode": 2}',

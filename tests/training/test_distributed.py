@@ -273,6 +273,23 @@ def test_an_unexpected_error_in_one_process_stops_the_others_at_once(tmp_path):
   assert took < 30  # process 0's watchdog alone would have waited 30 s after process 1 stopped
 
 
+def test_one_line_per_process_whichever_thread_leaves_first():
+  """The race behind a flaky 'lost the other processes' (2026-11-26): process 1 acknowledged
+  process 0's error, process 0 left and took the coordination service with it, and process 1's
+  watchdog said the service was gone before its main thread said process 0's line.  Now the
+  first thread to leave says its line before acknowledging, and a second one waits for the
+  exit: one line, the first's exit code."""
+  code = ("import threading, time\n"
+          "from models.training import distributed as d\n"
+          "threading.Thread(target=d._say_and_exit, args=('error: first', 2),\n"
+          "                 kwargs={'then': lambda: time.sleep(0.5)}).start()\n"
+          "time.sleep(0.1)\n"
+          "d._say_and_exit('error: second', 1)\n")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60, check=False)
+  assert (done.returncode, done.stderr.strip()) == (2, "error: first"), done.stderr[-2000:]
+
+
 def test_process_0_waiting_for_more_processes_is_one_line_and_exit_2(tmp_path):
   """Process 0 says 3 processes, process 1 says 2: XLA's registration barrier times out and
   aborts both (no Python exception); their supervisors turn that into one line and exit 2."""
