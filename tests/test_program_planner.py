@@ -283,14 +283,21 @@ def test_nested_scans_and_a_layers_own_remat(bounds):
     return jnp.mean(jax.lax.scan(body, x, params)[0] ** 2)
   r = invact_jax.plan(remat, *ARGS, budget=(low + high) // 2).report
   assert r.keep and r.compiled_bytes > _temp(remat, *ARGS)  # keeps what the remat recomputed
-  # Where no remat fits, the layer runs without its own: nothing recomputed.
-  unremated = _temp(lambda p, x: jnp.mean(jax.lax.scan(_layer(False), x, p)[0] ** 2), *ARGS)
-  everything = invact_jax.plan(remat, *ARGS, budget=unremated)
-  r = everything.report
+
+
+def test_a_layer_with_its_own_remat_runs_without_it_where_that_fits():
+  def under(policy):
+    def loss(ws, x):
+      return jnp.mean(jax.lax.scan(jax.checkpoint(_toy, policy=policy), x, ws)[0] ** 2)
+    return loss
+  remat = under(jax.checkpoint_policies.nothing_saveable)
+  unremated = _temp(under(jax.checkpoint_policies.everything_saveable), *TOY)
+  planned = invact_jax.plan(remat, *TOY, budget=2 * unremated)  # (the rewritten loop: +7 %)
+  r = planned.report
   assert (r.policy, r.predicted_recompute_flops, r.recompute) == ("everything", 0.0, ())
-  assert r.compiled_bytes == unremated and not r.as_written
+  assert unremated <= r.compiled_bytes <= 2 * unremated and not r.as_written
   assert "no remat" in str(r)
-  _assert_within_the_originals_error(remat, everything, *ARGS)
+  _assert_within_the_originals_error(remat, planned, *TOY)
 
 
 def test_sharded_inputs_and_jit():
