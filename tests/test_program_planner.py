@@ -292,10 +292,11 @@ def test_a_layer_with_its_own_remat_runs_without_it_where_that_fits():
     return loss
   remat = under(jax.checkpoint_policies.nothing_saveable)
   unremated = _temp(under(jax.checkpoint_policies.everything_saveable), *TOY)
-  planned = invact_jax.plan(remat, *TOY, budget=2 * unremated)  # (the rewritten loop: +7 %)
+  # (the loop rewritten with no remat compiles to -7 % .. +7 % of it: JAX 0.12, 0.10)
+  planned = invact_jax.plan(remat, *TOY, budget=2 * unremated)
   r = planned.report
   assert (r.policy, r.predicted_recompute_flops, r.recompute) == ("everything", 0.0, ())
-  assert unremated <= r.compiled_bytes <= 2 * unremated and not r.as_written
+  assert r.compiled_bytes <= 2 * unremated and not r.as_written
   assert "no remat" in str(r)
   _assert_within_the_originals_error(remat, planned, *TOY)
 
