@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""The memory-budget planner's frontier on the project's models: invact_jax.plan at budgets
-from full remat's compiled temp to no remat's, beside JAX's policies and MaxText's presets.
+"""The memory-budget planner's frontier on the project's models, by invact_jax.plan.
+
+Plans at budgets from full remat's compiled temp to no remat's, beside JAX's policies and
+MaxText's presets:
 
   python scripts/plan_memory.py                                # ViT-B/16 and GPT-2, bf16, batch 8
   python scripts/plan_memory.py --models gpt2 --seq-len 256 --points 5
