@@ -26,9 +26,17 @@ from models.training import run_dir
 from models.training import trainer as trainer_lib
 
 
+@jax.jit
+def _finite(tree) -> jax.Array:
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
 def _all_finite(tree) -> bool:
-  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
-             if jnp.issubdtype(x.dtype, jnp.inexact))
+  """Whether every floating leaf of ``tree`` is finite: one program per tree structure (not
+  one per leaf shape) and one value brought to the host."""
+  return bool(_finite(tree))
 
 
 def _stop_diverged(manager, bar, what: str):
