@@ -226,7 +226,7 @@ def analysed(fn: Callable[..., Any], *args) -> CompiledMemory:
 def _memory_of(fn, args, kwargs, options) -> CompiledMemory:
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   lowered = jitted.lower(*args, **kwargs)
-  m = (lowered.compile(compiler_options=options) if options else lowered.compile()).memory_analysis()
+  m = lowered.compile(compiler_options=options or None).memory_analysis()
   if m is None:
     raise RuntimeError(f"XLA's memory_analysis() is not available on backend {jax.default_backend()!r}")
   return CompiledMemory(temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes),

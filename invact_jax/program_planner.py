@@ -631,12 +631,12 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
   derivative's own residuals are no candidate), the program as written, or the layer without
   its own ``jax.checkpoint`` (``"everything"``); else JAX's policy that recomputes least;
   None if neither.  A JAX policy is compiled only where predicted to fit."""
-  worth = {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
-  if set(keep) >= worth and not loop.remat:
+  keeps_worth = set(keep) >= {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
+  if keeps_worth and not loop.remat:
     written = memory.analysed(grad(fn), *args).temp
     if written <= budget:
       return True, None, written, unremated
-  if set(keep) >= worth and unremated < flops * (1 - 1e-6):
+  if keeps_worth and unremated < flops * (1 - 1e-6):
     temp = _temp(fn, args, grad, (), (), "everything")
     if temp <= budget:
       return False, "everything", temp, unremated

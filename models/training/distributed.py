@@ -134,8 +134,8 @@ def fail(message: str, code: int) -> int:
   JAX's shutdown barrier for processes that wait for this one, until XLA aborts it.  Returns
   ``code`` when there are no others."""
   client = _client()
-  if client is not None and not _LEAVING.acquire(blocking=False):
-    threading.Event().wait()  # the watchdog said another process's line and exits
+  if client is not None:
+    _leave_first()
   sys.stderr.write(f"error: {message}\n")
   sys.stderr.flush()
   if client is None:
@@ -254,14 +254,19 @@ def lost(reason: str) -> None:
 _LEAVING = threading.Lock()
 
 
+def _leave_first() -> None:
+  """Return to the first thread that leaves this process; block any other until the exit."""
+  if not _LEAVING.acquire(blocking=False):
+    threading.Event().wait()  # another thread said its line and exits
+
+
 def _say_and_exit(line: str, code: int, linger_s: float = 0.0, then=None) -> None:
   """One line on stderr, then ``then()`` (an acknowledgement to the process that failed, which
   may then take the coordination service down), then exit at once (from any thread: the main
   one may be stuck in a collective, and a normal exit would wait in JAX's shutdown barrier).
   A second thread that would leave meanwhile (the watchdog seeing the service go once the
   acknowledgement let process 0 exit) waits for the first one's exit instead of saying more."""
-  if not _LEAVING.acquire(blocking=False):
-    threading.Event().wait()  # another thread said its line and exits
+  _leave_first()
   sys.stderr.write(line + "\n")
   sys.stderr.flush()
   if then is not None:
