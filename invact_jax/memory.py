@@ -211,9 +211,8 @@ def compiled(fn: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
 def analysis_options() -> dict[str, Any]:
   """XLA compile options under which the memory analysis is the default compile's, reached
   sooner: the buffers are assigned before the backend generates code, so on CPU LLVM runs at
-  -O0 (the gradient of ``scripts/plan_program.py``'s 32-layer llama-einsum, four plans: 0.7
-  s per compile instead of 1.0–1.2 s on this project's 2-core CPU, temp identical on JAX
-  0.10.2 and 0.12).  Empty elsewhere (not measured on a GPU)."""
+  -O0 (temp identical: ``tests/test_memory.py``; docs/planner.md has the planning time it
+  gives).  Empty elsewhere (not measured on a GPU)."""
   return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
 
 
