@@ -241,7 +241,10 @@ def checkpoint_io(manager, what: str, call):
   except Exception as e:  # pylint: disable=broad-except  # orbax/TensorStore raise ValueError
     text = str(e)
     m = _IO_FAILURE.search(text)
-    if not isinstance(e, OSError) and m is None:
+    workdir = pathlib.Path(manager.directory).parent
+    # The run directory gone (rm -rf while training): whatever orbax's threads raise about it.
+    gone = not (workdir / "config.json").is_file()
+    if not isinstance(e, OSError) and m is None and not gone:
       raise
     cause = getattr(e, "strerror", None) or (m.group(0) if m else errors.first_line(e))
     if cause.startswith("os_error_code"):
@@ -256,8 +259,7 @@ def checkpoint_io(manager, what: str, call):
         manager.wait_until_finished()
       except Exception:  # pylint: disable=broad-except  # reported below as not intact
         what += " (and an earlier one still being written)"
-    workdir = pathlib.Path(manager.directory).parent
-    if not (workdir / "config.json").is_file():  # not a storage failure: the run is gone
+    if gone or not (workdir / "config.json").is_file():  # not a storage failure: the run is gone
       raise errors.RunDirectoryLost(workdir, what) from None
     raise CheckpointWriteError(
         f"could not write {what} in {manager.directory}: {cause}; the checkpoints written "

@@ -13,6 +13,7 @@ import pytest
 
 from models.training import checkpoints
 from models.training import data as data_lib
+from models.training import errors
 from models import training
 from tests.training import SMALL
 
@@ -144,3 +145,35 @@ def test_host_and_device_sums_agree():
     host = checkpoints._host_sums(np.asarray(a))  # pylint: disable=protected-access
     device = np.asarray(checkpoints._sums([a])[0])  # pylint: disable=protected-access
     np.testing.assert_array_equal(host, device, err_msg=dtype)
+
+
+class _Manager:
+  """What checkpoint_io reads of orbax's CheckpointManager: its directory and its wait."""
+
+  def __init__(self, directory):
+    self.directory = directory
+
+  def wait_until_finished(self):
+    pass
+
+
+def test_any_error_of_a_checkpoint_whose_run_directory_is_gone_is_the_lost_run():
+  """orbax's background finalize of an earlier save raises ValueError("Checkpoint directory does
+  not exist") when the run directory was removed meanwhile (seen in the suite: a race with the
+  vanished-run-directory test): the run is lost, not a crash; with the run directory present,
+  an error that is no storage failure passes through as it is."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as tmp:
+    work = pathlib.Path(tmp) / "w"
+    (work / "checkpoints").mkdir(parents=True)
+    (work / "config.json").write_text("{}")
+    manager = _Manager(work / "checkpoints")
+
+    def orbax_finalize():
+      raise ValueError(f"Checkpoint directory does not exist: {work}/checkpoints/5.orbax-"
+                       "checkpoint-tmp/default.orbax-checkpoint-tmp.")
+    with pytest.raises(ValueError, match="Checkpoint directory does not exist"):
+      checkpoints.checkpoint_io(manager, "the checkpoint of step 10", orbax_finalize)
+    shutil.rmtree(work)
+    with pytest.raises(errors.RunDirectoryLost, match="found before the checkpoint of step 5"):
+      checkpoints.checkpoint_io(manager, "the checkpoint of step 10", orbax_finalize)
