@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -319,13 +320,16 @@ def _reference_grad(name: str, size: str, dtype, params):
 
 def compare(name: str, size: str = "test", dtype=jnp.float32, *,
             unfused: bool = False, reference: bool = False,
-            fallback: str | None = None) -> dict[str, Any]:
+            fallback: str | None = None, timed: int = 0) -> dict[str, Any]:
   """The conversion of ``name`` measured: forward equality, gradient rel L2 vs the unconverted
   model (of ``invert`` and of the hand conversion), compiled temp of the gradient and the
   bytes autodiff keeps (unconverted, by hand where there is a hand conversion, by ``invert``;
   with ``unfused``, also by ``invert(floor=False)``), the report; with ``reference``, each
   gradient's rel L2 distance to a wider-precision one (:func:`_reference_grad`);
-  ``fallback``: :func:`invact_jax.invert`'s."""
+  ``fallback``: :func:`invact_jax.invert`'s; with ``timed`` = n, the seconds from the loss to
+  its compiled gradient (trace, lower, compile), unconverted and through a new ``invert``
+  (its conversion and, with ``fallback``, its measurements included), the median of n tries
+  of each, interleaved, without JAX's persistent compilation cache."""
   loss, params = build(name, size, dtype)
   inv = invact_jax.invert(loss, fallback=fallback)
 
@@ -366,10 +370,30 @@ def compare(name: str, size: str = "test", dtype=jnp.float32, *,
       gh, row["temp_hand"] = grad_and_temp(hand_loss, hand_params)
       row["kept_hand"] = kept(hand_loss, hand_params)
     row["grad_rel_l2_hand"] = rel(gh)
+  if timed:
+    row["compile_s_unconverted"], row["compile_s_invert"] = _compile_seconds(
+        loss, lambda: invact_jax.invert(loss, fallback=fallback), params, timed)
   row["converted"] = inv.last_report.replaced
   row["left_alone"] = [list(x) for x in inv.last_report.left_alone]
   row["recomputed"] = [list(x) for x in inv.last_report.recomputed]
   return row
+
+
+def _compile_seconds(loss: Callable, converted: Callable[[], Callable], params,
+                     tries: int) -> tuple[float, float]:
+  """Median seconds from ``loss`` (and from a new ``converted()``) to the compiled gradient
+  at ``params``, ``tries`` of each, interleaved; JAX's persistent cache off meanwhile."""
+  def seconds(f) -> float:
+    t = time.perf_counter()
+    jax.jit(jax.grad(f)).lower(params).compile()
+    return time.perf_counter() - t
+  cached = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    pairs = [(seconds(loss), seconds(converted())) for _ in range(tries)]
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cached)
+  return tuple(float(np.median(t)) for t in zip(*pairs))
 
 
 def build(name: str, size: str = "test", dtype=jnp.float32) -> tuple[Callable, Any]:

@@ -5,7 +5,8 @@ block; keras-hub's Gemma, Llama, BERT, GPT-2 and ViT; penzai's Llama, stacked Ll
 Gemma 2 and GPT-NeoX; see models/third_party.py): is the converted forward
 bit-identical, the gradient's relative L2 distance to the unconverted one, the bytes
 autodiff keeps and the compiled temp memory of the gradient, unconverted / by ``invert`` /
-converted by hand (where the model has a hand conversion), and what was converted.
+converted by hand (where the model has a hand conversion), what was converted, and the
+seconds from the loss to its compiled gradient, unconverted and through ``invert``.
 Models whose package is not installed are skipped with a line saying so (keras-hub:
 ``pip install --no-deps keras-hub kagglehub``).
 
@@ -27,6 +28,9 @@ def main(argv=None) -> int:
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--fallback", choices=("temp",),
                  help="invert's fallback: leave alone the sites that raise the compiled temp")
+  p.add_argument("--compile-tries", type=cli.nonnegative_int, default=3,
+                 help="time the gradient's compile unconverted and through invert (median "
+                      "of this many tries each; 0: not timed)")
   p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
   return invert_models.run(a)

@@ -31,13 +31,14 @@ def _listed(counts: dict) -> str:
 
 def table(rows) -> str:
   """Markdown table of :func:`third_party.compare` rows."""
+  timed = any("compile_s_invert" in r for r in rows)
   head = ("| model | forward | grad error vs wider: unconverted / `invert` | kept vs "
           "unconverted | temp unconverted | `invert` | by hand | converted | recomputed | "
-          "left alone |")
-  lines = [head, "|" + "---|" * 10]
+          "left alone |" + (" compile unconverted | `invert` |" if timed else ""))
+  lines = [head, "|" + "---|" * (12 if timed else 10)]
   for r in rows:
     hand = _pct(r["temp_hand"], r["temp_unconverted"]) if "temp_hand" in r else "—"
-    lines.append(
+    line = (
         f"| {r['model']} | {'identical' if r['forward_identical'] else 'DIFFERS'} | "
         f"{r['grad_error_unconverted']:.1e} / {r['grad_error_invert']:.1e} | "
         f"{100 * r['kept_invert'] / r['kept_unconverted']:.0f} % | "
@@ -46,6 +47,10 @@ def table(rows) -> str:
         + _listed(r["converted"]) + " | "
         + _listed(collections.Counter(e[0] for e in r.get("recomputed", [])))
         + f" | {len(r['left_alone'])} |")
+    if timed:
+      line += (f" {r['compile_s_unconverted']:.2f} s | "
+               f"{r['compile_s_invert'] / r['compile_s_unconverted']:.2f}× |")
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -55,10 +60,11 @@ def run(a: argparse.Namespace) -> int:
   warnings.filterwarnings("ignore", message=".*Transformers v5.*")
   models = third_party.installed(a.models)
   rows = [third_party.compare(m, a.size, jnp.dtype(a.dtype), reference=True,
-                                 fallback=a.fallback)
+                                 fallback=a.fallback, timed=a.compile_tries)
           for m in tqdm(models, desc="models", file=sys.stderr)]
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
           "size": third_party.SIZES[a.size], "dtype": a.dtype, "fallback": a.fallback,
+          "compile_tries": a.compile_tries,
           "date": datetime.date.today().isoformat()}
   print(f"JAX {meta['jax']}, {meta['device']}, (hidden, layers, heads, sequence, batch) = "
         f"{meta['size']}, {a.dtype}, {meta['date']}")

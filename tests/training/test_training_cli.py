@@ -292,6 +292,7 @@ def test_script_inputs_are_checked_before_any_work(tmp_path, capsys):
       ("bench_lm_head", ["--tokens", "99999999999"], "below 2**31"),
       ("bench_lm_head", ["--tokens", "100000000", "--vocab", "1000000"], "GiB"),
       ("invert_models", ["--json", str(tmp_path / "missing" / "x.json")], "does not exist"),
+      ("invert_models", ["--compile-tries", "-1"], "must be >= 0, got -1"),
       ("floor_audit", ["--json", str(tmp_path)], "is a directory"),
       ("gpu_report", ["--budget-s", "nan"], "must be a finite number > 0"),
       ("benchmark_memory", ["--dtypes", "float64"], "needs JAX_ENABLE_X64"),
