@@ -10,7 +10,7 @@ seconds from the loss to its compiled gradient, unconverted and through ``invert
 Models whose package is not installed are skipped with a line saying so (keras-hub:
 ``pip install --no-deps keras-hub kagglehub``).
 
-  python scripts/invert_models.py                     # the README's table (size "table")
+  python scripts/invert_models.py                     # size "table" (the default)
   python scripts/invert_models.py --size zoo --models keras_vit penzai_gemma2 --json out.json
   python scripts/invert_models.py --size zoo --fallback temp   # temp never above the original
 """

@@ -35,6 +35,7 @@ import numpy as np
 from invact_jax.convert import _graph
 from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit, Unit
+from invact_jax.ops import _common
 
 __all__ = ["fuse", "FREE", "ELEMENTWISE"]
 
@@ -218,6 +219,7 @@ def _norm_dense_unit(g, rule, unit: Unit, found, taken: set, owner: dict, outvar
 
   def bwd(res, cts):
     nres, ext = res
+    nres = _common.read_apart(nres)
     z_again = rule.recompute(nres)
     _, vjp = jax.vjp(dense, z_again, *ext)
     dz, *dext = vjp(tuple(cts))

@@ -42,7 +42,8 @@ def _activation_fn(match: _match.FormMatch, region, implementation):
     return y, (y, _act_base.packed_bits(op, x))
 
   def bwd(res, dy):
-    return (implementation.backward(op, *res, dy),)
+    y, packed = _common.read_apart(res)
+    return (implementation.backward(op, y, packed, dy),)
 
   f.defvjp(fwd, bwd)
   return f
@@ -63,7 +64,7 @@ def _scaled_silu_fn(match: _match.FormMatch, region, implementation):
     return y, (y, _act_base.packed_bits(op, x.astype(_common.compute_dtype(x.dtype)) * c))
 
   def bwd(res, dy):
-    y, packed = res
+    y, packed = _common.read_apart(res)
     s = (y.astype(_common.compute_dtype(y.dtype)) * c).astype(y.dtype)
     return (implementation.backward(op, s, packed, dy),)
 

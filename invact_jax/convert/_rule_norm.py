@@ -120,7 +120,7 @@ def _norm_fn(rule: NormVJP):
     z = rule.region(*vals)
     return z, rule.residuals(vals, z)
 
-  f.defvjp(fwd, rule.backward)
+  f.defvjp(fwd, lambda res, dz: rule.backward(_common.read_apart(res), dz))
   return f
 
 

@@ -10,6 +10,7 @@ from invact_jax.convert import _algebra
 from invact_jax.convert import _graph
 from invact_jax.convert import _match
 from invact_jax.convert import _rule
+from invact_jax.ops import _common
 from invact_jax.ops.softmax import base as _softmax_base
 
 __all__ = ["SoftmaxRule"]
@@ -29,7 +30,7 @@ def _softmax_fn(m: _algebra.SoftmaxMatch, region, target):
     return p, p
 
   def bwd(p, dp):
-    return (_softmax_base.backward(m.axes, x_dtype, p, dp), *(None for _ in m.inputs[1:]))
+    return (_softmax_base.backward(m.axes, x_dtype, _common.read_apart(p), dp), *(None for _ in m.inputs[1:]))
 
   f.defvjp(fwd, bwd)
   return f

@@ -258,14 +258,13 @@ def test_under_transformations(wrap):
       return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(p, x)
   inv = _check(loss, (p, x), argnums=(0, 1))
   if wrap == "remat":
-    # Under jax.checkpoint (no policy: everything recomputed) converting the layer only changes
-    # how it is recomputed, and that compiles to a larger temp: left as written, said with
-    # the two figures, the temp the original's.
-    assert inv.last_report.replaced == {}, inv.last_report
-    (why,) = {y for _, _, y in inv.last_report.left_alone}
-    assert "inside jax.checkpoint" in why and "raises its gradient's compiled temp" in why, why
+    # Under jax.checkpoint (no policy: everything recomputed) the body is converted only
+    # where that compiles to a lower temp (here it does, since the backward rules read their
+    # residuals apart, _common.read_apart); a body it does not lower is left as written, said
+    # with the two figures (test_program.NestedTest at 16-64 rows).
+    assert inv.last_report.replaced == {"rms_norm": 1, "silu": 1}, inv.last_report
     grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1)))  # noqa: E731
-    assert memory.compiled(grad(inv), p, x).temp <= memory.compiled(grad(loss), p, x).temp
+    assert memory.compiled(grad(inv), p, x).temp < memory.compiled(grad(loss), p, x).temp
     return
   assert inv.last_report.replaced == {"rms_norm": 1, "silu": 1}, inv.last_report
   unfused = sum(r.bytes for r in memory.residuals(invact_jax.invert(loss, floor=False), p, x))

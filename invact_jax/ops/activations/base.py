@@ -137,7 +137,7 @@ def _apply_fwd(op, implementation, x):
 
 
 def _apply_bwd(op, implementation, res, dy):
-  y, packed = res
+  y, packed = _common.read_apart(res)
   return (implementation.backward(op, y, packed, dy),)
 
 

@@ -131,7 +131,9 @@ def backward(implementation, rms: bool, x_dtype, res, dz):
 
 def _norm_bwd(implementation, rms, eps, dtype, x_dtype, res, dz):
   del eps, dtype
-  return backward(implementation, rms, x_dtype, res, dz)
+  xhat, rstd, scale, bias = res
+  return backward(implementation, rms, x_dtype, (*_common.read_apart((xhat, rstd)), scale, bias),
+                  dz)
 
 
 norm.defvjp(_norm_fwd, _norm_bwd)
@@ -162,6 +164,7 @@ def _norm_dense_fwd(implementation, rms, eps, dtype, x_dtype, x, scale, bias, ke
 def _norm_dense_bwd(implementation, rms, eps, dtype, x_dtype, res, dys):
   del eps
   xhat, rstd, scale, bias, kernels, biases = res
+  xhat, rstd = _common.read_apart((xhat, rstd))
   st = rstd.dtype
   # The affine output, recomputed (as the forward rounded it) for the weight gradients.
   z = affine(xhat.astype(st), scale, bias, dtype)

@@ -52,6 +52,7 @@ def backward(axis: int, x_dtype, p, dp):
 
 def _bwd(axis, dtype, x_dtype, p, dp):
   del dtype
+  p = _common.read_apart(p)
   return backward(axis, x_dtype, p, dp), None
 
 
