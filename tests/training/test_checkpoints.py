@@ -72,8 +72,11 @@ def _sums_edited(run):
   path.write_text(json.dumps(data))
 
 
-# fault -> (how, the step set aside, why it says, the step restored)
-FAULTS = {"bit flip": (_flip_a_bit, "10", "differ from what was saved", 5),
+# fault -> (how, the step set aside, why it says (one of), the step restored).  The flipped bit
+# (the middle byte of the largest data file) lands in an array's bytes, and the checksums
+# differ, or in the file's record framing, and TensorStore cannot read it (seen once in a
+# suite run, 2026-11-26): either way the step is set aside.
+FAULTS = {"bit flip": (_flip_a_bit, "10", ("differ from what was saved", "unreadable"), 5),
           "truncated file": (_truncate, "10", "unreadable", 5),
           "missing file": (_delete_a_file, "10", "unreadable", 5),
           "empty step directory": (_empty_newer_step, "99", "unreadable", 10),
@@ -101,8 +104,9 @@ def test_a_fault_falls_back_to_the_newest_checkpoint_that_verifies(runs, tmp_pat
     warnings.simplefilter("always")
     step, state = _restore(run, abstract)
   said = [str(w.message) for w in caught if "does not verify" in str(w.message)]
+  whys = why if isinstance(why, tuple) else (why,)
   assert len(said) == 1 and f"checkpoint step {bad} does not verify" in said[0] \
-      and why in said[0] and "\n" not in said[0], said
+      and any(w in said[0] for w in whys) and "\n" not in said[0], said
   names = {p.name for p in (run / "checkpoints").iterdir()}
   assert f"{bad}.corrupt" in names and names & {"5", "10"} == {"5", "10"} - {bad}, names
   assert step == good and checkpoints.verify(run, step, state) is None
