@@ -249,12 +249,14 @@ def test_a_language_model_runs_from_tokens_to_the_loss_whatever_the_policy_and_h
       if invact:
         report = loss.last_report
         # the scanned layer's two norms (one body for every layer) and the final one; under
-        # full remat the layer's norms only where that lowers its compiled temp (here it
-        # does, since the backward rules read their residuals apart: _common.read_apart),
+        # full remat the layer's norms only where that lowers its compiled temp (JAX 0.10:
+        # it does, the backward rules reading their residuals apart; JAX 0.12: it does not),
         # else left alone, said with the two figures
         under_remat = [w for w, _, y in report.left_alone if "inside jax.checkpoint" in y]
+        layer_norms = 2 - under_remat.count("rms_norm")
+        assert layer_norms in ((2,) if policy == "none" else (0, 2)), report
         assert report.replaced.get("linear_cross_entropy") == 1 and report.replaced.get(
-            "rms_norm") == 3 and not under_remat, report
+            "rms_norm") == 1 + layer_norms, report
         assert any("folded in" in f for f in report.forms), report.forms
       if ref is None:
         ref = (value, grads)

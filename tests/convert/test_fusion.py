@@ -259,12 +259,18 @@ def test_under_transformations(wrap):
   inv = _check(loss, (p, x), argnums=(0, 1))
   if wrap == "remat":
     # Under jax.checkpoint (no policy: everything recomputed) the body is converted only
-    # where that compiles to a lower temp (here it does, since the backward rules read their
-    # residuals apart, _common.read_apart); a body it does not lower is left as written, said
-    # with the two figures (test_program.NestedTest at 16-64 rows).
-    assert inv.last_report.replaced == {"rms_norm": 1, "silu": 1}, inv.last_report
+    # where that compiles to a lower temp, else left as written, said with the two figures.
+    # Here XLA decides: converted on JAX 0.10 (the backward rules read their residuals apart,
+    # _common.read_apart), left alone on JAX 0.12 (203,288 vs 172,800 bytes per call).
     grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1)))  # noqa: E731
-    assert memory.compiled(grad(inv), p, x).temp < memory.compiled(grad(loss), p, x).temp
+    ours, theirs = (memory.compiled(grad(f), p, x).temp for f in (inv, loss))
+    if inv.last_report.replaced:
+      assert inv.last_report.replaced == {"rms_norm": 1, "silu": 1}, inv.last_report
+      assert ours < theirs, (ours, theirs)
+    else:
+      (why,) = {y for _, _, y in inv.last_report.left_alone}
+      assert "inside jax.checkpoint" in why and "raises its gradient's compiled temp" in why, why
+      assert ours == theirs, (ours, theirs)
     return
   assert inv.last_report.replaced == {"rms_norm": 1, "silu": 1}, inv.last_report
   unfused = sum(r.bytes for r in memory.residuals(invact_jax.invert(loss, floor=False), p, x))

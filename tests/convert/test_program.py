@@ -565,7 +565,8 @@ def test_an_exact_gelu_mlp_inverted_compiles_to_less_temp_with_and_without_the_f
   def temp(f):
     return memory.compiled(jax.grad(f), layers, x).temp
   original = temp(_exact_gelu_mlp)
-  assert temp(invact_jax.invert(_exact_gelu_mlp)) < 0.6 * original  # measured: 49 %
+  # measured: 49 % (JAX 0.10), 61 % (JAX 0.12, whose original compiles to 20 % less)
+  assert temp(invact_jax.invert(_exact_gelu_mlp)) < 0.7 * original
   assert temp(inv) <= original
   report = inv.last_report
   assert not report.recomputed and not report.left_alone, report
