@@ -30,7 +30,8 @@ def _softmax_fn(m: _algebra.SoftmaxMatch, region, target):
     return p, p
 
   def bwd(p, dp):
-    return (_softmax_base.backward(m.axes, x_dtype, _common.read_apart(p), dp), *(None for _ in m.inputs[1:]))
+    p = _common.read_apart(p)
+    return (_softmax_base.backward(m.axes, x_dtype, p, dp), *(None for _ in m.inputs[1:]))
 
   f.defvjp(fwd, bwd)
   return f

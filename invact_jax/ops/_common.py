@@ -172,7 +172,6 @@ def cotangent_like(ct, primal):
   return jax.lax.psum(ct, extra) if extra else ct
 
 
-
 def read_apart(tree):
   """``tree`` itself (its floating-point arrays read where XLA:CPU's fusion cannot recompute
   them; on other platforms as they are).

@@ -259,7 +259,7 @@ def checkpoint_io(manager, what: str, call):
         manager.wait_until_finished()
       except Exception:  # pylint: disable=broad-except  # reported below as not intact
         what += " (and an earlier one still being written)"
-    if gone or not (workdir / "config.json").is_file():  # not a storage failure: the run is gone
+    if not (workdir / "config.json").is_file():  # (gone meanwhile, or before): the run is lost
       raise errors.RunDirectoryLost(workdir, what) from None
     raise CheckpointWriteError(
         f"could not write {what} in {manager.directory}: {cause}; the checkpoints written "

@@ -132,8 +132,8 @@ def backward(implementation, rms: bool, x_dtype, res, dz):
 def _norm_bwd(implementation, rms, eps, dtype, x_dtype, res, dz):
   del eps, dtype
   xhat, rstd, scale, bias = res
-  return backward(implementation, rms, x_dtype, (*_common.read_apart((xhat, rstd)), scale, bias),
-                  dz)
+  xhat, rstd = _common.read_apart((xhat, rstd))
+  return backward(implementation, rms, x_dtype, (xhat, rstd, scale, bias), dz)
 
 
 norm.defvjp(_norm_fwd, _norm_bwd)
