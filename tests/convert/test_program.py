@@ -57,7 +57,7 @@ def assert_at_float32_floor(loss, args, g, argnums=0, hand_loss=None):
 
 def _activation_cases():
   """(registry entry, selector/params) for every entry, with non-default parameters."""
-  params = {"elu": {"alpha": 0.7}, "leaky_relu": {"negative_slope": 0.2}}
+  params = {"elu": {"alpha": 0.7}, "celu": {"alpha": 0.7}, "leaky_relu": {"negative_slope": 0.2}}
   return [(a.name, {**dict(a.selector), **params.get(a.name, {})})
           for a in registry.ACTIVATIONS.values()]
 

@@ -21,10 +21,14 @@ from invact_jax.ops.activations import pallas
 from invact_jax.ops.activations import registry
 from invact_jax.ops.activations import triton
 
-__all__ = ["gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "elu", "leaky_relu",
-           "relu", "gelu_reference", "silu_reference", "swish_reference", "mish_reference",
-           "sigmoid_reference", "tanh_reference", "softplus_reference", "elu_reference",
-           "leaky_relu_reference", "relu_reference"]
+__all__ = ["gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "selu", "celu", "elu",
+           "hard_tanh", "leaky_relu", "hard_silu", "hard_swish", "hard_sigmoid", "relu6", "relu",
+           "gelu_reference",
+           "silu_reference", "swish_reference", "mish_reference", "sigmoid_reference",
+           "tanh_reference", "softplus_reference", "selu_reference", "celu_reference",
+           "elu_reference", "hard_tanh_reference", "leaky_relu_reference", "hard_silu_reference",
+           "hard_swish_reference",
+           "hard_sigmoid_reference", "relu6_reference", "relu_reference"]
 
 #: How the activations can run: name -> implementation (kernel options set by ``resolve``).
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
@@ -206,6 +210,35 @@ def softplus(x: Array, *, implementation: ImplementationLike = None) -> Array:
   return _run("softplus", x, implementation)
 
 
+def selu(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """SELU keeping only its output: f' = scale for x > 0, else y + scale * alpha.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.selu(x)``.
+  """
+  return _run("selu", x, implementation)
+
+
+def celu(x: Array, alpha: float = 1.0, *, implementation: ImplementationLike = None) -> Array:
+  """CELU keeping only its output: f' = 1 for x > 0, else y / alpha + 1.
+
+  Args:
+    x: floating-point array.
+    alpha: as in ``jax.nn.celu``; a static nonzero number (the backward is specialised on it).
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.celu(x, alpha)``.
+  """
+  if float(_common.static_scalar("celu", "alpha", alpha)) == 0.0:
+    raise ValueError("invact_jax.celu: argument `alpha` must be nonzero, got 0.0")
+  return _run("celu", x, implementation, alpha=alpha)
+
+
 def elu(x: Array, alpha: float = 1.0, *, implementation: ImplementationLike = None) -> Array:
   """ELU keeping only its output: f' = 1 for x > 0, else y + alpha (a bit if alpha < 0).
 
@@ -218,6 +251,22 @@ def elu(x: Array, alpha: float = 1.0, *, implementation: ImplementationLike = No
     ``jax.nn.elu(x, alpha)``.
   """
   return _run("elu", x, implementation, alpha=alpha)
+
+
+def hard_tanh(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Hard tanh keeping its output and one bit per element (-1 <= x <= 1).
+
+  The bit is the derivative: ``jax.nn.hard_tanh``'s is 1 at x = +-1, where y = +-1 also
+  comes from |x| > 1 (f' = 0), so the output alone cannot tell.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.hard_tanh(x)``.
+  """
+  return _run("hard_tanh", x, implementation)
 
 
 def leaky_relu(x: Array, negative_slope: float = 1e-2, *,
@@ -233,6 +282,60 @@ def leaky_relu(x: Array, negative_slope: float = 1e-2, *,
     ``jax.nn.leaky_relu(x, negative_slope)``.
   """
   return _run("leaky_relu", x, implementation, negative_slope=negative_slope)
+
+
+def hard_silu(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Hard SiLU ``x * hard_sigmoid(x)`` keeping its output and a 1-bit branch mask.
+
+  f' = +-sqrt(2 (y + 3/8) / 3) on (-3, 3), the sign from the bit (x < -3/2), 1 above, 0 below.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.hard_silu(x)``.
+  """
+  return _run("hard_silu", x, implementation)
+
+
+def hard_swish(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Alias of :func:`hard_silu` (as ``jax.nn.hard_swish`` is of ``jax.nn.hard_silu``).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.hard_swish(x)``.
+  """
+  return _run("hard_swish", x, implementation)
+
+
+def hard_sigmoid(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Hard sigmoid ``relu6(x + 3) / 6`` keeping only its output: f' = 1/6 for 0 < y < 1.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.hard_sigmoid(x)``.
+  """
+  return _run("hard_sigmoid", x, implementation)
+
+
+def relu6(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """ReLU6 keeping only its output: f' = [0 < y < 6] (0 at 0 and 6, as ``jax.nn.relu6``).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.relu6(x)``.
+  """
+  return _run("relu6", x, implementation)
 
 
 def relu(x: Array, *, implementation: ImplementationLike = None) -> Array:
@@ -334,6 +437,31 @@ def softplus_reference(x: Array) -> Array:
   return _reference("softplus", x)
 
 
+def selu_reference(x: Array) -> Array:
+  """``jax.nn.selu`` with JAX's own autodiff: the baseline of :func:`selu`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.selu`` of ``x``, differentiated by JAX.
+  """
+  return _reference("selu", x)
+
+
+def celu_reference(x: Array, alpha: float = 1.0) -> Array:
+  """``jax.nn.celu`` with JAX's own autodiff: the baseline of :func:`celu`.
+
+  Args:
+    x: floating-point array.
+    alpha: as for :func:`celu`.
+
+  Returns:
+    ``jax.nn.celu`` of ``x``, differentiated by JAX.
+  """
+  return _reference("celu", x, alpha=alpha)
+
+
 def elu_reference(x: Array, alpha: float = 1.0) -> Array:
   """``jax.nn.elu`` with JAX's own autodiff: the baseline of :func:`elu`.
 
@@ -347,6 +475,18 @@ def elu_reference(x: Array, alpha: float = 1.0) -> Array:
   return _reference("elu", x, alpha=alpha)
 
 
+def hard_tanh_reference(x: Array) -> Array:
+  """``jax.nn.hard_tanh`` with JAX's own autodiff: the baseline of :func:`hard_tanh`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.hard_tanh`` of ``x``, differentiated by JAX.
+  """
+  return _reference("hard_tanh", x)
+
+
 def leaky_relu_reference(x: Array, negative_slope: float = 1e-2) -> Array:
   """``jax.nn.leaky_relu`` with JAX's own autodiff: the baseline of :func:`leaky_relu`.
 
@@ -358,6 +498,54 @@ def leaky_relu_reference(x: Array, negative_slope: float = 1e-2) -> Array:
     ``jax.nn.leaky_relu`` of ``x``, differentiated by JAX.
   """
   return _reference("leaky_relu", x, negative_slope=negative_slope)
+
+
+def hard_silu_reference(x: Array) -> Array:
+  """``jax.nn.hard_silu`` with JAX's own autodiff: the baseline of :func:`hard_silu`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.hard_silu`` of ``x``, differentiated by JAX.
+  """
+  return _reference("hard_silu", x)
+
+
+def hard_swish_reference(x: Array) -> Array:
+  """``jax.nn.hard_swish`` with JAX's own autodiff: the baseline of :func:`hard_swish`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.hard_swish`` of ``x``, differentiated by JAX.
+  """
+  return _reference("hard_swish", x)
+
+
+def hard_sigmoid_reference(x: Array) -> Array:
+  """``jax.nn.hard_sigmoid`` with JAX's own autodiff: the baseline of :func:`hard_sigmoid`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.hard_sigmoid`` of ``x``, differentiated by JAX.
+  """
+  return _reference("hard_sigmoid", x)
+
+
+def relu6_reference(x: Array) -> Array:
+  """``jax.nn.relu6`` with JAX's own autodiff: the baseline of :func:`relu6`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.relu6`` of ``x``, differentiated by JAX.
+  """
+  return _reference("relu6", x)
 
 
 def relu_reference(x: Array) -> Array:

@@ -55,7 +55,9 @@ class Op:
   def kernel_forward(self, x):
     """The forward on a kernel tile: 16-bit inputs computed in float32 and rounded once
     (Triton lacks several bf16/f16 elementwise lowerings; XLA on GPU fuses the same way)."""
-    f = self.forward if self.activation.kernel_forward is None else self.activation.kernel_forward
+    a = self.activation
+    f = self.forward if a.kernel_forward is None else functools.partial(a.kernel_forward,
+                                                                         **self.kwargs)
     if x.dtype in (jnp.bfloat16, jnp.float16):
       return f(x.astype(jnp.float32)).astype(x.dtype)
     return f(x)

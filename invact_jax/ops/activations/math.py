@@ -110,6 +110,57 @@ def relu_grad(y, bit):
   return jnp.where(y > 0, jnp.ones_like(y), jnp.zeros_like(y))  # jax.nn.relu: f'(0) = 0
 
 
+def hard_silu_grad(y, bit):
+  # y = x (x + 3) / 6 on (-3, 3): f' = (2x + 3) / 6 = +-sqrt(2 (y + 3/8) / 3), the sign the
+  # bit's (x < -3/2, the minimum y = -3/8); y + 3/8 is exact near the minimum (Sterbenz) and
+  # clamped at 0 where rounding put y an ulp below it.  Beyond: f' = 1 for y >= 3 (x >= 3,
+  # jax.nn: 1 at x = 3), 0 for x <= -3 (y = 0, or NaN at x = -inf: the limit).
+  d = y + jnp.asarray(0.375, y.dtype)
+  d = jnp.where(d < 0, jnp.zeros_like(d), d)  # a select: Triton's max would drop a NaN y
+  r = jnp.sqrt(d * jnp.asarray(2 / 3, y.dtype))
+  left = jnp.where(y < 0, -r, jnp.zeros_like(y))
+  right = jnp.where(y >= 3, jnp.ones_like(y), r)
+  return jnp.where(bit, left, right)
+
+
+def relu6_grad(y, bit):
+  del bit  # jax.nn.relu6: f'(0) = f'(6) = 0, and y in (0, 6) exactly where x is
+  return jnp.where((y > 0) & (y < 6), jnp.ones_like(y), jnp.zeros_like(y))
+
+
+def hard_sigmoid_grad(y, bit):
+  # y = relu6(x + 3) / 6 lies in (0, 1) exactly where relu6's input does in (0, 6), in
+  # every float dtype (the rounding of r / 6 for r in (0, 6) never reaches 0 or 1; tests).
+  del bit
+  return jnp.where((y > 0) & (y < 1), jnp.full_like(y, 1.0 / 6.0), jnp.zeros_like(y))
+
+
+def hard_tanh_grad(y, bit):
+  # The bit (= -1 <= x <= 1, or NaN) is the whole derivative: y = 1 comes from x = 1
+  # (jax.nn: f' = 1) as from x > 1 (f' = 0), so the output alone cannot tell.
+  return jnp.where(bit, jnp.ones_like(y), jnp.zeros_like(y))
+
+
+def celu_grad(y, bit, *, alpha):
+  # x > 0 exactly where y > 0 (any alpha != 0): f' = 1; else exp(x / alpha) = y / alpha + 1.
+  del bit
+  a = jnp.asarray(alpha, y.dtype)
+  return jnp.where(y > 0, jnp.ones_like(y), y / a + 1)
+
+
+#: jax.nn.selu's constants.
+SELU_SCALE, SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
+
+
+def selu_grad(y, bit):
+  # scale for x > 0 (exactly where y > 0); else scale * alpha * exp(x) = y + scale * alpha,
+  # the constant rounded as jax.nn.selu's y at x = -inf is (so that f'(-inf) = 0 exactly).
+  del bit
+  scale = jnp.asarray(SELU_SCALE, y.dtype)
+  return jnp.where(y > 0, jnp.broadcast_to(scale, y.shape),
+                   y + scale * jnp.asarray(SELU_ALPHA, y.dtype))
+
+
 def elu_grad(y, bit, *, alpha):
   # x > 0: 1;  x <= 0: alpha * exp(x) = y + alpha.  bit (= x > 0) only when alpha < 0.
   pos = (y > 0) if bit is None else bit
@@ -164,6 +215,28 @@ def relu_kernel_forward(x):
   """ReLU on a kernel tile: jax.nn.relu's max(x, 0) lowers to Triton's maxnumf, which turns
   NaN into 0; this select keeps NaN (and gives the same value everywhere else)."""
   return jnp.where(x < 0, jnp.zeros_like(x), x)
+
+
+def relu6_kernel_forward(x):
+  """relu6 on a kernel tile: selects that keep NaN, where min/max lower to Triton's
+  minnumf/maxnumf (which drop it)."""
+  return jnp.where(x < 0, jnp.zeros_like(x), jnp.where(x > 6, jnp.full_like(x, 6), x))
+
+
+def hard_sigmoid_kernel_forward(x):
+  """hard_sigmoid on a kernel tile, with :func:`relu6_kernel_forward`."""
+  return relu6_kernel_forward(x + 3) / 6
+
+
+def hard_silu_kernel_forward(x):
+  """hard_silu on a kernel tile, with :func:`relu6_kernel_forward`."""
+  return x * hard_sigmoid_kernel_forward(x)
+
+
+def celu_kernel_forward(x, alpha=1.0):
+  """celu on a kernel tile: selects that keep NaN in place of jax.nn's max/min."""
+  zero = jnp.zeros_like(x)
+  return jnp.where(x > 0, x, zero) + alpha * jnp.expm1(jnp.where(x < 0, x, zero) / alpha)
 
 
 def gelu_erf_kernel_forward(x):

@@ -10,6 +10,7 @@ import numpy as np
 
 _SQRT_2_OVER_PI = np.sqrt(2.0 / np.pi)
 _GELU_TANH_A = 0.044715
+_SELU_SCALE, _SELU_ALPHA = 1.0507009873554804934193349852946, 1.6732632423543772848170429916717
 
 
 def _sp():
@@ -56,6 +57,30 @@ def tanh_forward(x):
 
 def softplus_forward(x):
   return _softplus(x)
+
+
+def relu6_forward(x):
+  return np.where(np.isnan(x), x, np.clip(x, 0.0, 6.0))
+
+
+def hard_sigmoid_forward(x):
+  return relu6_forward(x + 3.0) / 6.0
+
+
+def hard_silu_forward(x):
+  return x * hard_sigmoid_forward(x)
+
+
+def hard_tanh_forward(x):
+  return np.where(np.isnan(x), x, np.clip(x, -1.0, 1.0))
+
+
+def celu_forward(x, alpha=1.0):
+  return np.maximum(x, 0.0) + alpha * np.expm1(np.minimum(x, 0.0) / alpha)
+
+
+def selu_forward(x):
+  return _SELU_SCALE * elu_forward(x, _SELU_ALPHA)
 
 
 def elu_forward(x, alpha=1.0):
@@ -108,6 +133,31 @@ def softplus_derivative(x):
   return _sp().expit(_clip(x))
 
 
+def relu6_derivative(x):
+  return np.where((x > 0) & (x < 6), 1.0, 0.0)
+
+
+def hard_sigmoid_derivative(x):
+  return np.where((x > -3) & (x < 3), 1.0 / 6.0, 0.0)
+
+
+def hard_silu_derivative(x):
+  # jax.nn: hard_sigmoid(x) + x relu6'(x + 3) / 6, relu6' = 0 at 0 and 6.
+  return np.where(x >= 3, 1.0, np.where(x > -3, (2.0 * x + 3.0) / 6.0, 0.0))
+
+
+def hard_tanh_derivative(x):
+  return np.where((x >= -1) & (x <= 1), 1.0, 0.0)
+
+
+def celu_derivative(x, alpha=1.0):
+  return np.where(x > 0, 1.0, np.exp(np.minimum(_clip(x), 0.0) / alpha))
+
+
+def selu_derivative(x):
+  return _SELU_SCALE * elu_derivative(x, _SELU_ALPHA)
+
+
 def elu_derivative(x, alpha=1.0):
   return np.where(x > 0, 1.0, alpha * np.exp(np.minimum(_clip(x), 0.0)))
 
@@ -135,6 +185,38 @@ def tanh_grad_from_output(y, x):
 def softplus_grad_from_output(y, x):
   del x
   return -np.expm1(-y)
+
+
+def relu6_grad_from_output(y, x):
+  del x
+  return np.where((y > 0) & (y < 6), 1.0, 0.0)
+
+
+def hard_sigmoid_grad_from_output(y, x):
+  del x
+  return np.where((y > 0) & (y < 1), 1.0 / 6.0, 0.0)
+
+
+def hard_silu_grad_from_output(y, x):
+  # The branch is x's (x < -3/2: the left, decreasing one).
+  r = np.sqrt(np.maximum(y + 0.375, 0.0) * (2.0 / 3.0))
+  return np.where(x < -1.5, np.where(y < 0, -r, 0.0), np.where(y >= 3, 1.0, r))
+
+
+def hard_tanh_grad_from_output(y, x):
+  # The branch is x's: y = +-1 comes from |x| = 1 (f' = 1) as from |x| > 1 (f' = 0).
+  del y
+  return hard_tanh_derivative(x)
+
+
+def celu_grad_from_output(y, x, alpha=1.0):
+  del x
+  return np.where(y > 0, 1.0, y / alpha + 1.0)
+
+
+def selu_grad_from_output(y, x):
+  del x
+  return np.where(y > 0, _SELU_SCALE, y + _SELU_SCALE * _SELU_ALPHA)
 
 
 def elu_grad_from_output(y, x, alpha=1.0):

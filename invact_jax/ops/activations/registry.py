@@ -30,7 +30,8 @@ __all__ = ["Activation", "ACTIVATIONS", "PUBLIC", "get", "by_public", "nonmonoto
 # jax.nn's functions, captured at import: the attribute conversion (``inverted()``) swaps
 # module attributes while it runs, and references must keep calling the originals.
 _NN = {name: getattr(jax.nn, name) for name in (
-    "gelu", "silu", "mish", "sigmoid", "tanh", "softplus", "elu", "leaky_relu", "relu")}
+    "gelu", "silu", "mish", "sigmoid", "tanh", "softplus", "selu", "celu", "elu", "hard_tanh",
+    "leaky_relu", "hard_silu", "hard_sigmoid", "relu6", "relu")}
 
 
 def _always(**params) -> bool:
@@ -52,7 +53,8 @@ class Activation:
       ``original(x, **selector, **params)``.
     grad: ``(y, bit, **params) -> f'(x)`` in the compute dtype (:mod:`.math`).
     nonmonotone: the bit is ``x < x_min`` and ``grad`` evaluates a generated fit.
-    bit: for a monotone function whose branch the output cannot tell for some parameters,
+    bit: where the output alone cannot tell f' (a monotone function's branch for some
+      parameters, hard_tanh's ends, hard_silu's branch: closed forms, no fit),
       ``bit(x, **params)``, kept when ``bit_when(**params)``.
     kernel_forward: forward on a kernel tile where ``original`` does not lower (None: original).
     aliases: further public names (``swish``).
@@ -122,6 +124,19 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
         "softplus", "softplus", _NN["softplus"], _math.softplus_grad,
         _oracles.softplus_forward, _oracles.softplus_derivative, "Softplus; f' = 1 - exp(-y)",
         grad64=_oracles.softplus_grad_from_output),
+    # A composition comes before the entry it calls (selu before elu, hard_sigmoid before
+    # relu6): the conversion tries the forms in this order, and the first match claims.
+    Activation(
+        "selu", "selu", _NN["selu"], _math.selu_grad,
+        _oracles.selu_forward, _oracles.selu_derivative,
+        "SELU; f' = scale for x > 0, else y + scale * alpha",
+        grad64=_oracles.selu_grad_from_output),
+    Activation(
+        "celu", "celu", _NN["celu"], _math.celu_grad,
+        _oracles.celu_forward, _oracles.celu_derivative,
+        "CELU; f' = 1 for x > 0, else y / alpha + 1",
+        params=(("alpha", 1.0),), kernel_forward=_math.celu_kernel_forward,
+        grad64=_oracles.celu_grad_from_output),
     Activation(
         "elu", "elu", _NN["elu"], _math.elu_grad,
         _oracles.elu_forward, _oracles.elu_derivative,
@@ -129,12 +144,37 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
         params=(("alpha", 1.0),), bit=lambda x, alpha: x > 0, bit_when=lambda alpha: alpha < 0,
         grad64=_oracles.elu_grad_from_output),
     Activation(
+        "hard_tanh", "hard_tanh", _NN["hard_tanh"], _math.hard_tanh_grad,
+        _oracles.hard_tanh_forward, _oracles.hard_tanh_derivative,
+        "Hard tanh; bit: -1 <= x <= 1 (f' = 1 at x = +-1, as jax.nn, where y = +-1 also "
+        "comes from |x| > 1)",
+        bit=lambda x: ~((x > 1) | (x < -1)), piecewise_linear=True,
+        grad64=_oracles.hard_tanh_grad_from_output),
+    Activation(
         "leaky_relu", "leaky_relu", _NN["leaky_relu"], _math.leaky_relu_grad,
         _oracles.leaky_relu_forward, _oracles.leaky_relu_derivative,
         "Leaky ReLU; f' = 1 or the slope (a bit only if negative_slope <= 0)",
         params=(("negative_slope", 1e-2),), bit=lambda x, negative_slope: x >= 0,
         bit_when=lambda negative_slope: negative_slope <= 0, piecewise_linear=True,
         grad64=_oracles.leaky_relu_grad_from_output),
+    Activation(
+        "hard_silu", "hard_silu", _NN["hard_silu"], _math.hard_silu_grad,
+        _oracles.hard_silu_forward, _oracles.hard_silu_derivative,
+        "Hard SiLU/swish, x * hard_sigmoid(x); bit: x < -3/2 (closed form, no fit)",
+        bit=lambda x: x < -1.5, aliases=("hard_swish",),
+        kernel_forward=_math.hard_silu_kernel_forward,
+        grad64=_oracles.hard_silu_grad_from_output),
+    Activation(
+        "hard_sigmoid", "hard_sigmoid", _NN["hard_sigmoid"], _math.hard_sigmoid_grad,
+        _oracles.hard_sigmoid_forward, _oracles.hard_sigmoid_derivative,
+        "Hard sigmoid, relu6(x + 3) / 6; f' = 1/6 for 0 < y < 1", piecewise_linear=True,
+        kernel_forward=_math.hard_sigmoid_kernel_forward,
+        grad64=_oracles.hard_sigmoid_grad_from_output),
+    Activation(
+        "relu6", "relu6", _NN["relu6"], _math.relu6_grad,
+        _oracles.relu6_forward, _oracles.relu6_derivative,
+        "ReLU6; f' = [0 < y < 6] (f'(0) = f'(6) = 0 as in jax.nn.relu6)", piecewise_linear=True,
+        kernel_forward=_math.relu6_kernel_forward, grad64=_oracles.relu6_grad_from_output),
     Activation(
         "relu", "relu", _NN["relu"], _math.relu_grad,
         _oracles.relu_forward, _oracles.relu_derivative,
