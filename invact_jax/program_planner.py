@@ -16,12 +16,16 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
    ``matmul_3_lhs``).  Other elementwise values are always recomputed from them.  A ``jax.checkpoint``
    the layer already has is replaced by the plan's.
 3. Their costs from the program: bytes exactly from shape and dtype (per layer); the recompute
-   FLOPs each saves from XLA's cost analysis of one layer's lowered gradient (no compile);
-   the peak of keeping nothing and of keeping every candidate compiled once each, which
-   calibrates the bytes a kept tensor adds per layer on this platform.
+   FLOPs each saves counted on one layer's traced gradient with XLA's cost-analysis
+   conventions (:func:`invact_jax.memory.jaxpr_flops`: no lowering, no compile); the peak
+   of keeping nothing compiled once (the minimum, and the base of the run-phase model).
 4. :func:`invact_jax.planner.solve` (MONeT's integer program) chooses one set for every layer;
-   the planned program is compiled, and where XLA's temp is above the budget the target is
-   lowered by the excess and solved again.
+   where it keeps every tensor worth keeping, the program as written is compiled first (no
+   recompute at all, if it fits); else the planned program is compiled: where XLA's temp is
+   off its prediction by more than 5 % the bytes a kept tensor adds per layer are recalibrated
+   from it (XLA:CPU keeps 16-bit values as float32, say) and the plan solved again, and where
+   it is above the budget the target is lowered by the excess.  So a plan costs two compiles
+   where the model holds, plus the tracing.
 5. The returned function is ``fn`` with the layer body under ``jax.checkpoint`` with the
    names policy of the plan (``planner.policy``: offloaded tensors go to ``pinned_host``).
 """
@@ -53,8 +57,10 @@ _LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "exp
 _REMAT = ("checkpoint", "remat", "remat2")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# Re-solve rounds after the first when XLA's temp is above the budget.
+# Re-solve rounds after the first when XLA's temp is above the budget or off the prediction.
 _ROUNDS = 5
+# A compiled plan further than this from its prediction recalibrates the bytes per tensor.
+_TOLERANCE = 0.05
 #: JAX's policies that save every matmul's output (those inside a custom derivative's forward
 #: too, which no name reaches): a plan takes one where it fits and recomputes less.
 FIXED_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
@@ -468,7 +474,7 @@ def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> 
   def scalar(*args):
     outs = [o for o in body(*args) if jnp.issubdtype(o.dtype, jnp.inexact)]
     return sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
-  return memory.flops(jax.value_and_grad(scalar, argnums=positions), *structs)
+  return memory.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(scalar, argnums=positions))(*structs))
 
 
 def _temp(fn: Callable, args, grad, keep, offload=(), fixed=None) -> int:
@@ -589,6 +595,12 @@ def _scale(loop: _Loop, keep: Sequence[str], low: int, compiled: int) -> float |
   return max(compiled - low, 0) / (nominal - relief) if nominal > relief else None
 
 
+def _scale_of(loop: _Loop, profile: planner.LayerProfile) -> float:
+  """The bytes a kept tensor adds per byte it holds in ``profile`` (its calibration)."""
+  t = max(loop.tensors, key=lambda t: t.bytes)
+  return profile.tag_bytes[loop.tensors.index(t)] / t.bytes if t.bytes else 1.0
+
+
 def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner.LayerProfile:
   nbytes = tuple(int(round(t.bytes * scale)) for t in loop.tensors)
   return dataclasses.replace(profile, tag_bytes=nbytes, tag_relief=nbytes)
@@ -598,22 +610,44 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
          known: dict, scale: float):
   """(profile, keep, offload, predicted bytes, predicted cost, compiled temp, rounds) of the
   cheapest solved plan whose compiled temp fits ``budget``; keeping nothing where no round
-  fits.  ``known``: compiled temps already measured, by the set kept.  A compiled plan above
-  its prediction recalibrates the bytes a kept tensor adds (``scale``) before the next
-  solve; one at its prediction lowers the target."""
-  target = budget
+  fits.  ``known``: compiled temps already measured, by the set kept.  The bytes a kept
+  tensor adds (``scale``) start at their nominal size and are calibrated by the compiled
+  plans: one off its prediction by more than :data:`_TOLERANCE` re-solves with the measured
+  scale (a plan above the budget at its prediction lowers the target instead)."""
+  target, tried = budget, set()
   for rounds in range(1, _ROUNDS + 2):
     try:
       p = planner.solve([profile], target, uniform=True)
     except planner.InfeasibleBudget:  # the lowered target went below every plan
       break
     keep, off = p.keep[0], (p.offload[0] if p.offload else ())
+    every = frozenset(profile.tags)
+    if not keep and not off and "all" not in tried:
+      # Nothing predicted to fit: calibrate on keeping every candidate (where the program's
+      # peak lies outside its layers, keeping adds little or nothing).
+      tried.add("all")
+      if every not in known:
+        known[every] = _temp(fn, args, grad, profile.tags)
+      measured = _scale(loop, profile.tags, profile.base_bytes, known[every])
+      if measured is not None and measured < scale * 0.98:
+        scale = measured
+        profile = _scaled(loop, profile, scale)
+        continue
+    if not off and known.get(every, budget + 1) <= budget and _keeps_worth(profile, keep):
+      # keeping every candidate is known to fit and recomputes no more: no compile
+      return profile, profile.tags, (), p.predicted_bytes, p.predicted_cost, known[every], rounds
     compiled = (known[frozenset(keep)] if not off and frozenset(keep) in known
                 else _temp(fn, args, grad, keep, off))
-    if compiled <= budget:
-      return profile, keep, off, p.predicted_bytes, p.predicted_cost, compiled, rounds
+    if not off:
+      known[frozenset(keep)] = compiled
     measured = _scale(loop, keep, profile.base_bytes, compiled)
-    if measured is not None and measured > scale * 1.02:
+    off_by = abs(p.predicted_bytes - compiled) > _TOLERANCE * compiled
+    recalibrate = (measured is not None and off_by and abs(measured - scale) > 0.02 * scale
+                   and (keep, off) not in tried)
+    tried.add((keep, off))
+    if compiled <= budget and not recalibrate:
+      return profile, keep, off, p.predicted_bytes, p.predicted_cost, compiled, rounds
+    if recalibrate:
       scale = measured
       profile = _scaled(loop, profile, scale)
     else:
@@ -623,20 +657,42 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
           rounds)
 
 
+def _keeps_worth(profile: planner.LayerProfile, keep) -> bool:
+  """Whether ``keep`` holds every tensor whose keeping spares recompute."""
+  return set(keep) >= {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
+
+
+def _written(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep, budget: int,
+             known: dict) -> int | None:
+  """The compiled temp of the program as written (no recompute), where a plan keeping
+  ``keep`` keeps every tensor worth keeping in a layer without its own ``jax.checkpoint`` (so
+  that the program as written, if it fits, recomputes least); else None.  Compiled once per
+  plan (``known["as written"]``), and only where keeping every candidate, which the layer as
+  written keeps and more, is predicted to fit."""
+  if loop.remat or not _keeps_worth(profile, keep):
+    return None
+  if "as written" not in known and profile.peak((profile.tags,) * profile.depth) > budget:
+    return None
+  if "as written" not in known:
+    known["as written"] = memory.analysed(grad(fn), *args).temp
+  return known["as written"]
+
+
 def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
-             flops: float, budget: int, scale: float, unremated: float):
+             flops: float, budget: int, scale: float, unremated: float, known: dict):
   """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
   less than the solved plan (``flops`` per layer; ``unremated``: the layer's without remat)
   and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (a custom
   derivative's own residuals are no candidate), the program as written, or the layer without
   its own ``jax.checkpoint`` (``"everything"``); else JAX's policy that recomputes least;
-  None if neither.  A JAX policy is compiled only where predicted to fit."""
-  keeps_worth = set(keep) >= {t for t, g in zip(profile.tags, profile.tag_gain) if g > 0}
-  if keeps_worth and not loop.remat:
-    written = memory.analysed(grad(fn), *args).temp
-    if written <= budget:
-      return True, None, written, unremated
-  if keeps_worth and unremated < flops * (1 - 1e-6):
+  None if neither.  A JAX policy (``"everything"`` too) is compiled only where predicted to
+  fit."""
+  written = _written(fn, args, grad, loop, profile, keep, budget, known)
+  if written is not None and written <= budget:
+    return True, None, written, unremated
+  if (loop.remat and _keeps_worth(profile, keep) and unremated < flops * (1 - 1e-6)
+      and _may_fit(loop, profile, budget, "everything", scale)):  # (without a remat of its
+    # own the layer under "everything" is the program as written)
     temp = _temp(fn, args, grad, (), (), "everything")
     if temp <= budget:
       return False, "everything", temp, unremated
@@ -668,16 +724,20 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
   low = _temp(fn, args, grad, ())
   if budget < low:
     raise planner.InfeasibleBudget(budget, low)
-  names = tuple(t.name for t in loop.tensors)
-  high = _temp(fn, args, grad, names)
-  scale = _scale(loop, names, low, high)
-  scale = 1.0 if scale is None else scale
-  profile = _profile(loop, low, rate, scale)
-  profile, keep, off, predicted, _, compiled, rounds = _fit(
-      fn, args, grad, loop, profile, budget, {frozenset(): low, frozenset(names): high}, scale)
-  flops, unremated = _layer_flops(loop, keep), _layer_flops(loop, (), "everything")
-  instead = None if off else _instead(fn, args, grad, loop, profile, keep, flops, budget,
-                                      scale, unremated)
+  profile, known, rounds = _profile(loop, low, rate), {frozenset(): low}, 1
+  unremated = _layer_flops(loop, (), "everything")
+  first = planner.solve([profile], budget, uniform=True)
+  written = None if first.offload and any(first.offload) else _written(
+      fn, args, grad, loop, profile, first.keep[0], budget, known)
+  if written is not None and written <= budget:  # no recompute fits: nothing to compile more
+    instead = (True, None, written, unremated)
+    keep, off, predicted, compiled = (), (), written, written
+  else:
+    profile, keep, off, predicted, _, compiled, rounds = _fit(
+        fn, args, grad, loop, profile, budget, known, 1.0)
+    flops = _layer_flops(loop, keep)
+    instead = None if off else _instead(fn, args, grad, loop, profile, keep, flops, budget,
+                                        _scale_of(loop, profile), unremated, known)
   written, policy = False, None
   if instead is not None:
     written, policy, compiled, flops = instead
@@ -685,7 +745,7 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
   step = None
   if with_step:  # the loop's body is counted once by XLA: the other layers added
     planned = fn if written else _apply(fn, keep, off, policy)
-    step = memory.flops(grad(planned), *args) + (loop.length - 1) * flops
+    step = memory.jaxpr_flops(jax.make_jaxpr(grad(planned))(*args)) + (loop.length - 1) * flops
   return PlanReport(
       loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
       other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]) + tuple(skipped),

@@ -185,3 +185,52 @@ def test_floor_of_a_cond_counts_its_branches_and_nothing_to_keep_is_at_the_floor
   assert audit.ratio < 5, audit.table()
   empty = memory.floor_audit(lambda x: jnp.sum(x * 2.0), x)
   assert empty.kept_bytes == empty.floor_bytes == 0 and empty.ratio == 1.0
+
+
+_X = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+_OPS = {
+    "add": lambda x: x + x, "mul": lambda x: x * 2.0, "div": lambda x: x / (x + 1),
+    "neg_abs": lambda x: -jnp.abs(x), "exp": jnp.exp, "log1p": jnp.log1p, "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid, "erf": jax.scipy.special.erf, "rsqrt": jax.lax.rsqrt,
+    "square": lambda x: x ** 2, "cube": lambda x: x ** 3, "reciprocal": lambda x: x ** -1,
+    "cast": lambda x: x.astype(jnp.bfloat16), "where": lambda x: jnp.where(x > 0, x, 0.0),
+    "sum": lambda x: x.sum(-1), "max": lambda x: x.max(0), "moves": lambda x: jnp.pad(
+        jnp.broadcast_to(x.T, (2, 128, 8)).reshape(256, 8)[3:40], 1),
+    "dot": lambda x: x @ jnp.ones((128, 64)),
+    "batched_dot": lambda x: jnp.einsum("bij,bjk->bik", x.reshape(2, 4, 128),
+                                        jnp.ones((2, 128, 3))),
+    "gelu": jax.nn.gelu, "softmax": jax.nn.softmax,
+    "layer_norm": lambda x: (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPS))
+def test_jaxpr_flops_counts_as_xla_counts_the_lowered_program(name):
+  """Each op's forward, and its backward for a given cotangent (a gradient's seed of ones is
+  simplified away by XLA's cost analysis, not by JAX): equal up to a few operations on
+  scalars (which XLA folds or counts differently)."""
+  f = _OPS[name]
+  assert abs(memory.jaxpr_flops(jax.make_jaxpr(f)(_X)) - memory.flops(f, _X)) <= 4
+  ct = jax.eval_shape(f, _X)
+  g = lambda x, ct: jax.vjp(f, x)[1](ct)  # noqa: E731
+  assert abs(memory.jaxpr_flops(jax.make_jaxpr(g)(_X, ct)) - memory.flops(g, _X, ct)) <= 4
+
+
+@pytest.mark.parametrize("policy", [None, "nothing_saveable", "checkpoint_dots",
+                                    "dots_with_no_batch_dims_saveable"])
+def test_jaxpr_flops_of_a_remat_layers_gradient_and_a_scan_are_xla_s(policy):
+  """A Llama-style layer's gradient under JAX's policies (what the planner counts per
+  candidate), scanned over 3 layers (a loop's body counted once, as XLA does)."""
+  def layer(h, w):
+    a = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+    s = jax.nn.softmax(jnp.einsum("td,sd->ts", a @ w[0], a @ w[1]) / 8.0, -1)
+    h = h + (s @ (a @ w[2])) @ w[3]
+    return h + (jax.nn.silu(h @ w[0]) * (h @ w[1])) @ w[2].T, None
+  body = layer if policy is None else jax.checkpoint(
+      layer, policy=getattr(jax.checkpoint_policies, policy))
+  loss = lambda x, w: jnp.sum(jax.lax.scan(body, x, w)[0] ** 2)  # noqa: E731
+  args = (jax.ShapeDtypeStruct((16, 64), jnp.float32),
+          jax.ShapeDtypeStruct((3, 4, 64, 64), jnp.float32))
+  g = jax.value_and_grad(loss, argnums=(0, 1))
+  assert memory.jaxpr_flops(jax.make_jaxpr(g)(*args)) == pytest.approx(
+      memory.flops(g, *args), rel=1e-3)
