@@ -262,10 +262,12 @@ _TRANSCENDENTAL = frozenset({
 _MOVES = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
     "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "scatter", "iota",
-    "copy", "copy_p", "rev", "select_and_gather_add", "bitcast_convert_type", "stop_gradient",
+    "copy", "copy_p", "rev", "select_and_gather_add", "stop_gradient",
     "name", "pvary", "pcast", "device_put", "optimization_barrier", "random_bits",
     "random_seed", "random_wrap", "random_unwrap", "threefry2x32", "sharding_constraint",
     "mesh_cast"})
+# Primitives lowered to several operations per element.
+_PER_ELEMENT = {"logistic": 3.0, "one_minus_square": 3.0}
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                          "reduce_or", "argmax", "argmin"})
 
@@ -277,7 +279,8 @@ def _elements(aval) -> int:
 def jaxpr_flops(jaxpr) -> float:
   """FLOPs of ``jaxpr`` (open or closed) counted the way XLA's cost analysis counts the
   lowered module, without lowering it: a matmul 2·M·N·K, an elementwise operation one per
-  output element (``logistic`` three, ``integer_pow`` its multiplications), a reduction its
+  output element (``logistic`` three, ``integer_pow`` its multiplications, JAX 0.12's
+  ``polynomial`` two per coefficient), a reduction its
   input's elements less its output's, a transcendental or a move none; equations whose
   outputs nothing reads left out (as lowering leaves them out); nested jaxprs counted once
   each (a loop's body once, as XLA does; a ``cond`` its costliest branch).
@@ -346,8 +349,10 @@ def _eqn_flops(e, live_out: list, const_in: list) -> float:
     return 2.0 * out * int(np.prod(rhs, dtype=np.int64)) / rhs[out_feature]
   if name in _REDUCTIONS:
     return sum(_elements(v.aval) for v in e.invars) - out
-  if name == "logistic":
-    return 3.0 * out
+  if name in _PER_ELEMENT:
+    return _PER_ELEMENT[name] * out
+  if name == "polynomial":  # (JAX 0.12) Horner's rule: a product and a sum per coefficient
+    return 2.0 * (len(e.invars) - 2) * out
   if name == "integer_pow":
     y = int(e.params["y"])
     return (max(abs(y) - 1, 0) + (y < 0)) * out
