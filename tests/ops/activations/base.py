@@ -27,6 +27,7 @@ from invact_jax.ops.activations import api, base
 from tests.ops.activations.cases import CASES, DTYPES, NONMONOTONE
 
 SHAPES = ((), (0,), (7,), (3, 13), (2, 3, 16))
+_EVERY_TRANSFORMATION = ("gelu_tanh", "sigmoid", "elu_with_bit", "hard_tanh", "silu", "relu")
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
 
@@ -142,7 +143,8 @@ class ActivationTestBase(ImplementationTestCase):
     np.testing.assert_array_equal(raw_bits(y), raw_bits(y_vjp))
 
   # ----------------------------------------------------------------------- gradients
-  @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=SHAPES[1:])
+  # (a 1-D and a 3-D shape: the rank does not reach the math; forward_and_bits has them all)
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=(SHAPES[2], SHAPES[4]))
   def test_gradient_vs_float64(self, name, dtype, shape):
     self.skip_interpreted_float16(dtype)
     case = self.case(name)
@@ -165,6 +167,9 @@ class ActivationTestBase(ImplementationTestCase):
 
   @parameterized.parameters(*CASES)
   def test_transformations(self, name):
+    """Every transformation for the cases that span the custom_vjp's paths (a fitted
+    backward with its bit, a closed form, a parameter with its bit, a piecewise-linear one
+    whose bit is its derivative); jit of grad for the others (the same rule, another math)."""
     case = self.case(name)
     ours, ref = case.fn(self.impl), case.reference()
     x = inputs((5, 8, 24), "float32", seed=3)
@@ -184,6 +189,8 @@ class ActivationTestBase(ImplementationTestCase):
         "scan": jax.grad(lambda x: jax.lax.scan(
             lambda c, xi: (c + jnp.sum(jnp.sin(ours(xi))), None), 0.0, x)[0]),
     }
+    if name not in _EVERY_TRANSFORMATION:
+      variants = {"jit_grad": variants["jit_grad"]}
     for vname, fn in variants.items():
       with self.subTest(vname):
         chex.assert_trees_all_close(fn(x), g_ref, atol=tol, rtol=0)
