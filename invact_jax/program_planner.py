@@ -685,14 +685,13 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
   and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (a custom
   derivative's own residuals are no candidate), the program as written, or the layer without
   its own ``jax.checkpoint`` (``"everything"``); else JAX's policy that recomputes least;
-  None if neither.  A JAX policy (``"everything"`` too) is compiled only where predicted to
-  fit."""
+  None if neither.  A JAX policy is compiled only where predicted to fit."""
   written = _written(fn, args, grad, loop, profile, keep, budget, known)
   if written is not None and written <= budget:
     return True, None, written, unremated
-  if (loop.remat and _keeps_worth(profile, keep) and unremated < flops * (1 - 1e-6)
-      and _may_fit(loop, profile, budget, "everything", scale)):  # (without a remat of its
-    # own the layer under "everything" is the program as written)
+  if loop.remat and _keeps_worth(profile, keep) and unremated < flops * (1 - 1e-6):
+    # (without a remat of its own the layer under "everything" is the program as written;
+    # compiled without a prediction: its residuals overstate what XLA keeps)
     temp = _temp(fn, args, grad, (), (), "everything")
     if temp <= budget:
       return False, "everything", temp, unremated
