@@ -595,12 +595,6 @@ def _scale(loop: _Loop, keep: Sequence[str], low: int, compiled: int) -> float |
   return max(compiled - low, 0) / (nominal - relief) if nominal > relief else None
 
 
-def _scale_of(loop: _Loop, profile: planner.LayerProfile) -> float:
-  """The bytes a kept tensor adds per byte it holds in ``profile`` (its calibration)."""
-  t = max(loop.tensors, key=lambda t: t.bytes)
-  return profile.tag_bytes[loop.tensors.index(t)] / t.bytes if t.bytes else 1.0
-
-
 def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner.LayerProfile:
   nbytes = tuple(int(round(t.bytes * scale)) for t in loop.tensors)
   return dataclasses.replace(profile, tag_bytes=nbytes, tag_relief=nbytes)
@@ -608,9 +602,8 @@ def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner
 
 def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int,
          known: dict, scale: float):
-  """(profile, keep, offload, predicted bytes, predicted cost, compiled temp, rounds) of the
-  cheapest solved plan whose compiled temp fits ``budget``; keeping nothing where no round
-  fits.  ``known``: compiled temps already measured, by the set kept.  The bytes a kept
+  """(profile, keep, offload, predicted bytes, compiled temp, rounds, scale) of the cheapest
+  solved plan whose compiled temp fits ``budget``; keeping nothing where no round fits.  ``known``: compiled temps already measured, by the set kept.  The bytes a kept
   tensor adds (``scale``) start at their nominal size and are calibrated by the compiled
   plans: one off its prediction by more than :data:`_TOLERANCE` re-solves with the measured
   scale (a plan above the budget at its prediction lowers the target instead)."""
@@ -635,7 +628,8 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
         continue
     if not off and known.get(every, budget + 1) <= budget and _keeps_worth(profile, keep):
       # keeping every candidate is known to fit and recomputes no more: no compile
-      return profile, profile.tags, (), p.predicted_bytes, p.predicted_cost, known[every], rounds
+      everything = (profile.tags,) * profile.depth
+      return profile, profile.tags, (), profile.peak(everything), known[every], rounds, scale
     compiled = (known[frozenset(keep)] if not off and frozenset(keep) in known
                 else _temp(fn, args, grad, keep, off))
     if not off:
@@ -646,15 +640,13 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
                    and (keep, off) not in tried)
     tried.add((keep, off))
     if compiled <= budget and not recalibrate:
-      return profile, keep, off, p.predicted_bytes, p.predicted_cost, compiled, rounds
+      return profile, keep, off, p.predicted_bytes, compiled, rounds, scale
     if recalibrate:
       scale = measured
       profile = _scaled(loop, profile, scale)
     else:
       target -= max(compiled - budget, budget // 50)
-  nothing = ((),) * profile.depth
-  return (profile, (), (), profile.peak(nothing), profile.cost(nothing), profile.base_bytes,
-          rounds)
+  return profile, (), (), profile.peak(((),) * profile.depth), profile.base_bytes, rounds, scale
 
 
 def _keeps_worth(profile: planner.LayerProfile, keep) -> bool:
@@ -671,9 +663,9 @@ def _written(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep, b
   written keeps and more, is predicted to fit."""
   if loop.remat or not _keeps_worth(profile, keep):
     return None
-  if "as written" not in known and profile.peak((profile.tags,) * profile.depth) > budget:
-    return None
   if "as written" not in known:
+    if profile.peak((profile.tags,) * profile.depth) > budget:
+      return None
     known["as written"] = memory.analysed(grad(fn), *args).temp
   return known["as written"]
 
@@ -726,17 +718,16 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
   profile, known, rounds = _profile(loop, low, rate), {frozenset(): low}, 1
   unremated = _layer_flops(loop, (), "everything")
   first = planner.solve([profile], budget, uniform=True)
-  written = None if first.offload and any(first.offload) else _written(
+  as_written = None if any(first.offload or ()) else _written(
       fn, args, grad, loop, profile, first.keep[0], budget, known)
-  if written is not None and written <= budget:  # no recompute fits: nothing to compile more
-    instead = (True, None, written, unremated)
-    keep, off, predicted, compiled = (), (), written, written
+  if as_written is not None and as_written <= budget:  # no recompute fits: no more compiles
+    keep, off, instead = (), (), (True, None, as_written, unremated)
   else:
-    profile, keep, off, predicted, _, compiled, rounds = _fit(
+    profile, keep, off, predicted, compiled, rounds, scale = _fit(
         fn, args, grad, loop, profile, budget, known, 1.0)
     flops = _layer_flops(loop, keep)
     instead = None if off else _instead(fn, args, grad, loop, profile, keep, flops, budget,
-                                        _scale_of(loop, profile), unremated, known)
+                                        scale, unremated, known)
   written, policy = False, None
   if instead is not None:
     written, policy, compiled, flops = instead

@@ -20,6 +20,24 @@ from tests.ops.activations.cases import CASES, NONMONOTONE
 class XlaActivationTest(test_base.ActivationTestBase):
   IMPLEMENTATION = "xla"
 
+  @parameterized.parameters(*(n for n, a in registry.ACTIVATIONS.items() if a.piecewise_linear))
+  def test_piecewise_linear_gradient_is_jax_nn_s_on_every_16_bit_value(self, name):
+    # f' is piecewise constant: from y (and the bit) it is exact, so the gradient equals
+    # jax.nn's bit for bit on every bfloat16 and float16 input, the ends (relu6's 0 and 6,
+    # hard_sigmoid's x + 3 rounded to 0 or 6, hard_tanh's +-1) and NaN included.
+    case = CASES[name]
+    for dtype in ("bfloat16", "float16"):
+      dt = test_base.np_dtype(dtype)
+      x = jnp.asarray(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dt))
+      grad = lambda f: jax.jit(jax.grad(lambda x: f(x).astype(jnp.float32).sum()))(x)  # noqa: E731
+      g, g_ref = np.asarray(grad(case.fn()), np.float32), np.asarray(grad(case.reference()), np.float32)
+      if name == "leaky_relu":  # the kink convention at -0.0 (see invact_jax.leaky_relu), which
+        # XLA:CPU's flushed negative subnormals reach too (jax.nn's x >= 0 then holds)
+        x32 = np.asarray(x, np.float32)
+        keep = ~(np.signbit(x32) & (np.abs(x32) < float(ml_dtypes.finfo(dt).tiny)))
+        g, g_ref = g[keep], g_ref[keep]
+      np.testing.assert_array_equal(g, g_ref, err_msg=f"{name} {dtype}")
+
   @parameterized.product(name=tuple(CASES), dtype=test_base.DTYPES)
   def test_forward_bit_identical_inside_grad(self, name, dtype):
     # The forward inside value_and_grad (the custom_vjp fwd rule) is jax.nn's too.
@@ -127,24 +145,6 @@ class InputValidationTest(parameterized.TestCase):
     g = jax.grad(lambda x: invact_jax.elu(x, alpha).sum())(x)
     g_ref = jax.grad(lambda x: jax.nn.elu(x, alpha).sum())(x)
     np.testing.assert_allclose(g, g_ref, atol=1e-6)
-
-  @parameterized.parameters(*(n for n, a in registry.ACTIVATIONS.items() if a.piecewise_linear))
-  def test_piecewise_linear_gradient_is_jax_nn_s_on_every_16_bit_value(self, name):
-    # f' is piecewise constant: from y (and the bit) it is exact, so the gradient equals
-    # jax.nn's bit for bit on every bfloat16 and float16 input, the ends (relu6's 0 and 6,
-    # hard_sigmoid's x + 3 rounded to 0 or 6, hard_tanh's +-1) and NaN included.
-    case = CASES[name]
-    for dtype in ("bfloat16", "float16"):
-      dt = test_base.np_dtype(dtype)
-      x = jnp.asarray(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dt))
-      grad = lambda f: jax.jit(jax.grad(lambda x: f(x).astype(jnp.float32).sum()))(x)  # noqa: E731
-      g, g_ref = np.asarray(grad(case.fn()), np.float32), np.asarray(grad(case.reference()), np.float32)
-      if name == "leaky_relu":  # the kink convention at -0.0 (see invact_jax.leaky_relu), which
-        # XLA:CPU's flushed negative subnormals reach too (jax.nn's x >= 0 then holds)
-        x32 = np.asarray(x, np.float32)
-        keep = ~(np.signbit(x32) & (np.abs(x32) < float(ml_dtypes.finfo(dt).tiny)))
-        g, g_ref = g[keep], g_ref[keep]
-      np.testing.assert_array_equal(g, g_ref, err_msg=f"{name} {dtype}")
 
   def test_celu_any_alpha_and_zero_named(self):
     x = jnp.linspace(-3, 3, 25)
