@@ -49,7 +49,8 @@ from invact_jax import memory, planner
 from models.benchmarks import child
 from models import reference_layers
 
-__all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "HEADS", "JaxRow", "PlanRow", "TorchRow",
+__all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "HEADS", "JaxRow", "PlanRow",
+           "ProgramPlanRow", "TorchRow",
            "LM_ORDER", "GPU_STACKS",
            "DRY_STACKS", "Shape", "build", "measure", "child_row", "rows", "profile_from_rows",
            "plan_specs", "layers_that_fit", "head_tiles", "pareto", "per_token_layer",
@@ -333,11 +334,26 @@ def measure(spec: dict) -> dict:
   """One row: ``spec`` = {stack, policy, invact, dtype, repeats[, layers][, batch][, head]
   [, runs, configuration]}."""
   s = _shape(spec)
-  loss, args = build(s, spec["policy"], spec["invact"], jnp.dtype(spec["dtype"]),
-                     spec.get("runs"), spec.get("head", "plain"))
+  planned = None
+  if "program_budget" in spec:  # invact_jax.plan of the model as written (no remat, plain head)
+    loss, args = build(s, "none", False, jnp.dtype(spec["dtype"]), None, "plain")
+    t0 = time.perf_counter()
+    loss = planned = invact_jax.plan(loss, *args, budget=spec["program_budget"], convert=True)
+    planning_s = time.perf_counter() - t0
+  else:
+    loss, args = build(s, spec["policy"], spec["invact"], jnp.dtype(spec["dtype"]),
+                       spec.get("runs"), spec.get("head", "plain"))
   step = jax.jit(jax.value_and_grad(loss))
   compiled = step.lower(*args).compile()
   row = {**_key(spec), "layers": s.layers, "batch": s.batch}
+  if planned is not None:
+    rep = planned.report
+    row.update({"plan_program": rep.configuration, "plan_keeps": list(rep.keep),
+                "plan_offloads": list(rep.offload), "plan_policy": rep.policy,
+                "plan_as_written": rep.as_written, "predicted_bytes": rep.predicted_bytes,
+                "plan_compiled_bytes": rep.compiled_bytes, "plan_step_flops": rep.step_flops,
+                "plan_recompute_flops": rep.predicted_recompute_flops,
+                "planning_s": round(planning_s, 2)})
   if spec["invact"] and s.vocab:
     row["head_tiles"] = head_tiles(s, jax.default_backend())
   if memory.reports_peak():
@@ -517,6 +533,44 @@ def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
   return out
 
 
+def _default_row(rs: list[dict], stack: str, invact: bool) -> dict | None:
+  """The measured JAX ``default`` row (no remat) of ``stack``, with invert or without."""
+  return next((r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
+               and r.get("configuration") == "default" and bool(r.get("invact")) == invact
+               and "error" not in r), None)
+
+
+def program_plan_spec(rs: list[dict], stack: str, percent: int, *, dtype: str, repeats: int,
+                      fields: dict) -> dict:
+  """The row spec of :class:`ProgramPlanRow` ``percent``: its budget (``program_budget``,
+  ``budget_bytes``) that fraction of the measured JAX default's activation bytes, or an
+  ``error`` where that row is missing."""
+  spec = {"stack": stack, "policy": "none", "invact": True, "dtype": dtype, "repeats": repeats,
+          "configuration": f"program plan {percent} %", **fields}
+  default = _default_row(rs, stack, False)
+  if default is None:
+    return {**spec, "error": "JAX default's row, the budget's reference, is missing"}
+  budget = int(percent / 100 * default["activation_bytes"])
+  return {**spec, "program_budget": budget, "budget_bytes": budget}
+
+
+def program_plan_prediction(row: dict, rs: list[dict]) -> dict:
+  """A measured :class:`ProgramPlanRow`'s predictions beside its measurement:
+  ``prediction_error`` (activation bytes against the plan's predicted compiled temp) and,
+  where the chosen program's default row was measured, ``predicted_step_ms``: that row's step
+  scaled by the planned step's FLOPs over its FLOPs without recompute (the recompute run at
+  the step's own FLOP rate)."""
+  out = {}
+  if "error" in row or not row.get("predicted_bytes"):
+    return out
+  out["prediction_error"] = row["activation_bytes"] / row["predicted_bytes"] - 1
+  base = _default_row(rs, row["model"], row.get("plan_program") == "inverted")
+  flops, recompute = row.get("plan_step_flops"), row.get("plan_recompute_flops", 0.0)
+  if base is not None and flops and flops > recompute:
+    out["predicted_step_ms"] = base["step_ms"] * flops / (flops - recompute)
+  return out
+
+
 def layers_that_fit(stack: str, dtype: str, *, limit_bytes: int | None = None,
                     fraction: float = 0.85, most: int = 32, field: str = "layers") -> int:
   """As many layers of ``stack`` (``field="batch"``: the largest batch) as JAX default's step
@@ -574,6 +628,14 @@ class PlanRow(NamedTuple):
   percent: int
 
 
+class ProgramPlanRow(NamedTuple):
+  """:func:`invact_jax.plan`'s row at ``percent`` % of JAX default's activation bytes: the
+  program planner on the model's loss as written (no remat, the plain head), with
+  ``convert=True`` (``invert``'s program, its head included, as an operator variant), its
+  budget the compiled temp; planned and measured in the row's own process."""
+  percent: int
+
+
 class TorchRow(NamedTuple):
   """A PyTorch row (``frontier_torch.CONFIGURATIONS``)."""
   configuration: str
@@ -588,11 +650,13 @@ LM_ORDER = (
     JaxRow("minimal_offloaded", False, "plain"), JaxRow("none", True, "invact"),
     JaxRow("dots_no_batch", True, "invact"), JaxRow("full", True, "invact"),
     JaxRow("save_qkv_proj", True, "invact"), PlanRow(25), PlanRow(50), TorchRow("eager"),
-    TorchRow("liger"), JaxRow("dots_no_batch", False, "tokamax"),
+    TorchRow("liger"), ProgramPlanRow(25), ProgramPlanRow(50),
+    JaxRow("dots_no_batch", False, "tokamax"),
     JaxRow("save_qkv_proj", False, "tokamax"), JaxRow("full", False, "tokamax"),
     *(JaxRow(p, i, "invact" if i else "plain") for p in (
         "minimal", "save_dot_except_mlp", "save_out_proj", "dots") for i in (False, True)),
-    JaxRow("minimal_offloaded", True, "invact"), PlanRow(75), TorchRow("checkpoint"),
+    JaxRow("minimal_offloaded", True, "invact"), PlanRow(75), ProgramPlanRow(75),
+    TorchRow("checkpoint"),
     TorchRow("liger+checkpoint"), TorchRow("compile"))
 
 
@@ -650,6 +714,17 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
         row["prediction_error"] = row["activation_bytes"] / spec["predicted_bytes"] - 1
       out.append(row)
 
+  def program_plan_row(name, percent, fields):
+    spec = program_plan_spec(out, name, percent, dtype=dtype, repeats=repeats, fields=fields)
+    if "error" in spec:
+      out.append({**_key(spec), "error": spec["error"]})
+      return
+    progress(f"frontier {name} {spec['configuration']}")
+    row = one(spec)
+    row["budget_bytes"] = spec["budget_bytes"]
+    row.update(program_plan_prediction(row, out))
+    out.append(row)
+
   def fitted(name, field):
     """The stack's ``field`` that fits, from a child process: compiling for the device
     (autotuning) grows this process's allocator, which would keep that memory from the
@@ -674,6 +749,7 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
     if STACKS[name].vocab:
       if not _lm_rows(name, fields, out, policies=policies, torch_configurations=torch_configurations,
                       torch_ok=torch_ok, one=one, torch_row=torch_row, plan_rows=plan_rows,
+                      program_plan_row=program_plan_row,
                       plans=plans, done=done, deadline=deadline, dtype=dtype,
                       repeats=repeats, progress=progress):
         return out
@@ -700,7 +776,8 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
 
 
 def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one, torch_row,
-             plan_rows, plans, done, deadline, dtype, repeats, progress) -> bool:
+             plan_rows, program_plan_row, plans, done, deadline, dtype, repeats,
+             progress) -> bool:
   """A language model's rows in :data:`LM_ORDER` appended to ``out`` (rows of ``done`` for
   the same model, configuration, invact, head, layers and batch carried over, an invact row
   only while its head's tiles are today's, :func:`head_tiles`); False when the deadline cut
@@ -720,6 +797,14 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
         out.append(carried)
       elif plans:
         plan_rows(name, (item.percent / 100,))
+      continue
+    if isinstance(item, ProgramPlanRow):
+      configuration = f"program plan {item.percent} %"
+      carried = next((r for r in earlier if r.get("configuration") == configuration), None)
+      if carried is not None:
+        out.append(carried)
+      elif plans and time.time() <= deadline:
+        program_plan_row(name, item.percent, fields)
       continue
     if isinstance(item, TorchRow):
       if not torch_ok or item.configuration not in wanted:
@@ -762,13 +847,22 @@ def pareto(rs: list[dict]) -> list[dict]:
 
 
 def _plan_note(r: dict) -> str:
-  """A plan row's runs and its prediction (empty for other rows)."""
-  if "runs" not in r:
+  """A plan row's runs (or what invact_jax.plan chose) and its prediction (empty for other
+  rows)."""
+  if "plan_program" in r:
+    kept = ", ".join(r["plan_keeps"]) or "nothing"
+    choice = ("as written" if r.get("plan_as_written") else
+              f"JAX's {r['plan_policy']}" if r.get("plan_policy") else f"keeps [{kept}]")
+    program = "invert(loss)" if r["plan_program"] == "inverted" else "the loss as written"
+    note = (f"invact_jax.plan of {program}: {choice}"
+            + (f"; offload {', '.join(r['plan_offloads'])}" if r.get("plan_offloads") else ""))
+  elif "runs" in r:
+    note = " + ".join(f"{run[0]}×[{', '.join(run[1]) or 'nothing'}"
+                      + (f"; offload {', '.join(run[2])}" if len(run) > 2 else "") + "]"
+                      for run in r["runs"])
+  else:
     return ""
-  runs = " + ".join(f"{run[0]}×[{', '.join(run[1]) or 'nothing'}"
-                    + (f"; offload {', '.join(run[2])}" if len(run) > 2 else "") + "]"
-                    for run in r["runs"])
-  note = f"{runs}; predicted {r['predicted_bytes'] / 2**20:,.1f} MiB"
+  note += f"; predicted {r['predicted_bytes'] / 2**20:,.1f} MiB"
   if "prediction_error" in r:
     note += f" ({r['prediction_error']:+.1%})"
   if r.get("predicted_step_ms") is not None:

@@ -291,16 +291,28 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
   first = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
                         in_process=True, torch_configurations=(), date="2026-11-26")
   keys = [(r["configuration"], r["invact"], r["head"]) for r in first]
-  jax_rows = [k for k in keys if not k[0].startswith("plan")]
+  jax_rows = [k for k in keys if "plan" not in k[0]]
   expected = [(("default" if p == "none" else p), i, h) for p, i, h in (
       x for x in frontier.LM_ORDER if isinstance(x, frontier.JaxRow)) if p in policies]
   assert jax_rows == expected, jax_rows
-  plans = [r for r in first if r["configuration"].startswith("plan")]
-  assert [r["configuration"] for r in plans] == ["plan 25 %", "plan 50 %", "plan 75 %"]
+  plans = [r for r in first if "plan" in r["configuration"]]
+  assert [r["configuration"] for r in plans] == [
+      "plan 25 %", "plan 50 %", "program plan 25 %", "program plan 50 %", "plan 75 %",
+      "program plan 75 %"]
   for r in plans:
     if "error" not in r:
       assert r["predicted_bytes"] <= r["budget_bytes"] and r["predicted_step_ms"] > 0, r
       assert r["activation_bytes"] > 0 and "prediction_error" in r and r["date"] == "2026-11-26"
+  # invact_jax.plan's rows: planned in the row's process on the model as written; on CPU the
+  # activation bytes are the compiled temp, which the plan checked against its budget
+  program = {r["configuration"]: r for r in plans if r["configuration"].startswith("program")}
+  assert program["program plan 25 %"]["error"].startswith("InfeasibleBudget: memory budget")
+  for name in ("program plan 50 %", "program plan 75 %"):
+    r = program[name]
+    assert r["invact"] and r["plan_program"] in ("as written", "inverted"), r
+    assert r["activation_bytes"] == r["plan_compiled_bytes"] <= r["budget_bytes"], r
+    assert abs(r["prediction_error"]) <= 0.10 and r["planning_s"] > 0, r
+    assert frontier._plan_note(r).startswith("invact_jax.plan of ")  # pylint: disable=protected-access
   measured = [r for r in first if "error" not in r]
   second = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
                          in_process=True, torch_configurations=(), date="2026-11-27", done=measured)
