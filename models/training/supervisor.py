@@ -17,7 +17,11 @@ SERVICE_GONE = "the coordination service (process 0) went away"
 # absl log lines of XLA's C++ code ("F1123 06:47:53.861659  4045 client.h:80] ..."); after a
 # fatal ("F") one, everything (gRPC details, the stack dump) belongs to the abort.
 _NATIVE = re.compile(rb"^[FEW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]")
-_GRPC_MORE = re.compile(rb"^(?:Additional GRPC error information|:[A-Z]+:|RPC: |\s*$)")
+# The lines a native log line continues on: gRPC's details, and (XLA of JAX 0.12) a status's
+# source locations ("=== Source Location Trace: ===", "external/xla+/xla/util.h:302") with
+# the rest of its message after them (". This is only expected if ...").
+_GRPC_MORE = re.compile(rb"^(?:Additional GRPC error information|:[A-Z]+:|RPC: |\s*$"
+                        rb"|=== Source Location Trace: ===\s*$|\S+\.(?:h|cc|c|cpp):\d+\s*$|\. )")
 
 
 def supervise(argv: list[str], *, coordinator: str | None, timeout_s: int) -> int:

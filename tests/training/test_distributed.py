@@ -337,6 +337,22 @@ def test_killing_process_0_stops_the_others_with_one_line(tmp_path):
 
 _FATAL = ("F1123 07:34:21.128684   17249 client.h:80] Terminating process because the JAX "
           "distributed service detected fatal errors. absl::Status: {status}: ...")
+# What a worker's XLA (JAX 0.12) wrote when process 0 was killed (2026-11-27), line by line.
+_TRACE = "; ".join(f"w({line!r})" for line in (
+    "W1127 04:56:11.408335   17894 preemption_sync_manager.cc:147] Failed to retrieve preemption "
+    "notice from coordination service: UNAVAILABLE: Stream removed (Socket closed)",
+    "Additional GRPC error information from remote target coordination_service while calling "
+    "/xla.coordination.CoordinationService/GetKeyValue:",
+    ":UNAVAILABLE:Stream removed (Socket closed)",
+    "=== Source Location Trace: === ",
+    "external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89",
+    ". This is only expected if one of the tasks is unhealthy. Check the logs for the actual root "
+    "cause.",
+    "E1127 04:56:11.408377   17894 preemption_sync_manager.cc:159] Failed to cancel preemption "
+    "barrier: FAILED_PRECONDITION: Tried to cancel non-existent barrier PREEMPTION_SYNC_BARRIER.",
+    "=== Source Location Trace: ===",
+    "external/xla+/xla/util.h:302",
+    ""))
 
 
 @pytest.mark.parametrize("script, code, line", [
@@ -353,6 +369,13 @@ _FATAL = ("F1123 07:34:21.128684   17249 client.h:80] Terminating process becaus
     # the worker's own line after XLA's fatal one (its watchdog raced the abort): that line only
     (f"w({_FATAL.format(status='UNAVAILABLE')!r}); w('error: lost the other processes (x)'); "
      "os._exit(1)", 1, "error: lost the other processes (x)"),
+    # XLA of JAX 0.12: a status's source locations continue its native line, held back with
+    # it, whether the worker's own line follows (its watchdog won) or XLA's abort does
+    (f"{_TRACE}; w('error: lost the other processes (x)'); os._exit(1)", 1,
+     "error: lost the other processes (x)"),
+    (f"{_TRACE}; w({_FATAL.format(status='UNAVAILABLE')!r}); {_TRACE}; os.abort()", 1,
+     "error: lost the other processes (the coordination service (process 0) went away); once all "
+     "are back, continue with --resume"),
     # killed from outside (the out-of-memory killer sends SIGKILL): it cannot say why; we do
     ("w('train: 3 steps'); os.kill(os.getpid(), 9)", 137,
      "train: 3 steps\nerror: the worker process was killed by SIGKILL (e.g. out of memory); "
