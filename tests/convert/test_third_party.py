@@ -18,11 +18,13 @@ def test_invert_matches_the_hand_converted_model(name):
   assert row["temp_invert_unfused"] <= 1.02 * row["temp_hand"], row
   # The floor pass keeps less than the hand conversion (the norms' outputs that feed matmuls
   # are recomputed from xhat); at this size (32 tokens, width 64) XLA:CPU's compiled temp may
-  # grow by the recomputed output's one buffer (measured: +8 KiB for BERT, GPT-2 and ViT).
+  # grow by the recomputed output's one buffer (measured: +8 KiB for BERT, GPT-2 and ViT) and,
+  # for the Equinox block, an 8-byte scalar (+8 B on JAX 0.10.2, +8 KiB + 8 B on JAX 0.12).
   assert row["kept_invert"] < row["kept_hand"], row
   hidden, _, _, seq, batch = third_party.SIZES["test"]
   one_buffer = (seq + (1 if name == "vit" else 0)) * batch * hidden * 4
-  assert row["temp_invert"] <= row["temp_invert_unfused"] + one_buffer, row
+  scalar = 8 if name == "equinox" else 0
+  assert row["temp_invert"] <= row["temp_invert_unfused"] + one_buffer + scalar, row
   assert row["converted"] == third_party.expected(name, third_party.SIZES["test"][1]), row
   assert row["left_alone"] == [], row
 
