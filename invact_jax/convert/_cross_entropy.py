@@ -150,6 +150,7 @@ class _Head:
     self.cap = None                  # c of c * tanh(z / c), once found
     self.cap_nodes: set = set()      # the cap's division, tanh and product
     self.permuted = False            # a transpose moved the token axes (reshapes keep order)
+    self.mask = None                 # a per-token mask the log-sum-exp was taken under
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -467,6 +468,29 @@ class _Head:
         return found, nodes + [m] + along + label_nodes
     return None
 
+  def _select(self, n, ins, o) -> None:
+    """``where(mask, v, c)`` along the vocabulary, ``v`` followed, ``c`` a constant and
+    ``mask`` the same for each row's entries (optax's ``where=``, a per-token mask spread over
+    the logits: ``jax.nn.logsumexp(z, where=...)``): ``v`` in the rows the mask keeps; the
+    per-token loss must drop the other rows by a select of its own (:func:`_masked_away`).
+    Otherwise a row value's clamp (:meth:`_shift_step`)."""
+    if not self._is_v(o):
+      self._shift_step(n, ins, o)
+      return
+    if len(ins) != 3 or isinstance(ins[2], Lit) or _constant(self.g, ins[1]) is None:
+      return
+    mask = _mask_root(self.g, ins[0])
+    size = lambda r: int(np.prod(self.g.avals[r].shape))  # noqa: E731
+    if mask is None or _mask_size(self.g, mask) * self.vocab != size(o):
+      return  # a mask of single logits (or none): not a per-token one
+    if self.mask is not None and not _same_ref(self.mask, mask):
+      return
+    for table in (self.elem, self.exps):
+      if ins[2] in table:
+        self.mask = mask
+        table[o] = table[ins[2]]
+        return
+
   def _shift_step(self, n, ins, o) -> None:
     """A row constant computed from z (a max and its clamps): a shift."""
     a = self.g.avals[o]
@@ -515,8 +539,8 @@ _STEPS = {
     "mul": _Head._mul_div, "div": _Head._mul_div, "exp": _Head._exp,
     "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
     "tanh": _Head._tanh, "square": _Head._square, "integer_pow": _Head._square,
-    **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "select_n",
-                                      "is_finite")},
+    **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "is_finite")},
+    "select_n": _Head._select,
 }
 
 
@@ -563,15 +587,74 @@ def _spread_source(g: _graph.Graph, ref):
   return ref, chain
 
 
-def _zero(g: _graph.Graph, ref) -> bool:
-  """Whether ``ref`` is a constant zero (a literal, or a broadcast or cast of one)."""
+def _literal_source(g: _graph.Graph, ref) -> Lit | None:
+  """The literal ``ref`` is a broadcast or cast of (or is), else None."""
   while not isinstance(ref, Lit) and ref in g.producer:
     n = g.nodes[g.producer[ref][0]]
     if n.prim.name not in ("broadcast_in_dim", "convert_element_type") or len(n.ins) != 1:
-      return False
+      return None
     ref = n.ins[0]
-  return isinstance(ref, Lit) and not isinstance(ref.val, jax.core.Tracer) and \
-      not np.any(np.asarray(ref.val))
+  return ref if isinstance(ref, Lit) and not isinstance(ref.val, jax.core.Tracer) else None
+
+
+def _constant(g: _graph.Graph, ref) -> float | None:
+  """The value of ``ref`` where it is a scalar constant (a literal, or a broadcast or cast
+  of one), else None."""
+  lit = _literal_source(g, ref)
+  return None if lit is None or np.size(lit.val) != 1 else float(
+      np.asarray(lit.val).reshape(()))
+
+
+def _mask_root(g: _graph.Graph, ref):
+  """A boolean mask ``ref`` followed back through broadcasts, reshapes, casts and reductions
+  over axes of size one: the array (or closed-over constant) it spreads, else None."""
+  while not isinstance(ref, Lit) and ref in g.producer:
+    n = g.nodes[g.producer[ref][0]]
+    name = n.prim.name
+    if len(n.ins) != 1 or name not in ("broadcast_in_dim", "reshape", "convert_element_type",
+                                       "squeeze", "expand_dims", "reduce_or", "reduce_and"):
+      break
+    if name in ("reduce_or", "reduce_and") and any(
+        g.avals[n.ins[0]].shape[a] != 1 for a in n.params["axes"]):
+      return None
+    ref = n.ins[0]
+  if isinstance(ref, Lit):
+    return ref if np.asarray(ref.val).dtype == np.bool_ else None
+  return ref if jnp.dtype(g.avals[ref].dtype) == jnp.bool_ else None
+
+
+def _mask_size(g: _graph.Graph, mask) -> int:
+  return int(np.size(mask.val)) if isinstance(mask, Lit) else int(np.prod(g.avals[mask].shape))
+
+
+def _same_ref(a, b) -> bool:
+  if isinstance(a, Lit) or isinstance(b, Lit):
+    return isinstance(a, Lit) and isinstance(b, Lit) and a.val is b.val
+  return a == b
+
+
+def _masked_away(g: _graph.Graph, o, mask) -> bool:
+  """Whether the per-token losses ``o`` are read only by ``where(mask, o, 0)`` (the rows a
+  per-token ``mask`` drops set to zero, as optax's ``where=`` does after its masked
+  log-sum-exp): then those rows' values, which the head computes otherwise, are never seen."""
+  readers = g.consumers.get(o, ())
+  if not readers:
+    return False
+  for i in readers:
+    n = g.nodes[i]
+    if (n.prim.name != "select_n" or len(n.ins) != 3 or n.ins[2] != o or n.ins[1] == o
+        or not _zero(g, n.ins[1])):
+      return False
+    root = _mask_root(g, n.ins[0])
+    if root is None or not _same_ref(root, mask):
+      return False
+  return True
+
+
+def _zero(g: _graph.Graph, ref) -> bool:
+  """Whether ``ref`` is a constant zero (a literal, or a broadcast or cast of one)."""
+  lit = _literal_source(g, ref)
+  return lit is not None and not np.any(np.asarray(lit.val))
 
 
 def _linear_step(g: _graph.Graph, n, inside) -> str:
@@ -796,7 +879,7 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
     escaped = False
     for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
       res = _per_token(g, h, o, tuple(g.avals[x].shape))
-      if res is None:
+      if res is None or (h.mask is not None and not _masked_away(g, o, h.mask)):
         continue
       root = g.producer[o][0]
       nodes = _region(g, h, di, root, outvars)

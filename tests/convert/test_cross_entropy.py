@@ -59,7 +59,14 @@ FORMS = {
     "flat_jnp_take": lambda x, w, b, y: (lambda z: jnp.mean(
         jax.nn.logsumexp(z, -1) - jnp.take(z.reshape(-1), y.reshape(-1) + w.shape[1] * jnp.arange(
             B * T))))((x @ w + b).reshape(-1, w.shape[1])),
+    # optax's ``where=`` (>= 0.2.4): a per-token mask, its rows' loss set to zero; the mask
+    # computed in the program or closed over
+    "optax_where": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w + b, y, where=y > 3).sum() / jnp.sum(y > 3),
+    "optax_where_closed_over": lambda x, w, b, y: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(x @ w, y, where=_KEEP)),
 }
+_KEEP = np.arange(B * T).reshape(B, T) % 3 != 0
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))
@@ -116,6 +123,29 @@ def test_logits_used_elsewhere_are_left_alone_and_said():
   assert "linear_cross_entropy" not in inv.last_report.replaced
   assert any(w_ == "linear_cross_entropy" and "also used elsewhere" in why
              for w_, _, why in inv.last_report.left_alone), inv.last_report
+
+
+@pytest.mark.parametrize("form", ["rows_kept", "mask_of_logits", "another_mask"])
+def test_a_masked_log_sum_exp_whose_dropped_rows_are_kept_is_no_head(form):
+  """A log-sum-exp under a per-token mask is a head only where the per-token losses' own
+  select then drops the masked rows (as optax's ``where=`` does): their values (-inf) are
+  kept otherwise; a mask of single logits, or a select by another mask, is no head either.
+  Left as written, the values the original's."""
+  x, w, b, y = _inputs()
+  m, other = y > 3, y > 5
+  vocab = jnp.broadcast_to(jnp.arange(V) < V - 3, (B, T, V))
+  losses = {
+      "rows_kept": lambda z: jax.nn.logsumexp(z, -1, where=m[..., None]) - _pick(z, y),
+      "mask_of_logits": lambda z: optax.softmax_cross_entropy_with_integer_labels(
+          z, y, where=vocab),
+      "another_mask": lambda z: jnp.where(
+          other, jax.nn.logsumexp(z, -1, where=m[..., None]) - _pick(z, y), 0.0),
+  }
+  f = lambda x, w: jnp.sum(jnp.where(jnp.isfinite(l := losses[form](x @ w)), l, 0.0))  # noqa: E731
+  inv = invact_jax.invert(f)
+  jax.grad(inv, argnums=(0, 1))(x, w)
+  assert "linear_cross_entropy" not in inv.last_report.replaced, inv.last_report
+  assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
 
 
 def test_soft_targets_are_not_a_labelled_head():
