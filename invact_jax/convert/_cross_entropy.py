@@ -76,6 +76,8 @@ class HeadMatch:
     logits_dtype: the 16-bit dtype the program's matmul rounds the logits to, or None.
     z_loss: the weight of the log-sum-exp's square added to each token's loss (PaLM's and
       MaxText's z-loss), 0 for none.
+    mask: a per-token boolean mask whose dropped tokens' loss is zero (optax's ``where=`` of
+      a one-hot cross-entropy), an input of the region; None for none.
   """
   nodes: list
   root: int
@@ -91,12 +93,13 @@ class HeadMatch:
   soft_cap: float | None = None
   logits_dtype: str | None = None
   z_loss: float = 0.0
+  mask: object = None
 
   public = "linear_cross_entropy"
 
   @property
   def inputs(self) -> list:
-    return [r for r in (self.x, self.w, self.bias, self.labels) if r is not None] + (
+    return [r for r in (self.x, self.w, self.bias, self.labels, self.mask) if r is not None] + (
         list(self.fold.extras) if self.fold else [])
 
   def output(self, g: _graph.Graph):
@@ -151,6 +154,8 @@ class _Head:
     self.cap_nodes: set = set()      # the cap's division, tanh and product
     self.permuted = False            # a transpose moved the token axes (reshapes keep order)
     self.mask = None                 # a per-token mask the log-sum-exp was taken under
+    self.zeroed: set = set()         # [..., V] values the mask sets to zero in its dropped rows
+    self.masked_rows: set = set()    # row values zero in the rows the mask drops
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -276,6 +281,8 @@ class _Head:
     for table in (self.elem, self.rows):
       if ins[0] in table:
         table[o] = _scale(table[ins[0]], -1.0)
+    if ins[0] in self.masked_rows:
+      self.masked_rows.add(o)
 
   def _tanh(self, n, ins, o) -> None:
     """``tanh(z / c)``: the inside of a soft cap ``c * tanh(z / c)`` (Gemma 2)."""
@@ -334,6 +341,8 @@ class _Head:
     if src in self.exps:
       self.sums[o] = self.exps[src]
     elif src in self.weighted:
+      if src in self.zeroed:
+        self.masked_rows.add(o)
       (a, u), lin = self.weighted[src]
       row = {}
       for sym, c in lin.items():
@@ -485,8 +494,12 @@ class _Head:
       return  # a mask of single logits (or none): not a per-token one
     if self.mask is not None and not _same_ref(self.mask, mask):
       return
-    for table in (self.elem, self.exps):
+    for table in (self.elem, self.exps, self.weighted):
       if ins[2] in table:
+        if table is self.weighted:
+          if not _zero(self.g, ins[1]):
+            return
+          self.zeroed.add(o)  # the target's weighted logits, zero in the dropped rows
         self.mask = mask
         table[o] = table[ins[2]]
         return
@@ -879,8 +892,15 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
     escaped = False
     for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
       res = _per_token(g, h, o, tuple(g.avals[x].shape))
-      if res is None or (h.mask is not None and not _masked_away(g, o, h.mask)):
+      if res is None:
         continue
+      # under a per-token mask: the masked rows dropped after the loss (no mask for the
+      # head), or zero in the loss itself (the head applies the mask)
+      mask = None
+      if h.mask is not None and not _masked_away(g, o, h.mask):
+        if o not in h.masked_rows or h.permuted:
+          continue
+        mask = h.mask
       root = g.producer[o][0]
       nodes = _region(g, h, di, root, outvars)
       if nodes & taken:
@@ -892,7 +912,7 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                                None if h.bias is None else h.bias[0], h.labels,
                                1 - vaxis if transposed else vaxis, res[1],
-                               res[0], fold, why, h.cap, _rounded_to(g, n), res[2]))
+                               res[0], fold, why, h.cap, _rounded_to(g, n), res[2], mask))
       taken.update(matches[-1].nodes)
       escaped = False
       break

@@ -32,12 +32,21 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
   opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
                           float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype)
-  heads = 4 if m.bias is not None else 3  # x, w, (bias,) labels; then the reduction's reads
+  # x, w, (bias,) labels, (mask,); then the reduction's reads
+  heads = 3 + (m.bias is not None) + (m.mask is not None)
+  labels_at = 2 + (m.bias is not None)
+
+  def kept(vals):
+    """Per token, whether the mask keeps it (None without a mask)."""
+    return None if m.mask is None else jnp.reshape(vals[labels_at + 1], (n,)).astype(bool)
 
   if m.fold is None:
-    def per_token(x, w, *rest):
-      b = rest[0] if m.bias is not None else None
-      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, rest[-1].reshape(n), opts)
+    def per_token(*vals):
+      x, w, labels = vals[0], vals[1], vals[labels_at]
+      b = vals[2] if m.bias is not None else None
+      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, labels.reshape(n), opts)
+      if m.mask is not None:
+        loss = jnp.where(kept(vals), loss, 0.0)
       return (m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype)
     return per_token
 
@@ -45,7 +54,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   reduce = _match.region_of(target, m.fold.nodes, [loss_ref, *m.fold.extras], m.fold.out)
 
   def folded(*vals):
-    x, w, labels = vals[0], vals[1], vals[heads - 1]
+    x, w, labels = vals[0], vals[1], vals[labels_at]
     b = vals[2] if m.bias is not None else None
     extras = vals[heads:]
     # the reduction is linear in the losses: its derivative is each token's weight
@@ -53,6 +62,8 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
                       jnp.zeros(loss_aval.shape, loss_aval.dtype))
     (weights,) = pull(jnp.ones(out_aval.shape, out_aval.dtype))
     weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
+    if m.mask is not None:
+      weights = jnp.where(kept(vals), weights, 0.0)
     total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels.reshape(n), weights,
                                            opts)
     return total.reshape(out_aval.shape).astype(out_aval.dtype)

@@ -65,6 +65,9 @@ FORMS = {
         x @ w + b, y, where=y > 3).sum() / jnp.sum(y > 3),
     "optax_where_closed_over": lambda x, w, b, y: jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels(x @ w, y, where=_KEEP)),
+    # ... and of a one-hot: the dropped tokens' loss zero inside it (the head applies the mask)
+    "optax_one_hot_where": lambda x, w, b, y: optax.softmax_cross_entropy(
+        x @ w + b, jax.nn.one_hot(y, w.shape[1]), where=y > 3).sum() / jnp.sum(y > 3),
 }
 _KEEP = np.arange(B * T).reshape(B, T) % 3 != 0
 
@@ -146,6 +149,20 @@ def test_a_masked_log_sum_exp_whose_dropped_rows_are_kept_is_no_head(form):
   jax.grad(inv, argnums=(0, 1))(x, w)
   assert "linear_cross_entropy" not in inv.last_report.replaced, inv.last_report
   assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
+
+
+def test_a_one_hot_cross_entropy_under_a_per_token_mask_per_token():
+  """optax's one-hot ``where=`` under a reduction that is not folded (a sum of squares): the
+  per-token head applies the mask itself (the dropped tokens' loss zero, their gradient too)."""
+  x, w, b, y = _inputs()
+  f = lambda x, w: jnp.sum(optax.softmax_cross_entropy(  # noqa: E731
+      x @ w, jax.nn.one_hot(y, V), where=y > 20) ** 2)
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  (form,) = inv.last_report.forms
+  assert "per token, gradients by recomputing the logits" in form, form
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w)), rtol=2e-6)
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
 
 
 def test_soft_targets_are_not_a_labelled_head():
