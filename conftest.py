@@ -145,11 +145,12 @@ def pytest_collection_modifyitems(config, items):
     # Compiled kernels run only on a GPU (their interpret-mode subclasses cover the CPU):
     # deselected here rather than skipped one by one (3,700 skip reports cost the CPU suite
     # seconds of collection and reporting).
-    dropped = [item for item in items if _compiled_kernel_test(item)]
+    kept, dropped = [], []
+    for item in items:
+      (dropped if _compiled_kernel_test(item) else kept).append(item)
     if dropped:
       config.hook.pytest_deselected(items=dropped)
-      keep = set(map(id, dropped))
-      items[:] = [item for item in items if id(item) not in keep]
+      items[:] = kept
   for item in items:
     if (item.nodeid.startswith(_DEVICE_PATHS) and "Interpret" not in item.nodeid
         and item.get_closest_marker("slow") is None):

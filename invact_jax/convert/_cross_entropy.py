@@ -489,8 +489,7 @@ class _Head:
     if len(ins) != 3 or isinstance(ins[2], Lit) or _constant(self.g, ins[1]) is None:
       return
     mask = _mask_root(self.g, ins[0])
-    size = lambda r: int(np.prod(self.g.avals[r].shape))  # noqa: E731
-    if mask is None or _mask_size(self.g, mask) * self.vocab != size(o):
+    if mask is None or _mask_size(self.g, mask) * self.vocab != np.prod(self.g.avals[o].shape):
       return  # a mask of single logits (or none): not a per-token one
     if self.mask is not None and not _same_ref(self.mask, mask):
       return

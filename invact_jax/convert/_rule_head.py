@@ -33,12 +33,12 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
                           float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype)
   # x, w, (bias,) labels, (mask,); then the reduction's reads
-  heads = 3 + (m.bias is not None) + (m.mask is not None)
   labels_at = 2 + (m.bias is not None)
+  heads = labels_at + 1 + (m.mask is not None)
 
   def kept(vals):
-    """Per token, whether the mask keeps it (None without a mask)."""
-    return None if m.mask is None else jnp.reshape(vals[labels_at + 1], (n,)).astype(bool)
+    """Per token, whether the mask keeps it."""
+    return jnp.reshape(vals[labels_at + 1], (n,)).astype(bool)
 
   if m.fold is None:
     def per_token(*vals):

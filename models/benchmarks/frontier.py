@@ -494,9 +494,7 @@ def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
   """Per budget (a fraction of JAX default's activation bytes), the planner's plan over both
   sides (:func:`profile_from_rows`) as a row spec (``runs``, ``configuration`` "plan N %",
   ``predicted_bytes``), or an ``error`` row when no plan fits or the rows are missing."""
-  default = next((r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
-                  and r.get("configuration") == "default" and not r.get("invact")
-                  and "error" not in r), None)
+  default = _jax_row(rs, stack, "default", False)
   # both sides calibrated the same way: from the presets' rows where both have them
   shapes = any(p not in _side(rs, stack, i) for p in _PLAN_POLICIES for i in (False, True))
   profiles = [p for p in (profile_from_rows(rs, stack, i, shapes) for i in (False, True)) if p]
@@ -521,9 +519,7 @@ def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
     profile = next(p for p in profiles if p.configuration == plan.configuration)
     # the step with the plan's recompute: its cost on top of every tag kept (``minimal``), or
     # the whole step where the profile's fixed cost is that step (_profile_from_shapes)
-    minimal = next((r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
-                    and r.get("configuration") == "minimal" and r.get("invact") == invact
-                    and "error" not in r), None)
+    minimal = _jax_row(rs, stack, "minimal", invact)
     base = 0.0 if profile.fixed_cost else minimal["step_ms"]
     out.append({**spec, "invact": invact, "runs": runs,
                 "layers": default.get("layers") or STACKS[stack].layers,
@@ -533,10 +529,10 @@ def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
   return out
 
 
-def _default_row(rs: list[dict], stack: str, invact: bool) -> dict | None:
-  """The measured JAX ``default`` row (no remat) of ``stack``, with invert or without."""
+def _jax_row(rs: list[dict], stack: str, configuration: str, invact: bool) -> dict | None:
+  """The measured JAX row of ``stack`` under ``configuration``, with invert or without."""
   return next((r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
-               and r.get("configuration") == "default" and bool(r.get("invact")) == invact
+               and r.get("configuration") == configuration and bool(r.get("invact")) == invact
                and "error" not in r), None)
 
 
@@ -547,7 +543,7 @@ def program_plan_spec(rs: list[dict], stack: str, percent: int, *, dtype: str, r
   ``error`` where that row is missing."""
   spec = {"stack": stack, "policy": "none", "invact": True, "dtype": dtype, "repeats": repeats,
           "configuration": f"program plan {percent} %", **fields}
-  default = _default_row(rs, stack, False)
+  default = _jax_row(rs, stack, "default", False)
   if default is None:
     return {**spec, "error": "JAX default's row, the budget's reference, is missing"}
   budget = int(percent / 100 * default["activation_bytes"])
@@ -564,7 +560,7 @@ def program_plan_prediction(row: dict, rs: list[dict]) -> dict:
   if "error" in row or not row.get("predicted_bytes"):
     return out
   out["prediction_error"] = row["activation_bytes"] / row["predicted_bytes"] - 1
-  base = _default_row(rs, row["model"], row.get("plan_program") == "inverted")
+  base = _jax_row(rs, row["model"], "default", row.get("plan_program") == "inverted")
   flops, recompute = row.get("plan_step_flops"), row.get("plan_recompute_flops", 0.0)
   if base is not None and flops and flops > recompute:
     out["predicted_step_ms"] = base["step_ms"] * flops / (flops - recompute)
@@ -934,8 +930,7 @@ def headline_rows(data: dict, path: str) -> list[str]:
   out = []
   for model in sorted({r["model"] for r in ok}):
     mine = [r for r in ok if r["model"] == model]
-    default = next((r for r in mine if r["framework"] == "jax" and not r["invact"]
-                    and r["configuration"] == "default"), None)
+    default = _jax_row(mine, model, "default", False)
     if default is None:
       continue
     budgets = [(f"{f:.0%} of JAX default's", f * default["activation_bytes"]) for f in (0.25, 0.5)]
