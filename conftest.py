@@ -37,8 +37,8 @@ if os.environ.get(DEFAULT_COMPILER_ENV) != "1":
   if "--xla_cpu_parallel_codegen_split_count" not in _USER_XLA_FLAGS:
     # LLVM code generation of one module in one piece instead of parts compiled on a thread
     # pool: the suite's programs are small, and the pool's start-up outweighed its parallelism
-    # (40 small gradients: 8.2 s of compile -> 6.3 s; tests/convert/test_program.py and
-    # tests/test_program_planner.py 108 s -> 102 s; 2 cores, JAX 0.10.2, 2026-11-27).
+    # (tests/convert/test_program.py and tests/test_program_planner.py 108 s -> 102 s in one
+    # process; 2 cores, JAX 0.10.2, 2026-11-27).
     _CHEAP.append("--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = " ".join([_BASE_XLA_FLAGS, *_CHEAP])
 
