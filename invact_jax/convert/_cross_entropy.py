@@ -40,7 +40,7 @@ from invact_jax.convert import _match
 from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit
 
-__all__ = ["HeadMatch", "Fold", "find_heads", "fold_reduction"]
+__all__ = ["HeadMatch", "Fold", "find_heads", "fold_reduction", "calls_on_logits"]
 
 _TOL = 1e-6
 
@@ -156,6 +156,7 @@ class _Head:
     self.mask = None                 # a per-token mask the log-sum-exp was taken under
     self.zeroed: set = set()         # [..., V] values the mask sets to zero in its dropped rows
     self.masked_rows: set = set()    # row values zero in the rows the mask drops
+    self.helpers: set = set()        # nodes of [..., V] predicates and constants it selects by
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -227,14 +228,18 @@ class _Head:
   def _one_hot(self, i: int, n) -> bool:
     """``iota == labels`` along the vocabulary: a one-hot of the labels (True: handled)."""
     g = self.g
-    is_iota = lambda r: not isinstance(r, Lit) and r in g.producer and \
-        g.nodes[g.producer[r][0]].prim.name == "iota"  # noqa: E731
-    if not (any(is_iota(r) for r in n.ins) and self._is_v(n.outs[0])):
+    # the positions along the vocabulary: an iota, broadcast (as vmap spreads one) or not
+    along = lambda r: None if isinstance(r, Lit) else _position_along(  # noqa: E731
+        g, r, len(g.avals[r].shape) - 1)
+    iotas = [along(r) for r in n.ins]
+    if not (any(c is not None for c in iotas) and self._is_v(n.outs[0])):
       return False
-    labels, nodes = self._labels_of(next(r for r in n.ins if not is_iota(r)))
+    k = next(k for k, c in enumerate(iotas) if c is not None)
+    labels, nodes = self._labels_of(n.ins[1 - k])
     if labels is not None and (self.labels is None or self.labels == labels):
       self.labels = labels
       self.label_nodes.update(nodes)
+      self.label_nodes.update(iotas[k])
       self.label_nodes.add(i)
       self.target[n.outs[0]] = (1.0, 0.0)
     return True
@@ -488,6 +493,9 @@ class _Head:
       return
     if len(ins) != 3 or isinstance(ins[2], Lit) or _constant(self.g, ins[1]) is None:
       return
+    if self._zero_where_untargeted(ins):
+      self.weighted[o] = self.weighted[ins[2]]
+      return
     mask = _mask_root(self.g, ins[0])
     if mask is None or _mask_size(self.g, mask) * self.vocab != np.prod(self.g.avals[o].shape):
       return  # a mask of single logits (or none): not a per-token one
@@ -502,6 +510,29 @@ class _Head:
         self.mask = mask
         table[o] = table[ins[2]]
         return
+
+  def _zero_where_untargeted(self, ins) -> bool:
+    """Whether ``select_n(t != 0, 0, t * v)`` reads the target weight ``t`` times a followed
+    logits value ``v`` (optax's ``safe_softmax_cross_entropy``: ``0 log 0 = 0``): where
+    ``t`` is zero so is ``t * v`` for the finite logits a matmul computes, so the select
+    passes ``t * v`` on unchanged."""
+    pred, zero, value = ins
+    if value not in self.weighted or not _zero(self.g, zero) or isinstance(pred, Lit) or (
+        pred not in self.g.producer):
+      return False
+    ne = self.g.nodes[self.g.producer[pred][0]]
+    if ne.prim.name != "ne" or len(ne.ins) != 2:
+      return False
+    for t, c in (ne.ins, ne.ins[::-1]):
+      if (not isinstance(t, Lit) and t in self.target and _zero(self.g, c)
+          and self.target[t] == self.weighted[value][0]):
+        self.helpers.add(self.g.producer[pred][0])
+        while not isinstance(zero, Lit):  # the zeros: a literal broadcast (and cast) to shape
+          i = self.g.producer[zero][0]
+          self.helpers.add(i)
+          zero = self.g.nodes[i].ins[0]
+        return True
+    return False
 
   def _shift_step(self, n, ins, o) -> None:
     """A row constant computed from z (a max and its clamps): a shift."""
@@ -773,13 +804,27 @@ def _head_dot(g: _graph.Graph, n) -> tuple | None:
   return x, w, vaxis, vocab
 
 
+def calls_on_logits(g: _graph.Graph) -> list[int]:
+  """The ``custom_jvp_call`` nodes that read a value shaped as an LM head's logits (a
+  matmul's [..., V] output, or a value of its shape): where a cross-entropy may be computed
+  inside a call with a derivative rule of its own."""
+  shapes = set()
+  for n in g.nodes:
+    dot = _head_dot(g, n)
+    if dot is not None:
+      shapes.add(tuple(g.avals[n.outs[0]].shape))
+  return [i for i, n in enumerate(g.nodes) if n.prim.name == "custom_jvp_call" and any(
+      not isinstance(r, Lit) and tuple(g.avals[r].shape) in shapes
+      and jnp.issubdtype(g.avals[r].dtype, jnp.floating) for r in n.ins)] if shapes else []
+
+
 def _region(g: _graph.Graph, h: _Head, di: int, root: int, outvars: set) -> set:
   """The nodes of the head whose matmul is ``di`` and whose per-token loss ``root`` computes:
   the followed values' producers, their helpers (a clamp's ``is_finite``, the constants it
   selects), the index arithmetic and one-hot nodes only the region reads, and values computed
   in it and never read (``jax.nn.logsumexp``'s sign)."""
   members = {g.producer[r][0] for table in h._tables() for r in table  # pylint: disable=protected-access
-             if r in g.producer} | h.label_nodes | h.cap_nodes | {di}
+             if r in g.producer} | h.label_nodes | h.cap_nodes | h.helpers | {di}
   if h.bias is not None:
     members.update(h.bias[1])
   changed = True

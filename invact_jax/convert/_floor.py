@@ -60,6 +60,7 @@ class _Walker:
 
   def __init__(self, g: _graph.Graph, differentiable: set, prefix: tuple, opts,
                outer: dict | None = None, carried: frozenset = frozenset()):
+    g = _pass.prepare(g, opts)
     self.g, self.prefix, self.opts = g, prefix, opts
     self.outer = {g.invars[k]: v for k, v in (outer or {}).items()}
     self.carried = {g.invars[k] for k in carried}

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-__all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "substitute", "params_equal", "where", "bind", "schedule", "varies_over_mesh",
+__all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "inline", "substitute", "params_equal", "where", "bind", "schedule", "varies_over_mesh",
            "evaluate", "region", "ancestors", "scan_counts", "shape_structs"]
 
 
@@ -146,6 +146,28 @@ def flatten(closed) -> Graph:
   walk(jaxpr, env)
   outvars = [Lit(v.val) if _is_literal(v) else env[v] for v in jaxpr.outvars]
   return Graph(nodes, invars, outvars, avals).index()
+
+
+def inline(graph: Graph, at) -> tuple[Graph, dict]:
+  """``graph`` with the call nodes at indices ``at`` (``custom_jvp_call``: a body with a
+  derivative rule of its own) replaced by their bodies' nodes, the calls' outputs keeping
+  their ids; and ``{call index: its body's node indices in the new graph}``.  A call whose
+  body returns an input, a constant or one value twice stays as it is."""
+  at, nodes, avals, bodies = set(at), [], dict(graph.avals), {}
+  for i, n in enumerate(graph.nodes):
+    body = flatten(n.params["call_jaxpr"]) if i in at else None
+    if body is None or len(set(body.outvars)) != len(body.outvars) or any(
+        isinstance(r, Lit) or r not in body.producer for r in body.outvars):
+      nodes.append(n)
+      continue
+    rename = dict(zip(body.invars, n.ins))
+    rename.update(zip(body.outvars, n.outs))
+    new = lambda r: r if isinstance(r, Lit) else rename.get(r, r)  # noqa: E731
+    bodies[i] = list(range(len(nodes), len(nodes) + len(body.nodes)))
+    nodes += [dataclasses.replace(b, ins=[new(r) for r in b.ins], outs=[new(r) for r in b.outs])
+              for b in body.nodes]
+    avals.update((k, a) for k, a in body.avals.items() if k not in rename)
+  return Graph(nodes, list(graph.invars), list(graph.outvars), avals).index(), bodies
 
 
 def substitute(graph: Graph, values: dict) -> Graph:

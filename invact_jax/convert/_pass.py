@@ -27,7 +27,7 @@ from invact_jax.convert._rule_head import HeadRule
 from invact_jax.convert._rule_norm import NormRule
 from invact_jax.convert._rule_softmax import SoftmaxRule
 
-__all__ = ["RULES", "candidates", "kinds", "Options", "Found", "find", "plan", "run",
+__all__ = ["RULES", "candidates", "kinds", "Options", "Found", "prepare", "find", "plan", "run",
            "options_for_analysis"]
 
 #: The recognizers in claim order: a node claimed by one is not offered to the next.
@@ -126,6 +126,15 @@ class Found:
     return rule.output(g, match)
 
 
+def prepare(g: _graph.Graph, opts: Options) -> _graph.Graph:
+  """``g`` as every rule of ``opts.names`` prepares it (:meth:`_rule.Rule.prepare`), in claim
+  order: the graph :func:`find` and :func:`run` work on."""
+  for rule in RULES:
+    if opts.names & set(rule.publics):
+      g = rule.prepare(g, opts)
+  return g
+
+
 def find(g: _graph.Graph, opts: Options) -> Found:
   """Every op of ``opts.names`` in ``g`` that can be converted; what cannot is added to
   ``opts.report.left_alone`` with its reason."""
@@ -183,6 +192,7 @@ def plan(g: _graph.Graph, opts: Options) -> list:
 
 def run(graph: _graph.Graph, args, opts: Options) -> list:
   """``graph`` evaluated on ``args`` with its converted units swapped in."""
+  graph = prepare(graph, opts)
   return _graph.evaluate(graph, list(args), units=plan(graph, opts), nested=nested(opts))
 
 

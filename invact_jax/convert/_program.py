@@ -8,8 +8,9 @@ for bit the unconverted one, the LM head's chunked log-sum-exp aside) and whose 
 backward are invact_jax's; the floor pass (:mod:`._fusion`) then lets matmuls keep what their
 neighbours keep.  Nested ``jit``, ``scan``, ``cond``, ``checkpoint`` and ``shard_map`` bodies
 are converted through the same pass; what cannot be rewritten soundly (a match whose
-intermediate values are used elsewhere, ``custom_jvp``/``custom_vjp`` functions, ``while``
-loops) is left alone and reported.  ``fallback="temp"`` (:mod:`._fallback`) measures.
+intermediate values are used elsewhere, ``custom_jvp``/``custom_vjp`` functions — but a
+``custom_jvp`` an LM head's cross-entropy is computed through, which the head takes whole —
+``while`` loops) is left alone and reported.  ``fallback="temp"`` (:mod:`._fallback`) measures.
 """
 from __future__ import annotations
 

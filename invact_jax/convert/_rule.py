@@ -44,6 +44,13 @@ class Rule:
   publics: tuple = ()
   candidates: dict = {}
 
+  def prepare(self, g: _graph.Graph, opts) -> _graph.Graph:
+    """``g`` as the pass finds and replaces matches in (default: as it is); a rule whose op
+    a program may compute inside a call it cannot otherwise see inlines the calls it matches
+    through."""
+    del opts
+    return g
+
   def find(self, g: _graph.Graph, claimed: set, outvars: set, opts) -> tuple[list, list]:
     """``(matches, left)``: the matches in ``g`` outside ``claimed``, and ``(node indices,
     what, why)`` per candidate it saw and could not convert."""

@@ -77,6 +77,21 @@ class HeadRule(_rule.Rule):
   kind = "head"
   publics = ("linear_cross_entropy",)
 
+  def prepare(self, g, opts):
+    """``g`` with the ``custom_jvp`` calls a head's cross-entropy is computed through inlined
+    (optax's ``safe_softmax_cross_entropy``: its ``weighted_logsoftmax``), where the head
+    found through the inlined body takes the whole body: its derivative rule is replaced
+    with the head's, which computes the same derivative of the same loss."""
+    calls = _cross_entropy.calls_on_logits(g)
+    if not calls:
+      return g
+    trial, bodies = _graph.inline(g, calls)
+    outvars = {r for r in trial.outvars if not isinstance(r, _graph.Lit)}
+    matches, _ = _cross_entropy.find_heads(trial, set(), outvars, allow_fold=not opts.in_loop)
+    covered = {i for m in matches for i in m.nodes}
+    taken = [i for i, body in bodies.items() if set(body) <= covered]
+    return _graph.inline(g, taken)[0] if taken else g
+
   def find(self, g, claimed, outvars, opts):
     matches, left = _cross_entropy.find_heads(g, claimed, outvars, allow_fold=not opts.in_loop)
     return matches, [(nodes, "linear_cross_entropy", why) for nodes, why in left]

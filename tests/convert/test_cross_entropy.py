@@ -68,6 +68,19 @@ FORMS = {
     # ... and of a one-hot: the dropped tokens' loss zero inside it (the head applies the mask)
     "optax_one_hot_where": lambda x, w, b, y: optax.softmax_cross_entropy(
         x @ w + b, jax.nn.one_hot(y, w.shape[1]), where=y > 3).sum() / jnp.sum(y > 3),
+    # optax's safe_softmax_cross_entropy: a custom_jvp (``0 log 0 = 0``) the head is found in
+    "optax_safe": lambda x, w, b, y: optax.safe_softmax_cross_entropy(
+        x @ w + b, jax.nn.one_hot(y, w.shape[1])).mean(),
+    "optax_safe_smoothed": lambda x, w, b, y: optax.safe_softmax_cross_entropy(
+        x @ w, optax.smooth_labels(jax.nn.one_hot(y, w.shape[1]), 0.1)).sum(),
+    # per sequence under vmap: the one-hot's positions (an iota) arrive broadcast
+    "optax_one_hot_where_vmapped": lambda x, w, b, y: jax.vmap(
+        lambda x, y: optax.softmax_cross_entropy(
+            x @ w + b, jax.nn.one_hot(y, w.shape[1]), where=y > 3).sum())(x, y).sum() / jnp.sum(
+                y > 3),
+    "optax_safe_vmapped": lambda x, w, b, y: jnp.mean(jax.vmap(
+        lambda x, y: optax.safe_softmax_cross_entropy(x @ w, jax.nn.one_hot(y, w.shape[1])))(
+            x, y)),
 }
 _KEEP = np.arange(B * T).reshape(B, T) % 3 != 0
 
@@ -165,7 +178,8 @@ def test_a_one_hot_cross_entropy_under_a_per_token_mask_per_token():
   assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
 
 
-@pytest.mark.parametrize("form", ["optax_integer_labels", "optax_one_hot", "log_softmax_pick"])
+@pytest.mark.parametrize("form", ["optax_integer_labels", "optax_one_hot", "optax_safe",
+                                  "log_softmax_pick"])
 def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   """Where the program computes the cross-entropy itself in bfloat16 (optax's losses on
   bfloat16 logits), the head keeps the logits' bfloat16 rounding but not that arithmetic: its
@@ -176,6 +190,8 @@ def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   bf = jnp.bfloat16
   ce = {"optax_integer_labels": optax.softmax_cross_entropy_with_integer_labels,
         "optax_one_hot": lambda z, y: optax.softmax_cross_entropy(z, jax.nn.one_hot(y, V)),
+        "optax_safe": lambda z, y: optax.safe_softmax_cross_entropy(
+            z, jax.nn.one_hot(y, V, dtype=z.dtype)),
         "log_softmax_pick": lambda z, y: -_pick(jax.nn.log_softmax(z), y)}[form]
   f = lambda x, w: jnp.mean(ce(x.astype(bf) @ w.astype(bf), y)).astype(jnp.float32)  # noqa: E731
   inv = invact_jax.invert(f)
@@ -187,6 +203,25 @@ def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   truth = float(np.mean(lse - np.take_along_axis(z, np.asarray(y)[..., None], -1)[..., 0]))
   ours, original = float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w))
   assert abs(ours - truth) <= 1e-6 * truth < abs(original - truth), (ours, original, truth)
+
+
+def test_a_custom_jvp_that_is_no_cross_entropy_of_the_logits_stays_as_written():
+  """Only a call the head's cross-entropy is computed through is inlined: optax's safe loss
+  against soft targets, or of logits through ``jax.nn.relu`` (a custom_jvp the activation rule
+  converts), is left as the program wrote it, the call's own derivative rule with it."""
+  x, w, b, y = _inputs()
+  q = jax.nn.softmax(jax.random.normal(jax.random.key(5), (B, T, V)))
+  soft = lambda x, w: optax.safe_softmax_cross_entropy(x @ w, q).mean()  # noqa: E731
+  relu = lambda x, w: optax.safe_softmax_cross_entropy(  # noqa: E731
+      jax.nn.relu(x @ w), jax.nn.one_hot(y, V)).mean()
+  for f, replaced in ((soft, {}), (relu, {"relu": 1})):
+    inv = invact_jax.invert(f)
+    g, want = (jax.jit(jax.grad(h, argnums=(0, 1)))(x, w) for h in (inv, f))
+    assert inv.last_report.replaced == replaced, inv.last_report
+    assert any("not entered" in why for _, _, why in inv.last_report.left_alone), inv.last_report
+    assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
+    for a, b_ in zip(g, want):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-6, atol=1e-7)
 
 
 def test_soft_targets_are_not_a_labelled_head():
@@ -482,3 +517,27 @@ def test_a_z_loss_and_labels_reshaped_on_their_way_are_found(square):
     if f is z_loss:
       (form,) = [what for _, what, _ in inv.last_report.converted]
       assert "z-loss 0.001" in form, form
+
+
+def test_inlining_a_call_keeps_its_outputs_and_values_and_leaves_calls_it_cannot_inline():
+  """``_graph.inline`` (what the head's prepare step runs): a ``custom_jvp`` call replaced by
+  its body's nodes, the call's output keeping its id and the program its value; a call whose
+  body returns its input unchanged stays a call."""
+  from invact_jax.convert import _graph  # pylint: disable=import-outside-toplevel
+
+  @jax.custom_jvp
+  def passthrough(v):
+    return v
+  passthrough.defjvp(lambda p, t: (p[0], t[0]))
+  f = lambda x: passthrough(jax.nn.relu(x)) * 2.0  # noqa: E731
+  x = jnp.linspace(-2.0, 2.0, 7)
+  g = _graph.flatten(jax.make_jaxpr(f)(x))
+  calls = [i for i, n in enumerate(g.nodes) if n.prim.name == "custom_jvp_call"]
+  assert len(calls) == 2
+  relu_out = g.nodes[calls[0]].outs[0]
+  inlined, bodies = _graph.inline(g, calls)
+  assert list(bodies) == [calls[0]]  # the pass-through body returns its input: no nodes
+  assert [n.prim.name for n in inlined.nodes].count("custom_jvp_call") == 1
+  assert inlined.producer[relu_out][0] == bodies[calls[0]][-1]
+  np.testing.assert_array_equal(np.asarray(_graph.evaluate(inlined, [x])[0]),
+                                np.asarray(f(x)))

@@ -168,7 +168,6 @@ def _all_gathered_shapes(trainer) -> set[tuple[int, ...]]:
           for dims in re.findall(r"= \w+\[([0-9,]*)\]\S* all-gather\(", hlo)}
 
 
-@pytest.mark.default_compiler  # bit-identical training is XLA's default code generation's
 def test_fsdp_shards_the_state_gathers_only_weights_and_trains_the_same(tmp_path):
   """--shard-params: parameters and AdamW state split over the data axis; the compiled step
   all-gathers weights only (no activation), and training matches the replicated run."""
@@ -192,7 +191,8 @@ def test_fsdp_shards_the_state_gathers_only_weights_and_trains_the_same(tmp_path
   gathered = _all_gathered_shapes(fsdp)
   assert gathered and gathered <= weights, gathered - weights
   assert not _all_gathered_shapes(rep)
-  # The same training (measured bit-identical on XLA:CPU, JAX 0.10.2).
+  # The same training: bit-identical on XLA:CPU (JAX 0.10.2 and 0.12, 2026-11-27) at XLA's
+  # default code generation and at the suite's cheap flags alike, so it runs at the latter.
   assert abs(runs[True]["final_train_loss"] / runs[False]["final_train_loss"] - 1) <= 1e-6
   for a, b in zip(jax.tree.leaves(fsdp.params), jax.tree.leaves(rep.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
