@@ -163,9 +163,8 @@ class _Head:
     return bool(a.shape) and a.shape[-1] == self.vocab
 
   def _const(self, r):
-    if isinstance(r, Lit) and np.size(r.val) == 1 and not isinstance(r.val, jax.core.Tracer):
-      return float(np.asarray(r.val).reshape(()))
-    return None
+    """The scalar constant ``r`` is (a literal, or a broadcast or cast of one), else None."""
+    return _constant(self.g, r)
 
   def _shift(self) -> str:
     self.nshift += 1
@@ -805,15 +804,15 @@ def _head_dot(g: _graph.Graph, n) -> tuple | None:
 
 
 def calls_on_logits(g: _graph.Graph) -> list[int]:
-  """The ``custom_jvp_call`` nodes that read a value shaped as an LM head's logits (a
-  matmul's [..., V] output, or a value of its shape): where a cross-entropy may be computed
-  inside a call with a derivative rule of its own."""
+  """The ``custom_jvp`` and ``custom_vjp`` calls that read a value shaped as an LM head's
+  logits (a matmul's [..., V] output, or a value of its shape): where a cross-entropy may be
+  computed inside a call with a derivative rule of its own."""
   shapes = set()
   for n in g.nodes:
     dot = _head_dot(g, n)
     if dot is not None:
       shapes.add(tuple(g.avals[n.outs[0]].shape))
-  return [i for i, n in enumerate(g.nodes) if n.prim.name == "custom_jvp_call" and any(
+  return [i for i, n in enumerate(g.nodes) if n.prim.name in _primitives.CUSTOM_CALLS and any(
       not isinstance(r, Lit) and tuple(g.avals[r].shape) in shapes
       and jnp.issubdtype(g.avals[r].dtype, jnp.floating) for r in n.ins)] if shapes else []
 

@@ -149,13 +149,14 @@ def flatten(closed) -> Graph:
 
 
 def inline(graph: Graph, at) -> tuple[Graph, dict]:
-  """``graph`` with the call nodes at indices ``at`` (``custom_jvp_call``: a body with a
-  derivative rule of its own) replaced by their bodies' nodes, the calls' outputs keeping
-  their ids; and ``{call index: its body's node indices in the new graph}``.  A call whose
-  body returns an input, a constant or one value twice stays as it is."""
+  """``graph`` with the call nodes at indices ``at`` (``custom_jvp`` or ``custom_vjp`` calls:
+  a body with a derivative rule of its own) replaced by their bodies' nodes, the calls'
+  outputs keeping their ids; and ``{call index: its body's node indices in the new graph}``.
+  A call whose body returns an input, a constant or one value twice stays as it is."""
   at, nodes, avals, bodies = set(at), [], dict(graph.avals), {}
   for i, n in enumerate(graph.nodes):
-    body = flatten(n.params["call_jaxpr"]) if i in at else None
+    inner = n.params.get("call_jaxpr", n.params.get("fun_jaxpr")) if i in at else None
+    body = None if inner is None else flatten(inner)
     if body is None or len(set(body.outvars)) != len(body.outvars) or any(
         isinstance(r, Lit) or r not in body.producer for r in body.outvars):
       nodes.append(n)

@@ -62,7 +62,7 @@ INDEX = frozenset({"lt", "add", "select_n", "reshape", "broadcast_in_dim",
 #: Unary primitives of a weighted sum of per-token losses (one operand computed from them).
 LINEAR_UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reshape",
                           "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
-                          "reduce_sum", "neg"})
+                          "reduce_sum", "neg", "sharding_constraint"})
 #: What a cross-entropy's values pass through unchanged (``abs`` of a sum of exponentials is
 #: the sum).
 HEAD_SAME = IDENTITY | {"abs"}

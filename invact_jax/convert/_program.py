@@ -9,7 +9,7 @@ backward are invact_jax's; the floor pass (:mod:`._fusion`) then lets matmuls ke
 neighbours keep.  Nested ``jit``, ``scan``, ``cond``, ``checkpoint`` and ``shard_map`` bodies
 are converted through the same pass; what cannot be rewritten soundly (a match whose
 intermediate values are used elsewhere, ``custom_jvp``/``custom_vjp`` functions — but a
-``custom_jvp`` an LM head's cross-entropy is computed through, which the head takes whole —
+call an LM head's cross-entropy is computed through, which the head takes whole —
 ``while`` loops) is left alone and reported.  ``fallback="temp"`` (:mod:`._fallback`) measures.
 """
 from __future__ import annotations

@@ -78,10 +78,11 @@ class HeadRule(_rule.Rule):
   publics = ("linear_cross_entropy",)
 
   def prepare(self, g, opts):
-    """``g`` with the ``custom_jvp`` calls a head's cross-entropy is computed through inlined
-    (optax's ``safe_softmax_cross_entropy``: its ``weighted_logsoftmax``), where the head
-    found through the inlined body takes the whole body: its derivative rule is replaced
-    with the head's, which computes the same derivative of the same loss."""
+    """``g`` with the ``custom_jvp``/``custom_vjp`` calls a head's cross-entropy is computed
+    through inlined (optax's ``safe_softmax_cross_entropy``, T5X's and MaxText's
+    ``cross_entropy_with_logits``), where the head found through the inlined body takes the
+    whole body: the call's derivative rule is replaced with the head's, the derivative of
+    the loss the body computes."""
     calls = _cross_entropy.calls_on_logits(g)
     if not calls:
       return g

@@ -205,6 +205,76 @@ def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   assert abs(ours - truth) <= 1e-6 * truth < abs(original - truth), (ours, original, truth)
 
 
+@jax.custom_vjp
+def _xent_with_z_loss(logits, targets, z_loss):
+  """A cross-entropy with its own derivative rule, as T5X and MaxText write theirs (a
+  ``custom_vjp`` returning the loss plus ``z_loss * lse ** 2``, and that term)."""
+  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  zl = z_loss * jax.lax.square(jnp.squeeze(lse, -1))
+  return -jnp.sum(targets * (logits - lse), axis=-1) + zl, zl
+
+
+def _xent_fwd(logits, targets, z_loss):
+  top = logits.max(-1, keepdims=True)
+  e = jnp.exp(logits - top)
+  total = e.sum(-1, keepdims=True)
+  lse = jnp.log(total) + top
+  zl = z_loss * jnp.square(lse[..., 0])
+  return (-jnp.sum(targets * (logits - lse), -1) + zl, zl), (e / total, targets, z_loss, lse)
+
+
+def _xent_bwd(res, g):
+  p, targets, z_loss, lse = res
+  # (the targets' cotangent left zero: they are a one-hot of integer labels here)
+  return ((p - targets + 2 * z_loss * lse * p) * g[0][..., None], jnp.zeros_like(targets),
+          jnp.zeros_like(z_loss))
+
+
+_xent_with_z_loss.defvjp(_xent_fwd, _xent_bwd)
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_a_cross_entropy_with_its_own_custom_vjp_is_taken_whole(z_loss):
+  """A ``custom_vjp`` cross-entropy (T5X's and MaxText's ``cross_entropy_with_logits``) on the
+  head's logits: its forward is inlined and found (its z-loss the head's), the head replaces
+  the call and its rule (the same derivative), and the program's masked mean — through a
+  sharding constraint on the per-token losses, as MaxText writes it — is folded in."""
+  x, w, _, y = _inputs()
+  segments = (jnp.arange(B * T).reshape(B, T) % 4 != 0).astype(jnp.int32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+  def f(x, w):
+    xent, _ = _xent_with_z_loss(x @ w, jax.nn.one_hot(y, V), z_loss)
+    xent = jax.lax.with_sharding_constraint(xent, tokens) * (segments != 0)
+    return jnp.sum(xent) / (jnp.sum(segments != 0) + 1e-8)
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  report = inv.last_report
+  assert report.replaced == {"linear_cross_entropy": 1} and report.left_alone == [], report
+  (form,) = report.forms
+  assert "folded in, gradients in the forward" in form, form
+  assert ("z-loss" in form) == bool(z_loss), form
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w)), rtol=2e-6)
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+
+
+def test_a_cross_entropy_call_whose_second_output_is_used_stays_as_written():
+  """The call's z-loss output also used (a metric in the loss's auxiliary output): the
+  call's values escape the head, so it stays a call with its own rule, and the report says
+  why."""
+  x, w, _, y = _inputs()
+
+  def f(x, w):
+    xent, zl = _xent_with_z_loss(x @ w, jax.nn.one_hot(y, V), 1e-2)
+    return jnp.mean(xent), jnp.mean(zl)
+  inv = invact_jax.invert(f)
+  jax.grad(inv, argnums=(0, 1), has_aux=True)(x, w)
+  assert inv.last_report.replaced == {}, inv.last_report
+  assert any("not entered" in why for _, _, why in inv.last_report.left_alone), inv.last_report
+  assert [float(v) for v in jax.jit(inv)(x, w)] == [float(v) for v in jax.jit(f)(x, w)]
+
+
 def test_a_custom_jvp_that_is_no_cross_entropy_of_the_logits_stays_as_written():
   """Only a call the head's cross-entropy is computed through is inlined: optax's safe loss
   against soft targets, or of logits through ``jax.nn.relu`` (a custom_jvp the activation rule
