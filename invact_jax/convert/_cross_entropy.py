@@ -171,39 +171,62 @@ class _Head:
     return f"k{self.nshift}"
 
   def _labels_of(self, ref):
-    """The integer array an index or a one-hot's comparison is computed from."""
-    g, seen, sources = self.g, set(), set()
-    stack = [ref]
-    nodes = []
-    while stack:
-      r = stack.pop()
-      if isinstance(r, Lit):  # labels closed over: a constant array of the program
-        if np.ndim(r.val) and jnp.issubdtype(np.asarray(r.val).dtype, jnp.integer) \
-            and not isinstance(r.val, jax.core.Tracer):
-          sources.add(r)
-        continue
-      if r in seen:
-        continue
-      seen.add(r)
-      if r not in g.producer:
-        sources.add(r)
-        continue
+    """``(labels, nodes)``: the integer labels ``ref`` equals wherever they lie in [0, V),
+    followed back through ``nodes`` — shape changes, copies, integer casts, NumPy's wrap of
+    negative indices (``where(i < 0, i + n, i)``) and clamps to a range holding [0, V) — to
+    a program input, a constant or a value computed otherwise (``y + 1``, which is then the
+    labels, computed outside the head); ``(None, [])`` where ``ref`` is no integer array."""
+    g, nodes, r = self.g, [], ref
+    while not isinstance(r, Lit) and r in g.producer:
       i = g.producer[r][0]
-      n = g.nodes[i]
-      if n.prim.name == "iota" or not n.ins:
-        nodes.append(i)
-        continue
-      if n.prim.name not in _primitives.INDEX or not jnp.issubdtype(g.avals[r].dtype, jnp.integer) and \
-          n.prim.name not in ("lt", "ge", "le", "gt", "eq", "ne", "and", "or", "not"):
-        sources.add(r)
-        continue
+      nxt = self._label_step(g.nodes[i])
+      if nxt is None:
+        break
       nodes.append(i)
-      stack.extend(n.ins)
-    ints = [s for s in sources if isinstance(s, Lit) or jnp.issubdtype(g.avals[s].dtype,
-                                                                       jnp.integer)]
-    if len(ints) != 1:
-      return None, []
-    return ints[0], nodes
+      r = nxt
+    if isinstance(r, Lit):  # labels closed over: a constant array of the program
+      ok = (np.ndim(r.val) and not isinstance(r.val, jax.core.Tracer)
+            and jnp.issubdtype(np.asarray(r.val).dtype, jnp.integer))
+    else:
+      ok = jnp.issubdtype(g.avals[r].dtype, jnp.integer)
+    return (r, nodes) if ok else (None, [])
+
+  def _label_step(self, n):
+    """What node ``n``'s integer output equals on labels in [0, V) (one of its inputs), or
+    None where it computes something else."""
+    name, ins = n.prim.name, n.ins
+    integer = lambda r: (not isinstance(r, Lit)  # noqa: E731
+                         and jnp.issubdtype(self.g.avals[r].dtype, jnp.integer))
+    if len(n.outs) != 1 or not integer(n.outs[0]):
+      return None
+    if name in _primitives.SHAPE or name in ("copy", "copy_p", "convert_element_type"):
+      return ins[0] if integer(ins[0]) or isinstance(ins[0], Lit) else None
+    if name == "clamp":  # clamp(lo, i, hi) with lo <= 0 and V - 1 <= hi
+      lo, hi = self._const(ins[0]), self._const(ins[2])
+      return ins[1] if lo is not None and hi is not None and lo <= 0 <= self.vocab - 1 <= hi \
+          else None
+    if name in ("max", "min") and len(ins) == 2:  # jnp.clip's halves
+      for i, c in (ins, ins[::-1]):
+        c = self._const(c)
+        if c is not None and (c <= 0 if name == "max" else c >= self.vocab - 1):
+          return i
+      return None
+    if name == "select_n" and len(ins) == 3:  # where(i < 0, i + n, i) or where(i >= 0, i, ...)
+      pred = ins[0]
+      if isinstance(pred, Lit) or pred not in self.g.producer:
+        return None
+      test = self.g.nodes[self.g.producer[pred][0]]
+      if test.prim.name not in ("lt", "ge") or self._const(test.ins[1]) != 0.0:
+        return None
+      i = test.ins[0]
+      kept, wrapped = (ins[1], ins[2]) if test.prim.name == "lt" else (ins[2], ins[1])
+      if kept != i or isinstance(wrapped, Lit) or wrapped not in self.g.producer:
+        return None
+      add = self.g.nodes[self.g.producer[wrapped][0]]
+      if add.prim.name == "add" and i in add.ins and any(
+          self._const(c) is not None for c in add.ins if c is not i):
+        return i
+    return None
 
   def _known(self, r) -> bool:
     return not isinstance(r, Lit) and any(r in t for t in self._tables())
@@ -639,12 +662,28 @@ def _literal_source(g: _graph.Graph, ref) -> Lit | None:
   return ref if isinstance(ref, Lit) and not isinstance(ref.val, jax.core.Tracer) else None
 
 
-def _constant(g: _graph.Graph, ref) -> float | None:
-  """The value of ``ref`` where it is a scalar constant (a literal, or a broadcast or cast
-  of one), else None."""
+_SCALAR_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+               "neg": np.negative, "max": np.maximum, "min": np.minimum}
+
+
+def _constant(g: _graph.Graph, ref, depth: int = 0) -> float | None:
+  """The value of ``ref`` where it is a scalar constant (a literal, a broadcast or cast of
+  one, or floating arithmetic on such: Keras's ``label_smoothing / num_classes``), else
+  None."""
   lit = _literal_source(g, ref)
-  return None if lit is None or np.size(lit.val) != 1 else float(
-      np.asarray(lit.val).reshape(()))
+  if lit is not None:
+    return None if np.size(lit.val) != 1 else float(np.asarray(lit.val).reshape(()))
+  if isinstance(ref, Lit) or ref not in g.producer or depth > 8:
+    return None
+  n = g.nodes[g.producer[ref][0]]
+  dtype = g.avals[ref].dtype
+  if (n.prim.name not in _SCALAR_OPS or len(n.outs) != 1 or g.avals[ref].shape
+      or not jnp.issubdtype(dtype, jnp.floating)):
+    return None
+  vals = [_constant(g, r, depth + 1) for r in n.ins]
+  if any(v is None for v in vals):
+    return None
+  return float(_SCALAR_OPS[n.prim.name](*(np.asarray(v, dtype) for v in vals)))
 
 
 def _mask_root(g: _graph.Graph, ref):
@@ -906,6 +945,20 @@ def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
   return fold, why, head_w, transposed
 
 
+def _without_inputs(g: _graph.Graph, nodes: set, inputs) -> None:
+  """Take out of ``nodes`` what computes the head's ``inputs`` and what that reads (labels
+  computed from constants alone, say, which the region's helpers take in): the unit reads
+  them, so they are computed before it."""
+  inputs = {r for r in inputs if r is not None and not isinstance(r, Lit)}
+  stack = [i for i in nodes if any(r in inputs for r in g.nodes[i].outs)]
+  while stack:
+    i = stack.pop()
+    if i in nodes:
+      nodes.discard(i)
+      stack += [g.producer[r][0] for r in g.nodes[i].ins
+                if not isinstance(r, Lit) and r in g.producer]
+
+
 def _rounded_to(g: _graph.Graph, dot) -> str | None:
   """The 16-bit dtype the matmul's logits come out in (the program rounds them), or None."""
   dtype = jnp.dtype(g.avals[dot.outs[0]].dtype)
@@ -928,8 +981,9 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       continue
     x, w, vaxis, vocab = dot
     h = _Head(g, di, vocab, vaxis)
-    for i in range(di + 1, len(g.nodes)):
-      h.step(i)
+    for i in range(len(g.nodes)):  # (a one-hot of the labels may be made before the matmul)
+      if i != di:
+        h.step(i)
     if h.labels is None:
       continue
     escaped = False
@@ -952,6 +1006,7 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
         escaped = True
         continue
       fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold)
+      _without_inputs(g, nodes, (x, head_w, h.labels, mask, h.bias and h.bias[0]))
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                                None if h.bias is None else h.bias[0], h.labels,
                                1 - vaxis if transposed else vaxis, res[1],

@@ -275,6 +275,40 @@ def test_a_cross_entropy_call_whose_second_output_is_used_stays_as_written():
   assert [float(v) for v in jax.jit(inv)(x, w)] == [float(v) for v in jax.jit(f)(x, w)]
 
 
+LABELS = {  # labels the program computes -> whether the head reads through the computation
+    "plus_one": (lambda y: y + 1, False),
+    "minimum": (lambda y: jnp.minimum(y, 5), False),
+    "from_constants": (lambda y: jnp.remainder(np.arange(B * T).reshape(B, T) * 7, V), False),
+    "clip_to_the_vocabulary": (lambda y: jnp.clip(y, 0, V - 1), True),
+    "copied_and_cast": (lambda y: jnp.array(y, copy=True).astype(jnp.int16), True),
+}
+
+
+@pytest.mark.parametrize("head", ["integer_labels", "one_hot"])
+@pytest.mark.parametrize("name", sorted(LABELS))
+def test_labels_the_program_computes_are_read_as_computed(name, head):
+  """The head's labels are what the program's one-hot or pick reads: through shape changes,
+  copies, casts, NumPy's wrap of negative indices and clamps that keep [0, V) (no arithmetic
+  of the head's own), else the computed value itself, computed before the head (labels from
+  constants alone included): the loss is the original's."""
+  compute, through = LABELS[name]
+  x, w, _, y = _inputs()
+  y = jnp.minimum(y, V - 2)  # (y + 1 stays in range)
+  ce = {"integer_labels": optax.softmax_cross_entropy_with_integer_labels,
+        "one_hot": lambda z, t: optax.softmax_cross_entropy(z, jax.nn.one_hot(t, V))}[head]
+  f = lambda x, w, y: ce(x @ w, compute(y)).mean()  # noqa: E731
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w, y)
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w, y)), float(jax.jit(f)(x, w, y)),
+                             rtol=2e-6)
+  assert_at_float32_floor(lambda x, w: f(x, w, y), (x, w), g, argnums=(0, 1))
+  from invact_jax.convert import _cross_entropy, _graph  # pylint: disable=import-outside-toplevel
+  graph = _graph.flatten(jax.make_jaxpr(f)(x, w, y))
+  (m,), _ = _cross_entropy.find_heads(graph, set(), set(graph.outvars))
+  assert (m.labels == graph.invars[2]) == through, name
+
+
 def test_a_custom_jvp_that_is_no_cross_entropy_of_the_logits_stays_as_written():
   """Only a call the head's cross-entropy is computed through is inlined: optax's safe loss
   against soft targets, or of logits through ``jax.nn.relu`` (a custom_jvp the activation rule

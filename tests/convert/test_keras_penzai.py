@@ -75,6 +75,49 @@ def _penzai():
   return pz
 
 
+def _keras_losses():
+  keras = pytest.importorskip("keras")
+  if keras.backend.backend() != "jax":
+    pytest.skip("Keras was imported with another backend")
+  v = 40
+  y = jax.random.randint(jax.random.key(3), (2, 5), 0, v)
+  weights = (jnp.arange(10).reshape(2, 5) % 4 != 0).astype(jnp.float32)
+  sparse = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  dense = keras.losses.CategoricalCrossentropy(from_logits=True)
+  return {
+      # the loss objects' reduction ("sum_over_batch_size", a division guarded against zero)
+      "SparseCategoricalCrossentropy(sample_weight)": lambda z: sparse(y, z, sample_weight=weights),
+      "CategoricalCrossentropy": lambda z: dense(keras.ops.one_hot(y, v), z),
+      "categorical_crossentropy(label_smoothing)": lambda z: keras.ops.mean(
+          keras.losses.categorical_crossentropy(keras.ops.one_hot(y, v), z, from_logits=True,
+                                                label_smoothing=0.1)),
+      "sparse_categorical_crossentropy(masked)": lambda z: keras.ops.sum(
+          keras.losses.sparse_categorical_crossentropy(y, z, from_logits=True) * weights)
+      / keras.ops.sum(weights),
+  }
+
+
+@pytest.mark.parametrize("name", ["SparseCategoricalCrossentropy(sample_weight)",
+                                  "CategoricalCrossentropy",
+                                  "categorical_crossentropy(label_smoothing)",
+                                  "sparse_categorical_crossentropy(masked)"])
+def test_keras_losses_on_a_head_are_the_lm_head(name):
+  """Keras's cross-entropies (the one-hot made before the logits' matmul, the labels copied,
+  the smoothing's ``s / V`` computed) on ``x @ w``: found, its reduction folded in, the loss as
+  the original's up to the chunked log-sum-exp's order, the gradients at float32's floor."""
+  loss = _keras_losses()[name]
+  x = _x((2, 5, 16))
+  w = jax.random.normal(jax.random.key(4), (16, 40)) / 4
+  f = lambda x, w: loss(x @ w)  # noqa: E731
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  (form,) = inv.last_report.forms
+  assert "folded in" in form, form
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w)), rtol=2e-6)
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+
+
 def test_penzai_standardize_and_softmax_layers():
   pz = _penzai()
   x = _x((2, 5, 16))
