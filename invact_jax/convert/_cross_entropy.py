@@ -78,6 +78,9 @@ class HeadMatch:
       MaxText's z-loss), 0 for none.
     mask: a per-token boolean mask whose dropped tokens' loss is zero (optax's ``where=`` of
       a one-hot cross-entropy), an input of the region; None for none.
+    outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
+      the label's logit: through a one-hot (a row of zeros), that share of its log-sum-exp
+      (``linear_cross_entropy``'s ``Options.outside_lse``); through a gather, None (NaN).
   """
   nodes: list
   root: int
@@ -94,6 +97,7 @@ class HeadMatch:
   logits_dtype: str | None = None
   z_loss: float = 0.0
   mask: object = None
+  outside_lse: float | None = None
 
   public = "linear_cross_entropy"
 
@@ -157,6 +161,7 @@ class _Head:
     self.zeroed: set = set()         # [..., V] values the mask sets to zero in its dropped rows
     self.masked_rows: set = set()    # row values zero in the rows the mask drops
     self.helpers: set = set()        # nodes of [..., V] predicates and constants it selects by
+    self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -172,10 +177,11 @@ class _Head:
 
   def _labels_of(self, ref):
     """``(labels, nodes)``: the integer labels ``ref`` equals wherever they lie in [0, V),
-    followed back through ``nodes`` — shape changes, copies, integer casts, NumPy's wrap of
-    negative indices (``where(i < 0, i + n, i)``) and clamps to a range holding [0, V) — to
-    a program input, a constant or a value computed otherwise (``y + 1``, which is then the
-    labels, computed outside the head); ``(None, [])`` where ``ref`` is no integer array."""
+    followed back through ``nodes`` — shape changes, copies, integer casts and clamps to a
+    range holding [0, V) — to a program input, a constant or a value computed otherwise
+    (``y + 1``, or NumPy's wrap of negative indices ``where(i < 0, i + V, i)`` that an
+    index's pick applies, which is then the labels, computed outside the head); ``(None,
+    [])`` where ``ref`` is no integer array."""
     g, nodes, r = self.g, [], ref
     while not isinstance(r, Lit) and r in g.producer:
       i = g.producer[r][0]
@@ -211,21 +217,6 @@ class _Head:
         if c is not None and (c <= 0 if name == "max" else c >= self.vocab - 1):
           return i
       return None
-    if name == "select_n" and len(ins) == 3:  # where(i < 0, i + n, i) or where(i >= 0, i, ...)
-      pred = ins[0]
-      if isinstance(pred, Lit) or pred not in self.g.producer:
-        return None
-      test = self.g.nodes[self.g.producer[pred][0]]
-      if test.prim.name not in ("lt", "ge") or self._const(test.ins[1]) != 0.0:
-        return None
-      i = test.ins[0]
-      kept, wrapped = (ins[1], ins[2]) if test.prim.name == "lt" else (ins[2], ins[1])
-      if kept != i or isinstance(wrapped, Lit) or wrapped not in self.g.producer:
-        return None
-      add = self.g.nodes[self.g.producer[wrapped][0]]
-      if add.prim.name == "add" and i in add.ins and any(
-          self._const(c) is not None for c in add.ins if c is not i):
-        return i
     return None
 
   def _known(self, r) -> bool:
@@ -263,6 +254,7 @@ class _Head:
       self.label_nodes.update(nodes)
       self.label_nodes.update(iotas[k])
       self.label_nodes.add(i)
+      self.picks.add("one_hot")
       self.target[n.outs[0]] = (1.0, 0.0)
     return True
 
@@ -375,8 +367,9 @@ class _Head:
       for sym, c in lin.items():
         if sym == "z":
           row = _add(row, {"pick": a * c, "zsum": u * c})
-        else:  # a row constant spread along V: weighted sum is (a + u V) times it
-          row = _add(row, {sym: c * (a + u * self.vocab)})
+        else:  # a row constant spread along V: weighted sum is (a + u V) times it (the
+          # one-hot's share ``a`` apart: a label outside [0, V) has none)
+          row = _add(row, {sym: c * u * self.vocab, "hot:" + sym: c * a})
       self.rows[o] = row
     elif src in self.elem:
       row = {}
@@ -416,6 +409,7 @@ class _Head:
         return
       self.labels = labels
       self.label_nodes.update(nodes)
+      self.picks.add("gather")
       self.rows[o] = {("pick" if k == "z" else k): c for k, c in self.elem[src].items()}
     elif not isinstance(src, Lit) and src in self.rows and all(
         isinstance(r, Lit) or r not in self.elem for r in ins[1:]):
@@ -568,11 +562,15 @@ class _Head:
     if jnp.issubdtype(a.dtype, jnp.floating):
       self.rows[o] = {self._shift(): 1.0}
 
-  def loss(self, row: dict) -> tuple[float, float, float] | None:
-    """``(sign, smoothing, z_loss)`` when ``row`` is (the negation of) a cross-entropy (plus
-    ``z_loss`` times the log-sum-exp's square)."""
+  def loss(self, row: dict) -> tuple[float, float, float, float | None] | None:
+    """``(sign, smoothing, z_loss, outside)`` when ``row`` is (the negation of) a
+    cross-entropy (plus ``z_loss`` times the log-sum-exp's square); ``outside``: the share
+    of the log-sum-exp a one-hot target does not weight (its loss where a label lies outside
+    [0, V) and the one-hot is a row of zeros), None where that is not a log-sum-exp's."""
     z_loss = row.get("zsq", 0.0)
-    row = {s: c for s, c in row.items() if s != "zsq"}
+    hot = {s[4:]: c for s, c in row.items() if s.startswith("hot:")}
+    cold = {s: c for s, c in row.items() if s != "zsq" and not s.startswith("hot:")}
+    row = _add(cold, hot)
     shifts = {k for k in row if k.startswith("k")}
     lss = {k[2:] for k in row if k.startswith("ls")}
     if len(lss) != 1:
@@ -594,7 +592,10 @@ class _Head:
     del shifts
     if z_loss * sign < 0.0:
       return None
-    return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing), z_loss * sign
+    outside = cold.get("ls" + k, 0.0) / sign
+    if k and abs(cold.get(k, 0.0) / sign - outside) > 1e-5:
+      outside = None
+    return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing), z_loss * sign, outside
 
 
 #: Primitive -> how a value computed by it from followed values is followed.
@@ -1010,7 +1011,8 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                                None if h.bias is None else h.bias[0], h.labels,
                                1 - vaxis if transposed else vaxis, res[1],
-                               res[0], fold, why, h.cap, _rounded_to(g, n), res[2], mask))
+                               res[0], fold, why, h.cap, _rounded_to(g, n), res[2], mask,
+                               res[3] if h.picks == {"one_hot"} else None))
       taken.update(matches[-1].nodes)
       escaped = False
       break

@@ -31,7 +31,8 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   mode = "forward" if m.fold else "backward"
   chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
   opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
-                          float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype)
+                          float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype,
+                          m.outside_lse)
   # x, w, (bias,) labels, (mask,); then the reduction's reads
   labels_at = 2 + (m.bias is not None)
   heads = labels_at + 1 + (m.mask is not None)
@@ -40,11 +41,17 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     """Per token, whether the mask keeps it."""
     return jnp.reshape(vals[labels_at + 1], (n,)).astype(bool)
 
+  def labels_of(vals):
+    """The tokens' labels; a token the mask drops reads label 0 (its loss is zero whatever
+    its label: an out-of-range one must not make it NaN)."""
+    labels = vals[labels_at].reshape(n)
+    return labels if m.mask is None else jnp.where(kept(vals), labels, 0)
+
   if m.fold is None:
     def per_token(*vals):
-      x, w, labels = vals[0], vals[1], vals[labels_at]
+      x, w = vals[0], vals[1]
       b = vals[2] if m.bias is not None else None
-      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, labels.reshape(n), opts)
+      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, labels_of(vals), opts)
       if m.mask is not None:
         loss = jnp.where(kept(vals), loss, 0.0)
       return (m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype)
@@ -54,7 +61,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   reduce = _match.region_of(target, m.fold.nodes, [loss_ref, *m.fold.extras], m.fold.out)
 
   def folded(*vals):
-    x, w, labels = vals[0], vals[1], vals[labels_at]
+    x, w = vals[0], vals[1]
     b = vals[2] if m.bias is not None else None
     extras = vals[heads:]
     # the reduction is linear in the losses: its derivative is each token's weight
@@ -64,7 +71,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
     if m.mask is not None:
       weights = jnp.where(kept(vals), weights, 0.0)
-    total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels.reshape(n), weights,
+    total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels_of(vals), weights,
                                            opts)
     return total.reshape(out_aval.shape).astype(out_aval.dtype)
   return folded

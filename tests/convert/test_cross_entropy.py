@@ -4,6 +4,7 @@ label's logit picked, a one-hot product, label smoothing — becomes
 invact_jax.linear_cross_entropy; the program's reduction is folded in where it is a weighted
 sum (gradients in the forward), else the head is per token and the reduction follows."""
 import functools
+import math
 import re
 
 import jax
@@ -306,7 +307,68 @@ def test_labels_the_program_computes_are_read_as_computed(name, head):
   from invact_jax.convert import _cross_entropy, _graph  # pylint: disable=import-outside-toplevel
   graph = _graph.flatten(jax.make_jaxpr(f)(x, w, y))
   (m,), _ = _cross_entropy.find_heads(graph, set(), set(graph.outvars))
-  assert (m.labels == graph.invars[2]) == through, name
+  if head == "one_hot":  # (a pick by index reads NumPy's wrap of them, computed before it)
+    assert (m.labels == graph.invars[2]) == through, name
+
+
+PADDED = {  # labels -100 at padding -> (the program's loss, finite?)
+    "one_hot_times_mask": lambda z, y, m: jnp.sum(optax.softmax_cross_entropy(
+        z, jax.nn.one_hot(y, V)) * m) / jnp.sum(m),
+    "one_hot_unmasked": lambda z, y, m: jnp.mean(optax.softmax_cross_entropy(
+        z, jax.nn.one_hot(y, V))),
+    "one_hot_smoothed": lambda z, y, m: jnp.mean(optax.softmax_cross_entropy(
+        z, optax.smooth_labels(jax.nn.one_hot(y, V), 0.1))),
+    "one_hot_per_token_squared": lambda z, y, m: jnp.sum(optax.softmax_cross_entropy(
+        z, jax.nn.one_hot(y, V)) ** 2),
+    "lse_minus_one_hot_pick": lambda z, y, m: jnp.mean(
+        jax.nn.logsumexp(z, -1) - jnp.sum(jax.nn.one_hot(y, V) * z, -1)),
+    "integer_labels_where": lambda z, y, m: jnp.sum(
+        optax.softmax_cross_entropy_with_integer_labels(z, y, where=m)) / jnp.sum(m),
+    "integer_labels_wrapped": lambda z, y, m: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(z, jnp.where(m, y, -1))),
+    "integer_labels_per_token_where": lambda z, y, m: jnp.sum(
+        optax.softmax_cross_entropy_with_integer_labels(z, y, where=m) ** 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED))
+def test_padding_labels_outside_the_vocabulary_give_the_programs_loss(name):
+  """Labels -100 (or -1) at padding: a one-hot of them is a row of zeros (the token's loss is
+  the share of its log-sum-exp the target does not weight: none for optax's loss, ``s``
+  smoothed, all of it for ``lse - sum(onehot * z)``), a mask drops them, a pick by index
+  wraps -1 to V - 1 as NumPy does — the converted head computes each as the program does,
+  with no NaN."""
+  x, w, _, y = _inputs()
+  mask = y % 4 != 0
+  padded = jnp.where(mask, y, -100)
+  f = lambda x, w: PADDED[name](x @ w, padded, mask)  # noqa: E731
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  want = float(jax.jit(f)(x, w))
+  assert math.isfinite(want)
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w)), want, rtol=2e-6)
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+
+
+def test_a_zero_weight_drops_a_padding_tokens_nan_which_the_programs_product_keeps():
+  """The one place the converted loss is not the program's: a pick by index of a label outside
+  [0, V) is NaN (as the program's), and the program's ``loss * mask`` keeps that NaN, while the
+  folded head counts a token of weight zero as zero — the masked loss the program meant.  The
+  gradients are the program's (a zero weight's token has none)."""
+  x, w, _, y = _inputs()
+  mask = y % 4 != 0
+  padded = jnp.where(mask, y, -100)
+  f = lambda x, w: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+      x @ w, padded) * mask) / jnp.sum(mask)
+  meant = lambda x, w: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+      x @ w, jnp.where(mask, padded, 0)) * mask) / jnp.sum(mask)
+  inv = invact_jax.invert(f)
+  assert math.isnan(float(jax.jit(f)(x, w)))
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w)), float(jax.jit(meant)(x, w)), rtol=2e-6)
+  for a, b in zip(jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w),
+                  jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 def test_a_custom_jvp_that_is_no_cross_entropy_of_the_logits_stays_as_written():

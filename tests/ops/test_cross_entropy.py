@@ -6,6 +6,7 @@ gradient error against float64 no worse than the plain head's in float32 and bfl
 like the plain loss, bad input as one line naming the argument, no [tokens, vocabulary]
 buffer in the compiled program, what each mode keeps, and the transformations (jit, vmap,
 grad, scan, remat, shard_map, sharded inputs)."""
+import dataclasses
 import functools
 import math
 import re
@@ -367,6 +368,45 @@ def test_weighted_sum_differentiates_its_weights_too():
   v0, g0 = jax.value_and_grad(plain, argnums=(0, 1, 2, 3))(x, w, b, weights)
   assert _rel(v1, v0) <= 2e-6
   assert all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0)), [_rel(a, r) for a, r in zip(g1, g0)]
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+@pytest.mark.parametrize("outside", [0.0, 0.1, 1.0])
+def test_labels_outside_the_vocabulary_as_a_one_hot_of_them_reads_them(outside, mode):
+  """``Options.outside_lse`` ``c`` (what ``invert`` keeps of a one-hot program): a token whose
+  label lies outside [0, V) has loss ``c * lse - s * mean(z) + zl * lse**2`` and the gradient
+  of it (its one-hot a row of zeros: optax's loss has ``c = s``, ``lse - sum(onehot * z)``
+  ``c = 1``); and a token of weight zero adds nothing, NaN or not."""
+  from invact_jax.ops.cross_entropy import base, in_forward  # pylint: disable=import-outside-toplevel
+  x, w, b, y = _inputs()
+  y = y.at[::3].set(-100).at[1::7].set(V + 3)
+  s, zl = 0.1, 1e-3
+  weights = jax.random.uniform(jax.random.key(3), (N,)).at[::5].set(0.0)
+  opts = base.Options(1, "sum" if mode == "forward" else "none", None, s, zl, None, 8, 16, mode,
+                      None, outside)
+
+  def ours(x, w, b, weights):
+    if mode == "forward":
+      return in_forward.weighted_sum(x, w, b, y, weights, opts)[0]
+    return jnp.sum(weights * base.linear_cross_entropy(x, w, b, y, opts)[0])
+
+  def plain(x, w, b, weights):
+    z = x @ w + b
+    lse = jax.nn.logsumexp(z, -1)
+    inside = (y >= 0) & (y < V)
+    pick = jnp.sum(jax.nn.one_hot(y, V) * z, -1)
+    per = (jnp.where(inside, lse, outside * lse) - (1.0 - s) * pick - s * jnp.mean(z, -1)
+           + zl * lse ** 2)
+    return jnp.sum(weights * per)
+  v1, g1 = jax.value_and_grad(ours, argnums=(0, 1, 2, 3))(x, w, b, weights)
+  v0, g0 = jax.value_and_grad(plain, argnums=(0, 1, 2, 3))(x, w, b, weights)
+  assert _rel(v1, v0) <= 2e-6, (v1, v0)
+  assert all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0)), [_rel(a, r) for a, r in zip(g1, g0)]
+  if mode == "forward":  # labels outside, picked by index (NaN), at weight zero: no NaN
+    nan_opts = dataclasses.replace(opts, outside_lse=None)
+    total = in_forward.weighted_sum(x, w, b, y, jnp.where((y >= 0) & (y < V), weights, 0.0),
+                                    nan_opts)[0]
+    assert math.isfinite(float(total))
 
 
 @pytest.mark.parametrize("reduction, mode", [

@@ -76,6 +76,13 @@ class Options:
     logits_dtype: the dtype the logits (and the bias added to them) are rounded to before
       the loss, as the program :func:`invact_jax.invert` replaced did (its matmul's output
       dtype); None: float32 throughout.
+    outside_lse: the loss of a (counted) token whose label lies outside ``[0, V)``: None,
+      NaN, as a pick of the label's logit gives (the plain formula's); else ``c``, the loss
+      ``c * lse - s * mean(z) (+ zl * lse ** 2)``, gradient ``c * softmax - s / V`` (+ the
+      z-loss's), as a product with a one-hot of such a label (a row of zeros) gives: what
+      :func:`invact_jax.invert` keeps of a one-hot program (``c`` the share of the
+      log-sum-exp its target does not weight: 0 for optax's ``softmax_cross_entropy``, ``s``
+      smoothed, 1 for ``lse - sum(onehot * z)``).
   """
   vocab_axis: int
   reduction: str
@@ -87,6 +94,25 @@ class Options:
   vocab_chunk_size: int
   gradients: str = "backward"
   logits_dtype: str | None = None
+  outside_lse: float | None = None
+
+  def outside(self, inside, picked, lse):
+    """``picked`` where the label is ``inside`` ``[0, V)``; else NaN, or what stands for the
+    pick in ``lse - (1 - s) * pick`` to make the loss :attr:`outside_lse` says."""
+    if self.outside_lse is None:
+      return jnp.where(inside, picked, jnp.nan)
+    return jnp.where(inside, picked,
+                     (1.0 - self.outside_lse) / (1.0 - self.label_smoothing) * lse)
+
+  def softmax_weight(self, inside, lse):
+    """The softmax's weight in each token's logits gradient: 1, or :attr:`outside_lse` for a
+    label outside ``[0, V)``, plus the z-loss's ``2 zl lse``; None where it is 1 for every
+    token."""
+    weight = None if self.outside_lse is None else jnp.where(
+        inside, 1.0, self.outside_lse).astype(lse.dtype)
+    if self.z_loss:
+      weight = (1.0 if weight is None else weight) + 2.0 * self.z_loss * lse
+    return weight
 
 
 def _token_tile(tokens: int, limit: int) -> int:
@@ -163,8 +189,9 @@ def _token_loss(z, y, counted, opts: Options):
   for a label outside ``[0, V)`` that is not ignored (the plain formula's pick gives NaN)."""
   lse = jax.nn.logsumexp(z, axis=-1)
   label = jnp.where(counted, y, 0)
-  picked = jnp.take_along_axis(z, label[:, None].astype(jnp.int32), axis=-1, mode="fill",
-                               fill_value=jnp.nan)[:, 0]
+  vocab = z.shape[-1]
+  picked = opts.outside((label >= 0) & (label < vocab), jnp.take_along_axis(
+      z, jnp.clip(label, 0, vocab - 1)[:, None].astype(jnp.int32), axis=-1)[:, 0], lse)
   s = opts.label_smoothing
   loss = lse - (1.0 - s) * picked
   if s:
@@ -282,8 +309,8 @@ def _forward(x, w, b, y, opts: Options):
         _common.varying_like(jnp.full_like(row, -jnp.inf, dtype=cd), xc, w), zeros, zeros,
         zeros))
     lse = m + jnp.log(total)
-    inside = (label >= 0) & (label < vocab)  # else the plain formula's pick is NaN
-    loss = lse - (1.0 - s) * jnp.where(inside, picked, jnp.nan)
+    inside = (label >= 0) & (label < vocab)
+    loss = lse - (1.0 - s) * opts.outside(inside, picked, lse)
     if s:
       loss = loss - s * zsum / vocab
     if opts.z_loss:
@@ -333,8 +360,9 @@ def _bwd(opts: Options, res, cts):
       xc, yc, lc, sc = xs[i], ys[i], ls[i], ss[i]
       z, t = _logits(xc, wt, bt, opts, cd)
       p = jnp.exp(z - lc[:, None])
-      if opts.z_loss:
-        p = p * (1.0 + 2.0 * opts.z_loss * lc)[:, None]
+      weight = opts.softmax_weight((yc >= 0) & (yc < vocab), lc)
+      if weight is not None:
+        p = p * weight[:, None]
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (yc - start)[:, None]
       dz = p - jnp.where(here, 1.0 - s, 0.0) - s / vocab
       if t is not None:

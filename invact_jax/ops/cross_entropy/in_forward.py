@@ -48,7 +48,6 @@ def _chunk_loss(xc, lc, kc, w, b, opts: base.Options):
                       cd)
   inside = (lc >= 0) & (lc < vocab)
   picked = jnp.take_along_axis(z, jnp.clip(lc, 0, vocab - 1)[:, None], axis=-1)[:, 0]
-  picked = jnp.where(inside, picked, jnp.nan)  # the plain formula's pick of a bad label
   rowmax = jnp.max(z, axis=-1)
   # The shift reads the label's logit (and the mean), so they are computed before the logits'
   # gradient overwrites the logits: the chunk holds one [c, V] buffer, not two.
@@ -59,12 +58,13 @@ def _chunk_loss(xc, lc, kc, w, b, opts: base.Options):
     shift = jnp.maximum(shift, zmean)
   shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
   lse = shift + jnp.log(jnp.sum(jnp.exp(z - shift[:, None]), axis=-1))
+  correct = kc & inside & (picked >= rowmax)
+  picked = opts.outside(inside, picked, lse)
   loss = lse - (1.0 - s) * picked
   if s:
     loss = loss - s * zmean
   if opts.z_loss:
     loss = loss + opts.z_loss * lse * lse
-  correct = kc & inside & (picked >= rowmax)
   return z, lse, jnp.where(kc, loss, 0.0), correct
 
 
@@ -73,8 +73,9 @@ def _logits_grad(z, lse, lc, scale, opts: base.Options):
   vocab = z.shape[-1]
   s = opts.label_smoothing
   p = jnp.exp(z - lse[:, None])
-  if opts.z_loss:
-    p = p * (1.0 + 2.0 * opts.z_loss * lse)[:, None]
+  weight = opts.softmax_weight((lc >= 0) & (lc < vocab), lse)
+  if weight is not None:
+    p = p * weight[:, None]
   here = jnp.arange(vocab, dtype=jnp.int32)[None, :] == lc[:, None]
   dz = p - jnp.where(here, 1.0 - s, 0.0)
   if s:
@@ -149,11 +150,17 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False)):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def weighted_sum(x, w, b, y, weights, opts: base.Options):
   """``(sum(weights * loss), correct)`` of tokens ``x`` [N, d], labels ``y`` [N] and per-token
-  ``weights`` [N] (ignored tokens count 0 whatever their weight); the gradients are computed
-  in the forward (see the module doc).  ``opts.reduction`` is not read."""
+  ``weights`` [N] (ignored tokens count 0 whatever their weight, and so does a token of
+  weight 0 whatever its loss: a padding token's out-of-range label makes no NaN); the
+  gradients are computed in the forward (see the module doc).  ``opts.reduction`` is not
+  read."""
   loss, correct, *_ = _run(x, w, b, y, weights, opts)
-  cd = loss.dtype
-  return jnp.sum(weights.astype(cd) * loss), correct
+  return _total(loss, weights), correct
+
+
+def _total(loss, weights):
+  """``sum(weights * loss)`` over the tokens whose weight is not zero."""
+  return jnp.sum(jnp.where(weights != 0, weights.astype(loss.dtype) * loss, 0.0))
 
 
 def _fwd(x, w, b, y, weights, opts):
@@ -161,7 +168,7 @@ def _fwd(x, w, b, y, weights, opts):
   xv, wv, yv, weights_v = x.value, w.value, y.value, weights.value
   bv = None if b is None else b.value
   loss, correct, dx, dw, db = _run(xv, wv, bv, yv, weights_v, opts, need)
-  total = jnp.sum(weights_v.astype(loss.dtype) * loss)
+  total = _total(loss, weights_v)
   dx, dw, db = (None if g is None else checkpoint_name(g, GRADIENT_NAME) for g in (dx, dw, db))
   kept_loss = loss if weights.perturbed else None
   # Empty slices of the primals: their dtypes and mesh types for the cotangents, no bytes.
