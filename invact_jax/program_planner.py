@@ -190,6 +190,11 @@ class _Loop:
   def length(self) -> int:
     return int(self.node.params["length"])
 
+  @functools.cached_property
+  def signature(self) -> str:
+    """The tagged body's jaxpr as text: what its FLOPs under a policy depend on."""
+    return str(jax.make_jaxpr(_tagged(self))(*_graph.shape_structs(self.body.in_avals)))
+
 
 def _eval_inlined(closed, args) -> list:
   """Evaluate ``closed`` with every ``jax.checkpoint`` in it run as plain equations (the
@@ -464,9 +469,24 @@ def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
 
 
 # ---------------------------------------------------------------------------------- costs
+# FLOPs counted per (the tagged layer's jaxpr, keep, fixed): planning one program at several
+# budgets (scripts/plan_memory.py, the frontier's plan rows) counts each layer policy once.
+_FLOPS: dict = {}
+_FLOPS_SIZE = 4096
+
+
 def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> float:
   """FLOPs of one layer's forward and backward under the names policy keeping ``keep`` (or
   the JAX policy ``fixed``)."""
+  key = (loop.signature, tuple(keep), fixed)
+  if key not in _FLOPS:
+    if len(_FLOPS) >= _FLOPS_SIZE:
+      _FLOPS.clear()
+    _FLOPS[key] = _count_layer_flops(loop, keep, fixed)
+  return _FLOPS[key]
+
+
+def _count_layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None) -> float:
   structs = _graph.shape_structs(loop.body.in_avals)
   body = jax.checkpoint(_tagged(loop), prevent_cse=False, policy=_policy(keep, (), fixed))
   positions = tuple(i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact))

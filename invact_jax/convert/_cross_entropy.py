@@ -976,15 +976,21 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
   whether the program's reduction may be folded into a head (not in a loop body, whose
   residuals — the forward's gradients — would be kept per step)."""
   matches, left, taken = [], [], set(claimed)
+  compares = [i for i, n in enumerate(g.nodes) if n.prim.name == "eq"]
   for di, n in enumerate(g.nodes):
     dot = None if di in taken else _head_dot(g, n)
     if dot is None:
       continue
     x, w, vaxis, vocab = dot
     h = _Head(g, di, vocab, vaxis)
-    for i in range(len(g.nodes)):  # (a one-hot of the labels may be made before the matmul)
-      if i != di:
+    # a one-hot of the labels may be made before the matmul (Keras): its comparisons and the
+    # target's arithmetic there, then everything after the matmul
+    for i in range(next((e for e in compares if e < di), di), di):
+      n = g.nodes[i]
+      if n.prim.name == "eq" or any(not isinstance(r, Lit) and r in h.target for r in n.ins):
         h.step(i)
+    for i in range(di + 1, len(g.nodes)):
+      h.step(i)
     if h.labels is None:
       continue
     escaped = False
