@@ -73,7 +73,7 @@ TASKS = {
 
 
 #: ``--quick``: steps per run and held-out examples kept (the first ones).
-QUICK_STEPS, QUICK_HELDOUT = 8, 64
+QUICK_STEPS, QUICK_HELDOUT = 4, 64
 
 
 def quick(task: Task) -> Task:

@@ -299,11 +299,10 @@ def test_labels_the_program_computes_are_read_as_computed(name, head):
         "one_hot": lambda z, t: optax.softmax_cross_entropy(z, jax.nn.one_hot(t, V))}[head]
   f = lambda x, w, y: ce(x @ w, compute(y)).mean()  # noqa: E731
   inv = invact_jax.invert(f)
-  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w, y)
-  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  # the labels' semantics: the value (the gradients given the labels: the forms' test above)
   np.testing.assert_allclose(float(jax.jit(inv)(x, w, y)), float(jax.jit(f)(x, w, y)),
                              rtol=2e-6)
-  assert_at_float32_floor(lambda x, w: f(x, w, y), (x, w), g, argnums=(0, 1))
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
   from invact_jax.convert import _cross_entropy, _graph  # pylint: disable=import-outside-toplevel
   graph = _graph.flatten(jax.make_jaxpr(f)(x, w, y))
   (m,), _ = _cross_entropy.find_heads(graph, set(), set(graph.outvars))
