@@ -739,7 +739,10 @@ def _through(g: _graph.Graph, ref, prims) -> tuple:
 
 def _masked(g: _graph.Graph, ref, fill: float) -> tuple | None:
   """``(mask, value, nodes)`` when ``ref`` is ``where(mask, value, fill)`` (``select_n(mask,
-  fill, value)``, the fill a literal broadcast and cast), else None."""
+  fill, value)``, the fill a literal broadcast and cast), else None.  ``mask``: ``(source,
+  spread)``, the mask followed back through the broadcasts each ``where`` makes of it (a
+  causal mask [T, T] over [B, H, T, T]) and how they spread it (compared by
+  :func:`_same_mask`); ``nodes`` include those broadcasts."""
   if isinstance(ref, Lit) or ref not in g.producer:
     return None
   i = g.producer[ref][0]
@@ -758,7 +761,20 @@ def _masked(g: _graph.Graph, ref, fill: float) -> tuple | None:
     return None
   if float(np.asarray(const.val).reshape(())) != fill:  # (-inf == -inf)
     return None
-  return n.ins[0], n.ins[2], [i, *chain]
+  mask, spread = n.ins[0], []
+  while (not isinstance(mask, Lit) and mask in g.producer
+         and g.nodes[g.producer[mask][0]].prim.name == "broadcast_in_dim"
+         and len(g.nodes[g.producer[mask][0]].ins) == 1):
+    spread.append(g.producer[mask][0])
+    mask = g.nodes[spread[-1]].ins[0]
+  how = tuple((tuple(g.nodes[b].params["broadcast_dimensions"]),
+               tuple(g.avals[g.nodes[b].outs[0]].shape)) for b in spread)
+  return (mask, how), n.ins[2], [i, *chain, *spread]
+
+
+def _same_mask(a: tuple, b: tuple) -> bool:
+  """Two masks of :func:`_masked`: the same source spread the same way."""
+  return _same(a[0], b[0]) and a[1] == b[1]
 
 
 def _same(a, b) -> bool:
@@ -825,13 +841,13 @@ def find_softmaxes(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, l
       # a masked softmax is one where the masked exponentials are 0 (their inputs -inf, as
       # jax.nn.softmax(where=) sets them): then the sum under the mask is the whole sum
       masked_in = _masked(g, inputs[0], -np.inf)
-      if masked_in is None or not _same(masked_in[0], where[0]):
+      if masked_in is None or not _same_mask(masked_in[0], where[0]):
         continue
-      if not isinstance(where[0], Lit):
-        inputs.append(where[0])
+      if not isinstance(where[0][0], Lit):
+        inputs.append(where[0][0])
       after = list(g.consumers.get(out, ()))
       final = _masked(g, g.nodes[after[0]].outs[0], 0.0) if len(after) == 1 else None
-      if final is not None and _same(final[0], where[0]) and final[1] == out:
+      if final is not None and _same_mask(final[0], where[0]) and final[1] == out:
         root, out = after[0], g.nodes[after[0]].outs[0]  # where(mask, p, 0): kept instead
         nodes += [after[0], *final[2]]
     nodes = sorted(set(nodes))

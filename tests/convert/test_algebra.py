@@ -213,6 +213,11 @@ SOFTMAXES = {
     # jax.nn.softmax(where=): the masked entries 0, and their gradient
     "where": lambda q, k, v: jax.nn.softmax(q, axis=-1, where=k > 0) * v,
     "where_axis_1": lambda q, k, v: jax.nn.softmax(q, axis=1, where=k > -0.5) * v,
+    # ... under a mask of fewer dimensions, spread by each where (a causal [T, T] mask, a
+    # per-key padding mask passed in)
+    "where_causal": lambda q, k, v: jax.nn.softmax(
+        q, axis=-1, where=jnp.tril(jnp.ones((4, 16), bool), 8)) * v,
+    "where_padding": lambda q, k, v: jax.nn.softmax(q, axis=-1, where=k[:, :1, :1, :] > 0) * v,
     "dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, implementation="xla"),
     "dot_product_attention_causal": lambda q, k, v: jax.nn.dot_product_attention(
