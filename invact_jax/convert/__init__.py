@@ -9,7 +9,9 @@
 The pipeline of :func:`invert`, one file per stage:
 
 1. trace ``fn`` and flatten the jaxpr to a graph (``_graph.py``);
-2. the rule table (``_pass.RULES``, in claim order): each :class:`._rule.Rule` finds its
+2. the rule table (``_pass.RULES``, in claim order): each :class:`._rule.Rule` may first
+   prepare the graph (the LM head inlines a ``custom_jvp``/``custom_vjp`` call its
+   cross-entropy is computed through, ``_graph.inline``), then finds its
    matches outside what earlier rules claimed and builds the ``custom_vjp`` unit of each —
    the LM head (``_rule_head.py`` over ``_cross_entropy.py``), norms (``_rule_norm.py``) and
    softmaxes (``_rule_softmax.py``) by their algebra (``_algebra.py``), activations and
