@@ -545,9 +545,15 @@ class _Analysis:
     eps = definition.get((), 0.0)
     var = {m: c for m, c in definition.items() if m != ()}
     m1sq = _mono((M1, 2))
-    if _close(var, {((M2, 1),): 1.0}):
+    # the statistic up to a constant factor k > 0 (a sum of squares, jnp.linalg.norm's, is
+    # k = n times their mean): x * rsqrt(k var + eps) is the norm of epsilon eps / k, its
+    # scale times k ** -1/2
+    k = var.get(((M2, 1),), 0.0)
+    if not k > 0.0:
+      return None
+    if _close(var, {((M2, 1),): k}):
       rms = True
-    elif _close(var, {((M2, 1),): 1.0, m1sq: -1.0}):
+    elif _close(var, {((M2, 1),): k, m1sq: -k}):
       rms = False
     else:
       return None
@@ -559,7 +565,7 @@ class _Analysis:
     bias = _add(free, centre, -1.0)
     if any(_is_row(s) for s in _syms(bias)):
       return None
-    return rms, float(eps), scale, bias
+    return rms, float(eps) / k, _scale(scale, k ** -0.5), bias
 
 
 def _close(a: dict, b: dict) -> bool:

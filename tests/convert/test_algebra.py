@@ -83,6 +83,22 @@ def rms_input_dtype_stats(x, g, _):
   return (x * jax.lax.rsqrt(_mean(x * x) + jnp.asarray(EPS, x.dtype)) * g.astype(x.dtype))
 
 
+def l2_normalize(x, g, _):
+  """x / ||x||: an RMSNorm up to sqrt(n) (a sum of squares, no epsilon)."""
+  return x / jnp.linalg.norm(x, axis=-1, keepdims=True) * g
+
+
+def l2_normalize_f32_stats(x, g, _):
+  xf = x.astype(jnp.float32)
+  return (xf / jnp.sqrt(jnp.sum(xf * xf, -1, keepdims=True) + EPS) * g).astype(x.dtype)
+
+
+def ln_scaled_variance(x, g, b):
+  """A statistic up to a constant factor: (x - m) * rsqrt(3 var + eps)."""
+  m = _mean(x)
+  return (x - m) * jax.lax.rsqrt(3.0 * _mean(jnp.square(x - m)) + EPS) * g + b
+
+
 def standardize_last(x, _, __):
   return jax.nn.standardize(x, axis=-1, epsilon=EPS)
 
@@ -113,6 +129,9 @@ NORMS = {
     "rms_gemma": (rms_gemma, "rms_norm"),
     "rms_divide": (rms_divide, "rms_norm"),
     "rms_input_dtype_stats": (rms_input_dtype_stats, "rms_norm"),
+    "l2_normalize": (l2_normalize, "rms_norm"),
+    "l2_normalize_f32_stats": (l2_normalize_f32_stats, "rms_norm"),
+    "ln_scaled_variance": (ln_scaled_variance, "layer_norm"),
     "standardize_last": (standardize_last, "layer_norm"),
     "standardize_axis1": (standardize_axis1, "layer_norm"),
     "standardize_two_axes": (standardize_two_axes, "layer_norm"),
@@ -136,7 +155,7 @@ def kept_bytes(fn, *args) -> int:
 
 # bfloat16 inputs where the dtype changes the program (statistics upcast or not, a final cast)
 _BF16 = ("ln_rsqrt", "ln_keras_folded", "ln_reciprocal_sqrt_f32_stats", "rms_gemma",
-         "rms_input_dtype_stats", "standardize_last")
+         "rms_input_dtype_stats", "standardize_last", "l2_normalize_f32_stats")
 
 
 @pytest.mark.parametrize("name, dtype", [(n, "float32") for n in sorted(NORMS)]
