@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import math
 import re
@@ -192,8 +193,9 @@ class _Loop:
 
   @functools.cached_property
   def signature(self) -> str:
-    """The tagged body's jaxpr as text: what its FLOPs under a policy depend on."""
-    return str(jax.make_jaxpr(_tagged(self))(*_graph.shape_structs(self.body.in_avals)))
+    """A digest of the tagged body's jaxpr text: what its FLOPs under a policy depend on."""
+    text = str(jax.make_jaxpr(_tagged(self))(*_graph.shape_structs(self.body.in_avals)))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _eval_inlined(closed, args) -> list:

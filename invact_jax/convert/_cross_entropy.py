@@ -205,7 +205,7 @@ class _Head:
                          and jnp.issubdtype(self.g.avals[r].dtype, jnp.integer))
     if len(n.outs) != 1 or not integer(n.outs[0]):
       return None
-    if name in _primitives.SHAPE or name in ("copy", "copy_p", "convert_element_type"):
+    if name in _primitives.SHAPE | _primitives.IDENTITY:
       return ins[0] if integer(ins[0]) or isinstance(ins[0], Lit) else None
     if name == "clamp":  # clamp(lo, i, hi) with lo <= 0 and V - 1 <= hi
       lo, hi = self._const(ins[0]), self._const(ins[2])
@@ -986,8 +986,9 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
     # a one-hot of the labels may be made before the matmul (Keras): its comparisons and the
     # target's arithmetic there, then everything after the matmul
     for i in range(next((e for e in compares if e < di), di), di):
-      n = g.nodes[i]
-      if n.prim.name == "eq" or any(not isinstance(r, Lit) and r in h.target for r in n.ins):
+      before = g.nodes[i]
+      if before.prim.name == "eq" or any(not isinstance(r, Lit) and r in h.target
+                                         for r in before.ins):
         h.step(i)
     for i in range(di + 1, len(g.nodes)):
       h.step(i)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["COMMUTATIVE", "IDENTITY", "SHAPE", "FREE", "ELEMENTWISE", "KEEPS_INPUTS",
            "CONSTANT", "RECOMPUTED", "LINEAR", "MATMULS", "DOT", "CALLS", "CUSTOM_CALLS",
-           "NESTED", "RADICALS", "SQUARES", "INDEX", "LINEAR_UNARY", "HEAD_SAME"]
+           "NESTED", "RADICALS", "SQUARES", "LINEAR_UNARY", "HEAD_SAME"]
 
 #: Binary primitives whose operands may be matched in either order.
 COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
@@ -55,10 +55,6 @@ NESTED = frozenset({"pjit", "jit", "checkpoint", "remat", "remat2", "custom_jvp_
 RADICALS = frozenset({"rsqrt", "sqrt"})
 #: What a norm's statistic is traced back through to its input (a square, a difference).
 SQUARES = frozenset({"convert_element_type", "square", "integer_pow", "pow", "mul", "sub"})
-#: Index arithmetic a label index or a one-hot comparison is computed through.
-INDEX = frozenset({"lt", "add", "select_n", "reshape", "broadcast_in_dim",
-                   "convert_element_type", "squeeze", "expand_dims", "clamp", "ge", "le", "gt",
-                   "eq", "ne", "and", "or", "not", "sub", "max", "min"})
 #: Unary primitives of a weighted sum of per-token losses (one operand computed from them).
 LINEAR_UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "reshape",
                           "squeeze", "expand_dims", "broadcast_in_dim", "transpose",

@@ -98,6 +98,8 @@ class HeadRule(_rule.Rule):
     matches, _ = _cross_entropy.find_heads(trial, set(), outvars, allow_fold=not opts.in_loop)
     covered = {i for m in matches for i in m.nodes}
     taken = [i for i, body in bodies.items() if set(body) <= covered]
+    if len(taken) == len(bodies):  # every inlined call taken: the trial graph is the one
+      return trial if taken else g
     return _graph.inline(g, taken)[0] if taken else g
 
   def find(self, g, claimed, outvars, opts):

@@ -624,11 +624,22 @@ def test_the_head_keeps_the_programs_bfloat16_rounding_of_the_logits():
   def master(x, w):  # a float32 weight cast where used: the head reads the float32 weight
     return optax.softmax_cross_entropy_with_integer_labels(
         (x @ w.astype(jnp.bfloat16)).astype(jnp.float32), y).mean()
+
   for f, args in ((bias, (x, w, b)), (master, (x, w.astype(jnp.float32)))):
     inv = invact_jax.invert(f)
     got, want = float(jax.jit(inv)(*args)), float(jax.jit(f)(*args))
     assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
     assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+
+  def one_hot_first(x, w):  # the one-hot made before the matmul (as Keras does)
+    target = jax.nn.one_hot(y, 500)
+    return optax.softmax_cross_entropy((x @ w).astype(jnp.float32), target).mean()
+  # (here XLA:CPU folds the jitted original's rounding away, the exception the next test
+  # pins: the program's own value is the eager one)
+  inv = invact_jax.invert(one_hot_first)
+  got, want = float(jax.jit(inv)(x, w)), float(one_hot_first(x, w))
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  assert abs(got - want) <= 1e-6 * abs(want), (got, want)
 
 
 def test_where_xla_folds_the_programs_rounding_of_bfloat16_logits_the_head_still_rounds():

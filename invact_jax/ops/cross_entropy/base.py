@@ -185,8 +185,9 @@ def _logits(x, w, b, opts: Options, cd):
 
 
 def _token_loss(z, y, counted, opts: Options):
-  """Per-token loss and lse from capped logits ``z`` [c, V]: zero where not ``counted``; NaN
-  for a label outside ``[0, V)`` that is not ignored (the plain formula's pick gives NaN)."""
+  """Per-token loss and lse from capped logits ``z`` [c, V]: zero where not ``counted``; for
+  a label outside ``[0, V)`` that is not ignored, what :meth:`Options.outside` says (NaN by
+  default, as the plain formula's pick gives)."""
   lse = jax.nn.logsumexp(z, axis=-1)
   label = jnp.where(counted, y, 0)
   vocab = z.shape[-1]
