@@ -292,7 +292,7 @@ class _Head:
           and self.bias is None and not isinstance(b, Lit)):
       # the bias: z + b with b [V] spread over the tokens
       src, chain = _spread_source(self.g, b)
-      if src is not None and tuple(self.g.avals[src].shape) == (self.vocab,):
+      if src is not None and tuple(_match.aval(self.g, src).shape) == (self.vocab,):
         self.bias = (src, chain)
         self.elem[o] = {"z": 1.0}
 
@@ -638,7 +638,8 @@ def _position_along(g: _graph.Graph, ref, axis: int) -> list | None:
 
 
 def _spread_source(g: _graph.Graph, ref):
-  """``(source, chain)``: ``ref`` followed back through broadcasts, reshapes and casts."""
+  """``(source, chain)``: ``ref`` followed back through broadcasts, reshapes and casts to a
+  program value or an array constant (a bias closed over); ``(None, [])`` at a scalar."""
   chain = []
   while not isinstance(ref, Lit) and ref in g.producer:
     i = g.producer[ref][0]
@@ -648,7 +649,7 @@ def _spread_source(g: _graph.Graph, ref):
       break
     chain.insert(0, i)
     ref = n.ins[0]
-  if isinstance(ref, Lit):
+  if isinstance(ref, Lit) and not np.ndim(ref.val):
     return None, []
   return ref, chain
 
@@ -967,6 +968,9 @@ def _rounded_to(g: _graph.Graph, dot) -> str | None:
 
 
 _USED_ELSEWHERE = "its logits are also used elsewhere (a cross-entropy found, not replaced)"
+_NOT_READ = ("its logits are read at integer labels, but no cross-entropy of them was found "
+             "(a log-sum-exp masked along the vocabulary or weighted, as logsumexp's where= "
+             "and b= take it, is none; a bias of -inf is)")
 
 
 def find_heads(g: _graph.Graph, claimed: set, outvars: set,
@@ -994,11 +998,12 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       h.step(i)
     if h.labels is None:
       continue
-    escaped = False
+    escaped = found = False  # found: a per-token cross-entropy, taken or not
     for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
       res = _per_token(g, h, o, tuple(g.avals[x].shape))
       if res is None:
         continue
+      found = True
       # under a per-token mask: the masked rows dropped after the loss (no mask for the
       # head), or zero in the loss itself (the head applies the mask)
       mask = None
@@ -1023,6 +1028,9 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
       taken.update(matches[-1].nodes)
       escaped = False
       break
-    if escaped:
-      left.append(([di], _USED_ELSEWHERE))
+    else:  # no per-token cross-entropy found
+      if escaped:
+        left.append(([di], _USED_ELSEWHERE))
+      elif not found:
+        left.append(([di], _NOT_READ))
   return matches, left

@@ -718,6 +718,8 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
     progress(f"frontier {name} {spec['configuration']}")
     row = one(spec)
     row["budget_bytes"] = spec["budget_bytes"]
+    for k, v in fields.items():  # (an error row says which model it is of, too)
+      row.setdefault(k, v)
     row.update(program_plan_prediction(row, out))
     out.append(row)
 
@@ -797,6 +799,8 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     if isinstance(item, ProgramPlanRow):
       configuration = f"program plan {item.percent} %"
       carried = next((r for r in earlier if r.get("configuration") == configuration), None)
+      carried = carried or _infeasible_before(done, out, name, item.percent, fields,
+                                              dtype=dtype, repeats=repeats)
       if carried is not None:
         out.append(carried)
       elif plans and time.time() <= deadline:
@@ -825,6 +829,19 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     out.append(torch_row(name, item.configuration, fields) if key["framework"] == "torch"
                else one(spec))
   return True
+
+
+def _infeasible_before(done: list[dict], out: list[dict], name: str, percent: int,
+                       fields: dict, *, dtype: str, repeats: int) -> dict | None:
+  """An earlier run's :class:`ProgramPlanRow` ``percent`` that the planner found infeasible at
+  the budget this run gives it (JAX default's row the same): the same answer again, not
+  planned again."""
+  spec = program_plan_spec(out, name, percent, dtype=dtype, repeats=repeats, fields=fields)
+  return next((r for r in done if r.get("model") == name
+               and r.get("configuration") == spec["configuration"]
+               and str(r.get("error", "")).startswith("InfeasibleBudget")
+               and "budget_bytes" in spec and r.get("budget_bytes") == spec["budget_bytes"]
+               and all(r.get(k) == v for k, v in fields.items())), None)
 
 
 def pareto(rs: list[dict]) -> list[dict]:

@@ -315,8 +315,9 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
     assert frontier._plan_note(r).startswith("invact_jax.plan of ")  # pylint: disable=protected-access
   measured = [r for r in first if "error" not in r]
   second = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
-                         in_process=True, torch_configurations=(), date="2026-11-27", done=measured)
-  for r in measured:
+                         in_process=True, torch_configurations=(), date="2026-11-27", done=first)
+  infeasible = program["program plan 25 %"]
+  for r in measured + [infeasible]:  # (the planner's "infeasible" is its answer again)
     assert any(o is r for o in second), r   # carried, not measured again
   assert all(r.get("date") != "2026-11-27" for r in second if "error" not in r)
   # rows of another batch are not carried (a later run's fit may differ): nothing is left to

@@ -79,11 +79,15 @@ FORMS = {
         lambda x, y: optax.softmax_cross_entropy(
             x @ w + b, jax.nn.one_hot(y, w.shape[1]), where=y > 3).sum())(x, y).sum() / jnp.sum(
                 y > 3),
+    # a bias closed over (a constant of the program, not an argument)
+    "bias_closed_over": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w + _BIAS, y).mean(),
     "optax_safe_vmapped": lambda x, w, b, y: jnp.mean(jax.vmap(
         lambda x, y: optax.safe_softmax_cross_entropy(x @ w, jax.nn.one_hot(y, w.shape[1])))(
             x, y)),
 }
 _KEEP = np.arange(B * T).reshape(B, T) % 3 != 0
+_BIAS = np.linspace(-1.0, 1.0, V, dtype=np.float32)
 
 
 @pytest.mark.parametrize("name", sorted(FORMS))
@@ -97,6 +101,25 @@ def test_the_head_is_found_in_every_form(name):
   np.testing.assert_allclose(float(jax.jit(inv)(x, w, b, y)), float(jax.jit(f)(x, w, b, y)),
                              rtol=2e-6)
   assert_at_float32_floor(lambda x, w, b: f(x, w, b, y), (x, w, b), g, argnums=(0, 1, 2))
+
+
+def test_a_bias_closed_over_from_an_outer_trace_is_the_heads_bias():
+  x, w, b, y = _inputs()
+  reports = []
+
+  def step(x, w, b, convert):
+    f = lambda x, w: optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y).mean()
+    if convert:
+      f = invact_jax.invert(f)
+      reports.append(f)
+    return jax.value_and_grad(f, argnums=(0, 1))(x, w)
+
+  want = jax.jit(functools.partial(step, convert=False))(x, w, b)
+  got = jax.jit(functools.partial(step, convert=True))(x, w, b)
+  assert reports[0].last_report.replaced == {"linear_cross_entropy": 1}, reports[0].last_report
+  np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-6)
+  for a, c in zip(got[1], want[1]):
+    np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
 
 
 def test_a_tied_embedding_read_as_v_by_d():
@@ -163,6 +186,34 @@ def test_a_masked_log_sum_exp_whose_dropped_rows_are_kept_is_no_head(form):
   jax.grad(inv, argnums=(0, 1))(x, w)
   assert "linear_cross_entropy" not in inv.last_report.replaced, inv.last_report
   assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
+
+
+@pytest.mark.parametrize("form", ["where", "b_mask", "b_weights", "bias_minus_inf"])
+def test_a_log_sum_exp_masked_along_the_vocabulary_is_said_and_a_bias_of_minus_inf_taken(form):
+  """A vocabulary mask (``logsumexp``'s ``where=`` of [V], its ``b=``) or weights is no
+  cross-entropy the head computes: the report names the head with why; a bias of -inf on the
+  masked entries is a head's bias."""
+  x, w, b, y = _inputs()
+  kept = jnp.arange(V) < V - 3
+  y = y % (V - 3)
+  lse = {"where": lambda z: jax.nn.logsumexp(z, -1, where=kept),
+         "b_mask": lambda z: jax.nn.logsumexp(z, -1, b=kept),
+         "b_weights": lambda z: jax.nn.logsumexp(z, -1, b=jnp.linspace(0.5, 1.0, V)),
+         "bias_minus_inf": lambda z: jax.nn.logsumexp(z, -1)}
+  bias = (lambda z: z + jnp.where(kept, 0.0, -jnp.inf)) if form == "bias_minus_inf" else (
+      lambda z: z)
+  f = lambda x, w: (lambda z: jnp.mean(lse[form](z) - _pick(z, y)))(bias(x @ w))  # noqa: E731
+  inv = invact_jax.invert(f)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w)
+  np.testing.assert_allclose(float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w)), rtol=2e-6)
+  report = inv.last_report
+  if form == "bias_minus_inf":
+    assert report.replaced == {"linear_cross_entropy": 1}, report
+    assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+  else:
+    assert "linear_cross_entropy" not in report.replaced, report
+    assert any(what == "linear_cross_entropy" and "no cross-entropy of them was found" in why
+               for what, _, why in report.left_alone), report
 
 
 def test_a_one_hot_cross_entropy_under_a_per_token_mask_per_token():
