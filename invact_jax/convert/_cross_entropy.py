@@ -822,26 +822,37 @@ def _wide_source(g: _graph.Graph, w, region: set) -> tuple:
   return ref, list(steps.values()), "transpose" in steps
 
 
-def _head_dot(g: _graph.Graph, n) -> tuple | None:
-  """``(x, w, vocabulary axis of w, vocab)`` when node ``n`` is a matmul that can be an LM
-  head (tokens [..., d] times a 2-D weight, the logits [..., V]), else None."""
+def _head_dots(g: _graph.Graph, n) -> list:
+  """``[(x, w, vocabulary axis of w, vocab, logits)]``: the ways node ``n`` can be an LM head's
+  matmul (none unless a matmul): tokens [..., d] times a 2-D weight, the logits [..., V] its
+  output; or the weight times the tokens (``jax.vmap`` of Equinox's ``Linear``, ``w @ x`` per
+  token), [V, ...] transposed to [..., V] by the one node reading it, whose output is the
+  logits.  (Two 2-D operands may be read either way.)"""
   if n.prim.name != "dot_general":
-    return None
+    return []
   (lc, rc), (lb, rb) = n.params["dimension_numbers"]
-  if lb or rb or len(lc) != 1 or len(rc) != 1:
-    return None
-  x, w = n.ins
-  if isinstance(x, Lit) or isinstance(w, Lit):
-    return None
-  xs, ws = tuple(g.avals[x].shape), tuple(g.avals[w].shape)
-  if len(ws) != 2 or int(lc[0]) != len(xs) - 1 or not jnp.issubdtype(g.avals[x].dtype,
-                                                                       jnp.floating):
-    return None
-  vaxis = 1 - int(rc[0])
-  vocab = ws[vaxis]
-  if vocab < 2 or tuple(g.avals[n.outs[0]].shape) != xs[:-1] + (vocab,):
-    return None
-  return x, w, vaxis, vocab
+  if lb or rb or len(lc) != 1 or len(rc) != 1 or any(isinstance(r, Lit) for r in n.ins):
+    return []
+  out, found = n.outs[0], []
+  for (x, w), (xc, wc), first in ((n.ins, (lc, rc), False), (n.ins[::-1], (rc, lc), True)):
+    xs, ws = tuple(g.avals[x].shape), tuple(g.avals[w].shape)
+    if len(ws) != 2 or int(xc[0]) != len(xs) - 1 or not jnp.issubdtype(g.avals[x].dtype,
+                                                                         jnp.floating):
+      continue
+    vaxis = 1 - int(wc[0])
+    vocab = ws[vaxis]
+    if vocab < 2:
+      continue
+    if not first and tuple(g.avals[out].shape) == xs[:-1] + (vocab,):
+      found.append((x, w, vaxis, vocab, out))
+    readers = g.consumers.get(out, ())
+    if first and len(xs) > 1 and tuple(g.avals[out].shape) == (vocab,) + xs[:-1] and len(
+        readers) == 1 and out not in g.outvars:
+      t = g.nodes[readers[0]]
+      if t.prim.name == "transpose" and tuple(t.params["permutation"]) == tuple(
+          range(1, len(xs))) + (0,):
+        found.append((x, w, vaxis, vocab, t.outs[0]))
+  return found
 
 
 def calls_on_logits(g: _graph.Graph) -> list[int]:
@@ -850,9 +861,7 @@ def calls_on_logits(g: _graph.Graph) -> list[int]:
   computed inside a call with a derivative rule of its own."""
   shapes = set()
   for n in g.nodes:
-    dot = _head_dot(g, n)
-    if dot is not None:
-      shapes.add(tuple(g.avals[n.outs[0]].shape))
+    shapes.update(tuple(g.avals[dot[4]].shape) for dot in _head_dots(g, n))
   return [i for i, n in enumerate(g.nodes) if n.prim.name in _primitives.CUSTOM_CALLS and any(
       not isinstance(r, Lit) and tuple(g.avals[r].shape) in shapes
       and jnp.issubdtype(g.avals[r].dtype, jnp.floating) for r in n.ins)] if shapes else []
@@ -982,55 +991,65 @@ def find_heads(g: _graph.Graph, claimed: set, outvars: set,
   matches, left, taken = [], [], set(claimed)
   compares = [i for i, n in enumerate(g.nodes) if n.prim.name == "eq"]
   for di, n in enumerate(g.nodes):
-    dot = None if di in taken else _head_dot(g, n)
-    if dot is None:
+    if di in taken:
       continue
-    x, w, vaxis, vocab = dot
-    h = _Head(g, di, vocab, vaxis)
-    # a one-hot of the labels may be made before the matmul (Keras): its comparisons and the
-    # target's arithmetic there, then everything after the matmul
-    for i in range(next((e for e in compares if e < di), di), di):
-      before = g.nodes[i]
-      if before.prim.name == "eq" or any(not isinstance(r, Lit) and r in h.target
-                                         for r in before.ins):
-        h.step(i)
-    for i in range(di + 1, len(g.nodes)):
-      h.step(i)
-    if h.labels is None:
-      continue
-    escaped = found = False  # found: a per-token cross-entropy, taken or not
-    for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
-      res = _per_token(g, h, o, tuple(g.avals[x].shape))
-      if res is None:
-        continue
-      found = True
-      # under a per-token mask: the masked rows dropped after the loss (no mask for the
-      # head), or zero in the loss itself (the head applies the mask)
-      mask = None
-      if h.mask is not None and not _masked_away(g, o, h.mask):
-        if o not in h.masked_rows or h.permuted:
-          continue
-        mask = h.mask
-      root = g.producer[o][0]
-      nodes = _region(g, h, di, root, outvars)
-      if nodes & taken:
-        continue
-      if _match.escapes(g, nodes, o, outvars):
-        escaped = True
-        continue
-      fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold)
-      _without_inputs(g, nodes, (x, head_w, h.labels, mask, h.bias and h.bias[0]))
-      matches.append(HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
-                               None if h.bias is None else h.bias[0], h.labels,
-                               1 - vaxis if transposed else vaxis, res[1],
-                               res[0], fold, why, h.cap, _rounded_to(g, n), res[2], mask,
-                               res[3] if h.picks == {"one_hot"} else None))
-      taken.update(matches[-1].nodes)
-      escaped = False
-      break
-    else:  # no per-token cross-entropy found
-      if escaped:
-        left.append(([di], _USED_ELSEWHERE))
-      elif not found:
-        left.append(([di], _NOT_READ))
+    whys = []
+    for dot in _head_dots(g, n):
+      match, why = _head_at(g, di, dot, compares, taken, outvars, allow_fold)
+      if match is not None:
+        matches.append(match)
+        taken.update(match.nodes)
+        break
+      whys += [why] if why else []
+    else:
+      if whys:
+        left.append(([di], whys[0]))
   return matches, left
+
+
+def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, outvars: set,
+             allow_fold: bool) -> tuple:
+  """``(HeadMatch, "")`` of the matmul ``di`` read as ``dot`` (:func:`_head_dots`), or
+  ``(None, why)``: why not where its logits are read at labels ("" where they are not)."""
+  x, w, vaxis, vocab, z = dot
+  zi = g.producer[z][0]  # the logits' node: the matmul, or its transpose
+  h = _Head(g, zi, vocab, vaxis)
+  # a one-hot of the labels may be made before the matmul (Keras): its comparisons and the
+  # target's arithmetic there, then everything after the matmul
+  for i in range(next((e for e in compares if e < di), di), di):
+    before = g.nodes[i]
+    if before.prim.name == "eq" or any(not isinstance(r, Lit) and r in h.target
+                                       for r in before.ins):
+      h.step(i)
+  for i in range(zi + 1, len(g.nodes)):
+    h.step(i)
+  if h.labels is None:
+    return None, ""
+  escaped = found = False  # found: a per-token cross-entropy, taken or not
+  for o in sorted(h.rows, key=lambda r: -g.producer[r][0]):
+    res = _per_token(g, h, o, tuple(g.avals[x].shape))
+    if res is None:
+      continue
+    found = True
+    # under a per-token mask: the masked rows dropped after the loss (no mask for the
+    # head), or zero in the loss itself (the head applies the mask)
+    mask = None
+    if h.mask is not None and not _masked_away(g, o, h.mask):
+      if o not in h.masked_rows or h.permuted:
+        continue
+      mask = h.mask
+    root = g.producer[o][0]
+    nodes = _region(g, h, zi, root, outvars) | {di}
+    if nodes & taken:
+      continue
+    if _match.escapes(g, nodes, o, outvars):
+      escaped = True
+      continue
+    fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold)
+    _without_inputs(g, nodes, (x, head_w, h.labels, mask, h.bias and h.bias[0]))
+    return HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
+                     None if h.bias is None else h.bias[0], h.labels,
+                     1 - vaxis if transposed else vaxis, res[1], res[0], fold, why, h.cap,
+                     _rounded_to(g, g.nodes[di]), res[2], mask,
+                     res[3] if h.picks == {"one_hot"} else None), ""
+  return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

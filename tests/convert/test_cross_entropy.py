@@ -79,6 +79,11 @@ FORMS = {
         lambda x, y: optax.softmax_cross_entropy(
             x @ w + b, jax.nn.one_hot(y, w.shape[1]), where=y > 3).sum())(x, y).sum() / jnp.sum(
                 y > 3),
+    # the weight times each token (jax.vmap of Equinox's Linear: ``weight @ x + bias``, the
+    # weight [V, d]): the matmul's [V, B, T] logits transposed to [B, T, V]
+    "weight_times_tokens_vmapped": lambda x, w, b, y: (
+        optax.softmax_cross_entropy_with_integer_labels(
+            jax.vmap(jax.vmap(lambda t: w.T @ t + b))(x), y).mean()),
     # a bias closed over (a constant of the program, not an argument)
     "bias_closed_over": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w + _BIAS, y).mean(),
@@ -120,6 +125,23 @@ def test_a_bias_closed_over_from_an_outer_trace_is_the_heads_bias():
   np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-6)
   for a, c in zip(got[1], want[1]):
     np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
+
+
+def test_an_equinox_linear_head_under_vmap_is_found():
+  """Equinox's ``Linear`` computes ``weight @ x + bias`` per token: under ``jax.vmap`` the
+  matmul is the weight times the tokens, transposed after."""
+  eqx = pytest.importorskip("equinox")
+  x, _, _, y = _inputs()
+  head = eqx.nn.Linear(D, V, key=jax.random.key(1))
+  f = lambda head, x: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+      jax.vmap(jax.vmap(head))(x), y).mean()
+  inv = invact_jax.invert(f)
+  loss, g = eqx.filter_jit(eqx.filter_value_and_grad(inv))(head, x)
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  np.testing.assert_allclose(float(loss), float(eqx.filter_jit(f)(head, x)), rtol=2e-6)
+  assert_at_float32_floor(lambda w, b: f(eqx.tree_at(lambda h: (h.weight, h.bias), head, (w, b)),
+                                         x), (head.weight, head.bias), (g.weight, g.bias),
+                          argnums=(0, 1))
 
 
 def test_a_tied_embedding_read_as_v_by_d():
