@@ -176,12 +176,11 @@ class _Head:
     return f"k{self.nshift}"
 
   def _labels_of(self, ref):
-    """``(labels, nodes)``: the integer labels ``ref`` equals wherever they lie in [0, V),
-    followed back through ``nodes`` — shape changes, copies, integer casts and clamps to a
-    range holding [0, V) — to a program input, a constant or a value computed otherwise
-    (``y + 1``, or NumPy's wrap of negative indices ``where(i < 0, i + V, i)`` that an
-    index's pick applies, which is then the labels, computed outside the head); ``(None,
-    [])`` where ``ref`` is no integer array."""
+    """``(labels, nodes)``: the integer labels ``ref`` equals, followed back through
+    ``nodes`` — shape changes, copies, integer casts — to a program input, a constant or a
+    value computed otherwise (``y + 1``, a clamp, or NumPy's wrap of negative indices
+    ``where(i < 0, i + V, i)`` that an index's pick applies, which is then the labels,
+    computed outside the head); ``(None, [])`` where ``ref`` is no integer array."""
     g, nodes, r = self.g, [], ref
     while not isinstance(r, Lit) and r in g.producer:
       i = g.producer[r][0]
@@ -198,8 +197,8 @@ class _Head:
     return (r, nodes) if ok else (None, [])
 
   def _label_step(self, n):
-    """What node ``n``'s integer output equals on labels in [0, V) (one of its inputs), or
-    None where it computes something else."""
+    """The input node ``n``'s integer output equals, whatever its value (a shape change, a
+    copy, an integer cast), or None where it computes something else."""
     name, ins = n.prim.name, n.ins
     integer = lambda r: (not isinstance(r, Lit)  # noqa: E731
                          and jnp.issubdtype(self.g.avals[r].dtype, jnp.integer))
@@ -207,17 +206,7 @@ class _Head:
       return None
     if name in _primitives.SHAPE | _primitives.IDENTITY:
       return ins[0] if integer(ins[0]) or isinstance(ins[0], Lit) else None
-    if name == "clamp":  # clamp(lo, i, hi) with lo <= 0 and V - 1 <= hi
-      lo, hi = self._const(ins[0]), self._const(ins[2])
-      return ins[1] if lo is not None and hi is not None and lo <= 0 <= self.vocab - 1 <= hi \
-          else None
-    if name in ("max", "min") and len(ins) == 2:  # jnp.clip's halves
-      for i, c in (ins, ins[::-1]):
-        c = self._const(c)
-        if c is not None and (c <= 0 if name == "max" else c >= self.vocab - 1):
-          return i
-      return None
-    return None
+    return None  # (a clamp too: it moves a label outside [0, V), -100 say, into the vocabulary)
 
   def _known(self, r) -> bool:
     return not isinstance(r, Lit) and any(r in t for t in self._tables())

@@ -353,7 +353,7 @@ LABELS = {  # labels the program computes -> whether the head reads through the 
     "plus_one": (lambda y: y + 1, False),
     "minimum": (lambda y: jnp.minimum(y, 5), False),
     "from_constants": (lambda y: jnp.remainder(np.arange(B * T).reshape(B, T) * 7, V), False),
-    "clip_to_the_vocabulary": (lambda y: jnp.clip(y, 0, V - 1), True),
+    "clip_to_the_vocabulary": (lambda y: jnp.clip(y, 0, V - 1), False),
     "copied_and_cast": (lambda y: jnp.array(y, copy=True).astype(jnp.int16), True),
 }
 
@@ -362,9 +362,9 @@ LABELS = {  # labels the program computes -> whether the head reads through the 
 @pytest.mark.parametrize("name", sorted(LABELS))
 def test_labels_the_program_computes_are_read_as_computed(name, head):
   """The head's labels are what the program's one-hot or pick reads: through shape changes,
-  copies, casts, NumPy's wrap of negative indices and clamps that keep [0, V) (no arithmetic
-  of the head's own), else the computed value itself, computed before the head (labels from
-  constants alone included): the loss is the original's."""
+  copies and casts (no arithmetic of the head's own), else the computed value itself, computed
+  before the head (labels from constants alone, a clamp, NumPy's wrap of negative indices
+  included): the loss is the original's."""
   compute, through = LABELS[name]
   x, w, _, y = _inputs()
   y = jnp.minimum(y, V - 2)  # (y + 1 stays in range)
@@ -398,6 +398,11 @@ PADDED = {  # labels -100 at padding -> (the program's loss, finite?)
         optax.softmax_cross_entropy_with_integer_labels(z, y, where=m)) / jnp.sum(m),
     "integer_labels_wrapped": lambda z, y, m: jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels(z, jnp.where(m, y, -1))),
+    # clamped into the vocabulary by the program: label 0 there, not a row of zeros
+    "one_hot_of_clamped_labels": lambda z, y, m: -jnp.mean(jnp.sum(jax.nn.one_hot(
+        jnp.maximum(y, 0), V) * jax.nn.log_softmax(z), -1)),
+    "integer_labels_clipped": lambda z, y, m: jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(z, jnp.clip(y, 0, V - 1))),
     "integer_labels_per_token_where": lambda z, y, m: jnp.sum(
         optax.softmax_cross_entropy_with_integer_labels(z, y, where=m) ** 2),
 }
