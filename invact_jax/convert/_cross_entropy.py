@@ -76,6 +76,7 @@ class HeadMatch:
     logits_dtype: the 16-bit dtype the program's matmul rounds the logits to, or None.
     z_loss: the weight of the log-sum-exp's square added to each token's loss (PaLM's and
       MaxText's z-loss), 0 for none.
+    logit_scale: the factor the cross-entropy reads the logits at (``logits / sqrt(d)``).
     mask: a per-token boolean mask whose dropped tokens' loss is zero (optax's ``where=`` of
       a one-hot cross-entropy), an input of the region; None for none.
     outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
@@ -98,6 +99,7 @@ class HeadMatch:
   z_loss: float = 0.0
   mask: object = None
   outside_lse: float | None = None
+  logit_scale: float = 1.0
 
   public = "linear_cross_entropy"
 
@@ -117,6 +119,8 @@ class HeadMatch:
       extra += f", z-loss {self.z_loss:g}"
     if self.soft_cap is not None:
       extra += f", logits soft-capped at {self.soft_cap:g}"
+    if self.logit_scale != 1.0:
+      extra += f", logits scaled by {self.logit_scale:.6g}"
     if self.fold:
       how = "its weighted sum folded in, gradients in the forward"
     else:
@@ -162,6 +166,7 @@ class _Head:
     self.masked_rows: set = set()    # row values zero in the rows the mask drops
     self.helpers: set = set()        # nodes of [..., V] predicates and constants it selects by
     self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
+    self.scale = None                # the logits' factor where the log-sum-exp reads them
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -274,6 +279,11 @@ class _Head:
       self.rows[o] = _add(self.rows[a], self.rows[b], sign)
     elif lin(a) is not None and lin(b) is not None and self._is_v(o):
       self.elem[o] = _add(lin(a), lin(b), sign)  # a row value spread along the vocabulary
+    elif self._is_v(o) and any(not isinstance(r, Lit) and r in self.elem and self._const(c)
+                               is not None for r, c in ((a, b), (b, a))[:2 - (sign < 0)]):
+      # a scalar added to the logits (or subtracted): a row constant, a shift of each row
+      lin_ref = a if not isinstance(a, Lit) and a in self.elem else b
+      self.elem[o] = _add(self.elem[lin_ref], {self._shift(): -1.0})
     elif not isinstance(a, Lit) and a in self.target and self._const(b) is not None:
       t = self.target[a]
       self.target[o] = (t[0], t[1] + sign * self._const(b))
@@ -335,12 +345,17 @@ class _Head:
           self.weighted[o] = (self.target[t_ref], self.elem[l_ref])
 
   def _exp(self, n, ins, o) -> None:
+    """``exp(a z - k)``, ``k`` a sum of row constants (a max, the program's own shift before
+    the loss's, a scalar): its shift ``k``, their names joined by "+"; ``a > 0`` the logits'
+    scale (``logits / sqrt(d)``), the same for every log-sum-exp of the head."""
     lin = self.elem.get(ins[0])
-    if lin is not None and lin.get("z") == 1.0 and set(lin) <= {"z"} | {
+    if lin is not None and lin.get("z", 0.0) > 0.0 and set(lin) <= {"z"} | {
         k for k in lin if k.startswith("k")}:
-      shifts = [k for k in lin if k.startswith("k")]
-      if len(shifts) <= 1 and all(lin[k] == -1.0 for k in shifts):
-        self.exps[o] = shifts[0] if shifts else ""
+      shifts = sorted(k for k in lin if k.startswith("k"))
+      if all(lin[k] == -1.0 for k in shifts) and (
+          self.scale is None or abs(lin["z"] - self.scale) <= _TOL * self.scale):
+        self.scale = lin["z"]
+        self.exps[o] = "+".join(shifts)
 
   def _reduce_sum(self, n, ins, o) -> None:
     src = ins[0]
@@ -385,7 +400,7 @@ class _Head:
     lss = [k for k in row if k.startswith("ls")]
     if len(lss) != 1:
       return False
-    want = {lss[0]: 1.0, **({lss[0][2:]: 1.0} if lss[0][2:] else {})}
+    want = {lss[0]: 1.0, **{k: 1.0 for k in _shifts(lss[0][2:])}}
     return set(row) == set(want) and all(abs(row[s] - c) <= _TOL for s, c in want.items())
 
   def _gather(self, n, ins, o) -> None:
@@ -568,10 +583,9 @@ class _Head:
     sign = row["ls" + k]
     if abs(abs(sign) - 1.0) > _TOL:
       return None
-    expect = {"ls" + k: sign}
-    if k:
-      expect[k] = sign
-    pick, zsum = row.get("pick", 0.0), row.get("zsum", 0.0)
+    expect = {"ls" + k: sign, **{sym: sign for sym in _shifts(k)}}
+    scale = self.scale or 1.0  # (the pick and the mean read the logits at that scale too)
+    pick, zsum = row.get("pick", 0.0) / scale, row.get("zsum", 0.0) / scale
     smoothing = -zsum * self.vocab / sign
     if abs(-pick / sign - (1.0 - smoothing)) > 1e-5 or not 0.0 <= smoothing < 1.0:
       return None
@@ -582,9 +596,14 @@ class _Head:
     if z_loss * sign < 0.0:
       return None
     outside = cold.get("ls" + k, 0.0) / sign
-    if k and abs(cold.get(k, 0.0) / sign - outside) > 1e-5:
+    if any(abs(cold.get(sym, 0.0) / sign - outside) > 1e-5 for sym in _shifts(k)):
       outside = None
     return sign, (0.0 if abs(smoothing) <= 1e-7 else smoothing), z_loss * sign, outside
+
+
+def _shifts(k: str) -> list:
+  """The row constants a log-sum-exp's shift ``k`` sums (:meth:`_Head._exp`)."""
+  return k.split("+") if k else []
 
 
 #: Primitive -> how a value computed by it from followed values is followed.
@@ -654,13 +673,14 @@ def _literal_source(g: _graph.Graph, ref) -> Lit | None:
 
 
 _SCALAR_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-               "neg": np.negative, "max": np.maximum, "min": np.minimum}
+               "neg": np.negative, "max": np.maximum, "min": np.minimum, "sqrt": np.sqrt,
+               "rsqrt": lambda v: 1 / np.sqrt(v), "convert_element_type": np.asarray}
 
 
 def _constant(g: _graph.Graph, ref, depth: int = 0) -> float | None:
   """The value of ``ref`` where it is a scalar constant (a literal, a broadcast or cast of
-  one, or floating arithmetic on such: Keras's ``label_smoothing / num_classes``), else
-  None."""
+  one, or floating arithmetic on such: Keras's ``label_smoothing / num_classes``, a
+  ``jnp.sqrt(d)``), else None."""
   lit = _literal_source(g, ref)
   if lit is not None:
     return None if np.size(lit.val) != 1 else float(np.asarray(lit.val).reshape(()))
@@ -1040,5 +1060,5 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
                      None if h.bias is None else h.bias[0], h.labels,
                      1 - vaxis if transposed else vaxis, res[1], res[0], fold, why, h.cap,
                      _rounded_to(g, g.nodes[di]), res[2], mask,
-                     res[3] if h.picks == {"one_hot"} else None), ""
+                     res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0), ""
   return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

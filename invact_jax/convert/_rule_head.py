@@ -32,7 +32,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
   opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
                           float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype,
-                          m.outside_lse)
+                          m.outside_lse, float(m.logit_scale))
   # x, w, (bias,) labels, (mask,); then the reduction's reads
   labels_at = 2 + (m.bias is not None)
   heads = labels_at + 1 + (m.mask is not None)

@@ -84,6 +84,17 @@ FORMS = {
     "weight_times_tokens_vmapped": lambda x, w, b, y: (
         optax.softmax_cross_entropy_with_integer_labels(
             jax.vmap(jax.vmap(lambda t: w.T @ t + b))(x), y).mean()),
+    # logits scaled (T5's and MaxText's tied head: ``/ sqrt(d)``): the gradients in the forward
+    # (a mean), or recomputed per token (a sum of squares)
+    "scaled_logits_tied": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w.T.T / jnp.sqrt(float(D)), y).mean(),
+    "scaled_logits_per_token": lambda x, w, b, y: jnp.sum(
+        optax.softmax_cross_entropy_with_integer_labels((x @ w + b) * 0.7, y) ** 2),
+    # the program's own shifts before the loss's: a max held constant, a scalar
+    "shifted_by_the_programs_max": lambda x, w, b, y: (lambda z: -jnp.mean(_pick(
+        jax.nn.log_softmax(z - jax.lax.stop_gradient(z.max(-1, keepdims=True))), y)))(x @ w),
+    "shifted_by_a_scalar": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w + 1.5, y).mean(),
     # a bias closed over (a constant of the program, not an argument)
     "bias_closed_over": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w + _BIAS, y).mean(),

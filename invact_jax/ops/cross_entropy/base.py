@@ -83,6 +83,9 @@ class Options:
       :func:`invact_jax.invert` keeps of a one-hot program (``c`` the share of the
       log-sum-exp its target does not weight: 0 for optax's ``softmax_cross_entropy``, ``s``
       smoothed, 1 for ``lse - sum(onehot * z)``).
+    logit_scale: the logits' factor after the bias (and the rounding to ``logits_dtype``),
+      before the soft cap: what :func:`invact_jax.invert` keeps of a program's scaled logits
+      (T5's and MaxText's tied head: ``logits / sqrt(d)``); 1: none.
   """
   vocab_axis: int
   reduction: str
@@ -95,6 +98,7 @@ class Options:
   gradients: str = "backward"
   logits_dtype: str | None = None
   outside_lse: float | None = None
+  logit_scale: float = 1.0
 
   def outside(self, inside, picked, lse):
     """``picked`` where the label is ``inside`` ``[0, V)``; else NaN, or what stands for the
@@ -177,6 +181,8 @@ def _logits(x, w, b, opts: Options, cd):
     z = z.astype(cd)
   elif b is not None:
     z = z + b.astype(cd)
+  if opts.logit_scale != 1.0:
+    z = z * opts.logit_scale
   t = None
   if opts.logit_soft_cap is not None:
     t = jnp.tanh(z / opts.logit_soft_cap)
@@ -368,7 +374,7 @@ def _bwd(opts: Options, res, cts):
       dz = p - jnp.where(here, 1.0 - s, 0.0) - s / vocab
       if t is not None:
         dz = dz * (1.0 - t * t)
-      dz = dz * sc[:, None]
+      dz = dz * (sc[:, None] if opts.logit_scale == 1.0 else opts.logit_scale * sc[:, None])
       dzw = dz.astype(wdt)
       # the weight gradient sums over the tokens (sharded or not): it has the tile's type
       like_w = _common.explicit_sharding(wt, xc)

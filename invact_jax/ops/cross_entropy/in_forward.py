@@ -83,7 +83,7 @@ def _logits_grad(z, lse, lc, scale, opts: base.Options):
   if opts.logit_soft_cap is not None:
     t = z / opts.logit_soft_cap
     dz = dz * (1.0 - t * t)
-  return dz * scale[:, None]
+  return dz * (scale[:, None] if opts.logit_scale == 1.0 else opts.logit_scale * scale[:, None])
 
 
 def _add_weight_grad(dw, xc, dzw, opts: base.Options):
