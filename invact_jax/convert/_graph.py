@@ -171,6 +171,41 @@ def inline(graph: Graph, at) -> tuple[Graph, dict]:
   return Graph(nodes, list(graph.invars), list(graph.outvars), avals).index(), bodies
 
 
+#: The primitives :func:`merge_duplicates` merges: a form's inputs a program may compute twice
+#: (statistics are not merged: two norms of one input would share them and neither be whole).
+MERGED = frozenset({"exp", "dot_general"})
+
+
+def merge_duplicates(graph: Graph) -> Graph:
+  """``graph`` with each matmul or exponential that repeats an earlier one (the same
+  parameters and inputs: ``jnp.exp(x) / jnp.sum(jnp.exp(x))``, ``x @ w`` written twice) read
+  from the earlier one instead — what XLA's common-subexpression elimination does to the
+  compiled program — so that a form is found whole; ``graph`` itself where none repeats."""
+  seen: dict = {}
+  rename: dict = {}
+  nodes = []
+  new = lambda r: r if isinstance(r, Lit) else rename.get(r, r)  # noqa: E731
+  for n in graph.nodes:
+    ins = [new(r) for r in n.ins]
+    pure = n.prim.name in MERGED and n.eqn is not None and not n.eqn.effects
+    key = (n.prim, tuple(("lit", np.shape(r.val)) if isinstance(r, Lit) else r for r in ins))
+    earlier = next((m for m in seen.get(key, ()) if params_equal(m.params, n.params) and all(
+        (a.same(b) if isinstance(a, Lit) else a == b) for a, b in zip(m.ins, ins))), None) \
+        if pure else None
+    if earlier is not None and len(earlier.outs) == len(n.outs):
+      rename.update((o, e) for o, e in zip(n.outs, earlier.outs) if o != -1 and e != -1)
+      if all(o == -1 or o in rename for o in n.outs):
+        continue
+    m = dataclasses.replace(n, ins=ins)
+    nodes.append(m)
+    if pure:
+      seen.setdefault(key, []).append(m)
+  if not rename:
+    return graph
+  return Graph(nodes, list(graph.invars), [new(r) for r in graph.outvars],
+               dict(graph.avals)).index()
+
+
 def substitute(graph: Graph, values: dict) -> Graph:
   """A copy of ``graph`` whose nodes read ``values[ref]`` (a :class:`Lit`) instead of ``ref``
   (the inputs stay, unread)."""

@@ -127,8 +127,10 @@ class Found:
 
 
 def prepare(g: _graph.Graph, opts: Options) -> _graph.Graph:
-  """``g`` as every rule of ``opts.names`` prepares it (:meth:`_rule.Rule.prepare`), in claim
-  order: the graph :func:`find` and :func:`run` work on."""
+  """``g`` with its repeated equations merged (:func:`_graph.merge_duplicates`) and as every
+  rule of ``opts.names`` prepares it (:meth:`_rule.Rule.prepare`), in claim order: the graph
+  :func:`find` and :func:`run` work on."""
+  g = _graph.merge_duplicates(g)
   for rule in RULES:
     if opts.names & set(rule.publics):
       g = rule.prepare(g, opts)

@@ -95,6 +95,9 @@ FORMS = {
         jax.nn.log_softmax(z - jax.lax.stop_gradient(z.max(-1, keepdims=True))), y)))(x @ w),
     "shifted_by_a_scalar": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w + 1.5, y).mean(),
+    # the logits written twice (one matmul, as XLA merges them)
+    "logits_written_twice": lambda x, w, b, y: jnp.mean(
+        jax.nn.logsumexp(x @ w, -1) - _pick(x @ w, y)),
     # a bias closed over (a constant of the program, not an argument)
     "bias_closed_over": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w + _BIAS, y).mean(),
