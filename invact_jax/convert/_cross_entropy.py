@@ -366,20 +366,39 @@ class _Head:
     elif src in self.weighted:
       if src in self.zeroed:
         self.masked_rows.add(o)
-      (a, u), lin = self.weighted[src]
-      row = {}
-      for sym, c in lin.items():
-        if sym == "z":
-          row = _add(row, {"pick": a * c, "zsum": u * c})
-        else:  # a row constant spread along V: weighted sum is (a + u V) times it (the
-          # one-hot's share ``a`` apart: a label outside [0, V) has none)
-          row = _add(row, {sym: c * u * self.vocab, "hot:" + sym: c * a})
-      self.rows[o] = row
+      self.rows[o] = self._target_sum(*self.weighted[src])
     elif src in self.elem:
       row = {}
       for sym, c in self.elem[src].items():
         row = _add(row, {"zsum": c} if sym == "z" else {sym: c * self.vocab})
       self.rows[o] = row
+
+  def _target_sum(self, target: tuple, lin: dict) -> dict:
+    """The row value ``sum over V of (a * onehot + u) * lin``."""
+    (a, u), row = target, {}
+    for sym, c in lin.items():
+      if sym == "z":
+        row = _add(row, {"pick": a * c, "zsum": u * c})
+      else:  # a row constant spread along V: weighted sum is (a + u V) times it (the
+        # one-hot's share ``a`` apart: a label outside [0, V) has none)
+        row = _add(row, {sym: c * u * self.vocab, "hot:" + sym: c * a})
+    return row
+
+  def _dot(self, n, ins, o) -> None:
+    """``einsum("...v,...v->...", target, lin)``: a matmul contracting the vocabulary, batched
+    over every other axis, of the target and a followed logits value."""
+    (lc, rc), (lb, rb) = n.params["dimension_numbers"]
+    if any(isinstance(r, Lit) for r in ins) or len(ins) != 2:
+      return
+    nd = len(self.g.avals[ins[0]].shape)
+    if (tuple(self.g.avals[ins[1]].shape) != tuple(self.g.avals[ins[0]].shape)
+        or tuple(lc) != (nd - 1,) or tuple(rc) != (nd - 1,)
+        or tuple(lb) != tuple(range(nd - 1)) or tuple(rb) != tuple(range(nd - 1))):
+      return
+    for t_ref, l_ref in (ins, ins[::-1]):
+      if t_ref in self.target and l_ref in self.elem:
+        self.rows[o] = self._target_sum(self.target[t_ref], self.elem[l_ref])
+        return
 
   def _log(self, n, ins, o) -> None:
     if ins[0] in self.sums:
@@ -614,7 +633,7 @@ _STEPS = {
     "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
     "tanh": _Head._tanh, "square": _Head._square, "integer_pow": _Head._square,
     **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "is_finite")},
-    "select_n": _Head._select,
+    "select_n": _Head._select, "dot_general": _Head._dot,
 }
 
 

@@ -95,6 +95,9 @@ FORMS = {
         jax.nn.log_softmax(z - jax.lax.stop_gradient(z.max(-1, keepdims=True))), y)))(x @ w),
     "shifted_by_a_scalar": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w + 1.5, y).mean(),
+    # the one-hot's product with the log-probabilities as an einsum (a batched matmul)
+    "one_hot_einsum": lambda x, w, b, y: -jnp.mean(jnp.einsum(
+        "btv,btv->bt", jax.nn.one_hot(y, w.shape[1]), jax.nn.log_softmax(x @ w + b))),
     # the logits written twice (one matmul, as XLA merges them)
     "logits_written_twice": lambda x, w, b, y: jnp.mean(
         jax.nn.logsumexp(x @ w, -1) - _pick(x @ w, y)),
