@@ -14,7 +14,15 @@ Several processes (one per host; each sees its local devices, the mesh spans all
   python scripts/train_vit.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...
   python scripts/train_vit.py --coordinator host0:1234 --num-processes 2 --process-id 1 ...
 """
-from models.training import main
+import sys
+
+from models.training import supervisor
 
 if __name__ == "__main__":
+  # One process of several: its supervisor runs this script again as the worker, and imports
+  # nothing but the standard library (it starts at once and holds no JAX state).
+  code = supervisor.early(sys.argv)
+  if code is not None:
+    sys.exit(code)
+  from models.training import main  # pylint: disable=ungrouped-imports
   main.exit_with(main.main(doc=__doc__))

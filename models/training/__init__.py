@@ -12,14 +12,22 @@ library: the entry point ``scripts/train_vit.py`` parses flags and calls :func:`
 * :mod:`.compare`: standard vs inverted from the same seed;
 * :mod:`.main`: the command line's job (flags -> one exit code).
 """
-from models.training.config import TrainConfig, validate
-from models.training.errors import (ConfigError, Interrupted, RunDirectoryLost, StopRequested,
-                                    TrainingDiverged, first_line, stop_on_signals)
-from models.training.checkpoints import CheckpointWriteError
-from models.training.loop import train
-from models.training.run_dir import run_identity
-from models.training.trainer import Trainer
+import importlib
 
-__all__ = ["TrainConfig", "validate", "ConfigError", "Interrupted", "StopRequested",
-           "TrainingDiverged", "RunDirectoryLost", "first_line", "stop_on_signals",
-           "CheckpointWriteError", "train", "run_identity", "Trainer"]
+#: The package's names and the modules that define them, imported when first used (so that a
+#: multi-process run's supervisor, :mod:`.supervisor`, starts with the standard library only).
+_EXPORTS = {
+    "TrainConfig": "config", "validate": "config",
+    "ConfigError": "errors", "Interrupted": "errors", "RunDirectoryLost": "errors",
+    "StopRequested": "errors", "TrainingDiverged": "errors", "first_line": "errors",
+    "stop_on_signals": "errors", "CheckpointWriteError": "checkpoints", "train": "loop",
+    "run_identity": "run_dir", "Trainer": "trainer",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

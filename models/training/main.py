@@ -48,7 +48,8 @@ def parser(doc: str | None = None) -> argparse.ArgumentParser:
   g.add_argument("--process-id", type=cli.nonnegative_int, help="this process's rank, 0 .. N-1")
   g.add_argument("--distributed", action="store_true",
                  help="join the cluster JAX detects (SLURM, Open MPI, ...) with no addresses")
-  g.add_argument("--distributed-timeout", type=cli.positive_int, default=120,
+  g.add_argument("--distributed-timeout", type=cli.positive_int,
+                 default=supervisor.DEFAULT_TIMEOUT_S,
                  help="seconds to wait for every process to join (default 120)")
   return p
 

@@ -24,6 +24,38 @@ _GRPC_MORE = re.compile(rb"^(?:Additional GRPC error information|:[A-Z]+:|RPC: |
                         rb"|=== Source Location Trace: ===\s*$|\S+\.(?:h|cc|c|cpp):\d+\s*$|\. )")
 
 
+#: ``--distributed-timeout``'s default (models/training/main.py's parser says the same).
+DEFAULT_TIMEOUT_S = 120
+
+
+def early(argv: list[str]) -> int | None:
+  """A multi-process run's supervisor, before the training job is imported: where ``argv``
+  (``sys.argv``: the script, then its arguments) asks for one process of several
+  (``--coordinator``, ``--distributed``) and this is not the supervised worker, run the same
+  command as the worker under :func:`supervise` and return its exit code; else None (then the
+  job runs here).  Arguments these three options do not settle (``--help``, a value that is
+  no number) are left to the job's own parser: None."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  if os.environ.get(WORKER_ENV) or any(a in ("-h", "--help") for a in argv[1:]):
+    return None
+  class Quiet(argparse.ArgumentParser):
+    def error(self, message):  # the job's parser says it, in one line
+      raise ValueError(message)
+
+  p = Quiet(add_help=False, exit_on_error=False)
+  p.add_argument("--coordinator")
+  p.add_argument("--distributed", action="store_true")
+  p.add_argument("--distributed-timeout", type=int, default=DEFAULT_TIMEOUT_S)
+  try:
+    args, _ = p.parse_known_args(argv[1:])
+  except (argparse.ArgumentError, ValueError):
+    return None
+  if (args.coordinator is None and not args.distributed) or args.distributed_timeout <= 0:
+    return None
+  return supervise([sys.executable, *argv], coordinator=args.coordinator,
+                   timeout_s=args.distributed_timeout)
+
+
 def supervise(argv: list[str], *, coordinator: str | None, timeout_s: int) -> int:
   """Run ``argv`` (this script, one process of a multi-process run) as a child and turn the way
   XLA ends a process whose peers or coordinator vanish -- abort() with a C++ stack dump, exit

@@ -447,3 +447,31 @@ def test_agree_compares_each_call_of_a_topic_under_keys_of_its_own(monkeypatch):
       "process 1; same devices")):
     distributed.agree(plan, topic="plan", how="planned differently", advice="same devices")
   assert store["invact_jax/plan/1/verdict"].startswith("the processes planned differently")
+
+
+def test_the_supervisor_starts_with_the_standard_library_and_runs_the_script_again(monkeypatch):
+  """scripts/train_vit.py decides to supervise before the training job is imported: the
+  supervisor imports no JAX (nor the job); it runs the same script as its worker, and leaves
+  what its three options do not settle (no several processes, --help, a bad timeout, the
+  worker itself) to the job."""
+  code = ("import sys; from models.training import supervisor; "
+          "print(sorted(m for m in ('jax', 'numpy', 'models.training.main') if m in sys.modules))")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        check=True)
+  assert done.stdout.strip() == "[]", done.stdout
+  calls = []
+  monkeypatch.setattr(supervisor, "supervise", lambda argv, **kw: calls.append((argv, kw)) or 7)
+  script = "scripts/train_vit.py"
+  assert supervisor.early([script, "--coordinator", "h:1", "--steps", "3"]) == 7
+  assert calls == [([sys.executable, script, "--coordinator", "h:1", "--steps", "3"],
+                    {"coordinator": "h:1", "timeout_s": supervisor.DEFAULT_TIMEOUT_S})]
+  assert supervisor.early([script, "--distributed", "--distributed-timeout", "5"]) == 7
+  assert calls[-1][1] == {"coordinator": None, "timeout_s": 5}
+  for argv in ([script, "--steps", "3"], [script, "--coordinator", "h:1", "--help"],
+               [script, "--distributed", "--distributed-timeout", "x"],
+               [script, "--distributed", "--distributed-timeout", "0"], [script, "--coordinator"]):
+    assert supervisor.early(argv) is None, argv
+  monkeypatch.setenv(supervisor.WORKER_ENV, "1")
+  assert supervisor.early([script, "--coordinator", "h:1"]) is None
+  assert len(calls) == 2
+  assert train_main.parser(None).parse_args([]).distributed_timeout == supervisor.DEFAULT_TIMEOUT_S
