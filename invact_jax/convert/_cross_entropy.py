@@ -279,11 +279,9 @@ class _Head:
       self.rows[o] = _add(self.rows[a], self.rows[b], sign)
     elif lin(a) is not None and lin(b) is not None and self._is_v(o):
       self.elem[o] = _add(lin(a), lin(b), sign)  # a row value spread along the vocabulary
-    elif self._is_v(o) and any(not isinstance(r, Lit) and r in self.elem and self._const(c)
-                               is not None for r, c in ((a, b), (b, a))[:2 - (sign < 0)]):
+    elif self._is_v(o) and (shifted := self._scalar_shift(a, b, sign)) is not None:
       # a scalar added to the logits (or subtracted): a row constant, a shift of each row
-      lin_ref = a if not isinstance(a, Lit) and a in self.elem else b
-      self.elem[o] = _add(self.elem[lin_ref], {self._shift(): -1.0})
+      self.elem[o] = _add(self.elem[shifted], {self._shift(): -1.0})
     elif not isinstance(a, Lit) and a in self.target and self._const(b) is not None:
       t = self.target[a]
       self.target[o] = (t[0], t[1] + sign * self._const(b))
@@ -294,6 +292,14 @@ class _Head:
       if src is not None and tuple(_match.aval(self.g, src).shape) == (self.vocab,):
         self.bias = (src, chain)
         self.elem[o] = {"z": 1.0}
+
+  def _scalar_shift(self, a, b, sign: float):
+    """The followed logits value of ``a + b`` (``a - b``: ``sign`` -1) whose other operand is a
+    scalar constant, else None."""
+    for r, c in ((a, b),) if sign < 0 else ((a, b), (b, a)):
+      if not isinstance(r, Lit) and r in self.elem and self._const(c) is not None:
+        return r
+    return None
 
   def _neg(self, n, ins, o) -> None:
     for table in (self.elem, self.rows):
@@ -349,8 +355,8 @@ class _Head:
     the loss's, a scalar): its shift ``k``, their names joined by "+"; ``a > 0`` the logits'
     scale (``logits / sqrt(d)``), the same for every log-sum-exp of the head."""
     lin = self.elem.get(ins[0])
-    if lin is not None and lin.get("z", 0.0) > 0.0 and set(lin) <= {"z"} | {
-        k for k in lin if k.startswith("k")}:
+    if lin is not None and lin.get("z", 0.0) > 0.0 and all(
+        k == "z" or k.startswith("k") for k in lin):
       shifts = sorted(k for k in lin if k.startswith("k"))
       if all(lin[k] == -1.0 for k in shifts) and (
           self.scale is None or abs(lin["z"] - self.scale) <= _TOL * self.scale):
@@ -594,7 +600,6 @@ class _Head:
     hot = {s[4:]: c for s, c in row.items() if s.startswith("hot:")}
     cold = {s: c for s, c in row.items() if s != "zsq" and not s.startswith("hot:")}
     row = _add(cold, hot)
-    shifts = {k for k in row if k.startswith("k")}
     lss = {k[2:] for k in row if k.startswith("ls")}
     if len(lss) != 1:
       return None
@@ -611,7 +616,6 @@ class _Head:
     rest = {s: c for s, c in row.items() if s not in ("pick", "zsum")}
     if set(rest) != set(expect) or any(abs(rest[s] - expect[s]) > 1e-5 for s in rest):
       return None
-    del shifts
     if z_loss * sign < 0.0:
       return None
     outside = cold.get("ls" + k, 0.0) / sign

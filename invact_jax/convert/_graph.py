@@ -181,25 +181,21 @@ def merge_duplicates(graph: Graph) -> Graph:
   parameters and inputs: ``jnp.exp(x) / jnp.sum(jnp.exp(x))``, ``x @ w`` written twice) read
   from the earlier one instead — what XLA's common-subexpression elimination does to the
   compiled program — so that a form is found whole; ``graph`` itself where none repeats."""
-  seen: dict = {}
-  rename: dict = {}
+  seen: dict = {}    # (primitive, inputs) -> the nodes kept
+  rename: dict = {}  # a repeat's output -> the earlier node's
   nodes = []
   new = lambda r: r if isinstance(r, Lit) else rename.get(r, r)  # noqa: E731
   for n in graph.nodes:
-    ins = [new(r) for r in n.ins]
-    pure = n.prim.name in MERGED and n.eqn is not None and not n.eqn.effects
-    key = (n.prim, tuple(("lit", np.shape(r.val)) if isinstance(r, Lit) else r for r in ins))
-    earlier = next((m for m in seen.get(key, ()) if params_equal(m.params, n.params) and all(
-        (a.same(b) if isinstance(a, Lit) else a == b) for a, b in zip(m.ins, ins))), None) \
-        if pure else None
-    if earlier is not None and len(earlier.outs) == len(n.outs):
-      rename.update((o, e) for o, e in zip(n.outs, earlier.outs) if o != -1 and e != -1)
-      if all(o == -1 or o in rename for o in n.outs):
+    n = dataclasses.replace(n, ins=[new(r) for r in n.ins])
+    if n.prim.name in MERGED and n.eqn is not None and not n.eqn.effects:
+      key = (n.prim, tuple(("lit", np.shape(r.val)) if isinstance(r, Lit) else r for r in n.ins))
+      earlier = next((m for m in seen.get(key, ()) if params_equal(m.params, n.params) and all(
+          a.same(b) if isinstance(a, Lit) else a == b for a, b in zip(m.ins, n.ins))), None)
+      if earlier is not None:
+        rename[n.outs[0]] = earlier.outs[0]
         continue
-    m = dataclasses.replace(n, ins=ins)
-    nodes.append(m)
-    if pure:
-      seen.setdefault(key, []).append(m)
+      seen.setdefault(key, []).append(n)
+    nodes.append(n)
   if not rename:
     return graph
   return Graph(nodes, list(graph.invars), [new(r) for r in graph.outvars],

@@ -42,13 +42,13 @@ def early(argv: list[str]) -> int | None:
     def error(self, message):  # the job's parser says it, in one line
       raise ValueError(message)
 
-  p = Quiet(add_help=False, exit_on_error=False)
+  p = Quiet(add_help=False)
   p.add_argument("--coordinator")
   p.add_argument("--distributed", action="store_true")
   p.add_argument("--distributed-timeout", type=int, default=DEFAULT_TIMEOUT_S)
   try:
     args, _ = p.parse_known_args(argv[1:])
-  except (argparse.ArgumentError, ValueError):
+  except ValueError:
     return None
   if (args.coordinator is None and not args.distributed) or args.distributed_timeout <= 0:
     return None

@@ -190,6 +190,14 @@ def _logits(x, w, b, opts: Options, cd):
   return z, t
 
 
+def logits_chain(dz, t, opts: Options):
+  """``dz`` (the gradient w.r.t. the capped logits) back through :func:`_logits`'s soft cap
+  (``t`` its ``tanh``, None without a cap) and scale: the gradient w.r.t. the matmul's."""
+  if t is not None:
+    dz = dz * (1.0 - t * t)
+  return dz if opts.logit_scale == 1.0 else dz * opts.logit_scale
+
+
 def _token_loss(z, y, counted, opts: Options):
   """Per-token loss and lse from capped logits ``z`` [c, V]: zero where not ``counted``; for
   a label outside ``[0, V)`` that is not ignored, what :meth:`Options.outside` says (NaN by
@@ -371,10 +379,7 @@ def _bwd(opts: Options, res, cts):
       if weight is not None:
         p = p * weight[:, None]
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (yc - start)[:, None]
-      dz = p - jnp.where(here, 1.0 - s, 0.0) - s / vocab
-      if t is not None:
-        dz = dz * (1.0 - t * t)
-      dz = dz * (sc[:, None] if opts.logit_scale == 1.0 else opts.logit_scale * sc[:, None])
+      dz = logits_chain(p - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
       dzw = dz.astype(wdt)
       # the weight gradient sums over the tokens (sharded or not): it has the tile's type
       like_w = _common.explicit_sharding(wt, xc)

@@ -80,10 +80,8 @@ def _logits_grad(z, lse, lc, scale, opts: base.Options):
   dz = p - jnp.where(here, 1.0 - s, 0.0)
   if s:
     dz = dz - s / vocab
-  if opts.logit_soft_cap is not None:
-    t = z / opts.logit_soft_cap
-    dz = dz * (1.0 - t * t)
-  return dz * (scale[:, None] if opts.logit_scale == 1.0 else opts.logit_scale * scale[:, None])
+  t = None if opts.logit_soft_cap is None else z / opts.logit_soft_cap
+  return base.logits_chain(dz, t, opts) * scale[:, None]
 
 
 def _add_weight_grad(dw, xc, dzw, opts: base.Options):
