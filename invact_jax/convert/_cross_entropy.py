@@ -77,6 +77,9 @@ class HeadMatch:
     z_loss: the weight of the log-sum-exp's square added to each token's loss (PaLM's and
       MaxText's z-loss), 0 for none.
     logit_scale: the factor the cross-entropy reads the logits at (``logits / sqrt(d)``).
+    lse_reads: ``(value, a, b)`` per value of the region the program also reads elsewhere,
+      each ``a * lse + b * lse ** 2`` per token (a z-loss reduced on its own, or returned as a
+      metric): the unit computes them from the head's log-sum-exp, with their gradients.
     mask: a per-token boolean mask whose dropped tokens' loss is zero (optax's ``where=`` of
       a one-hot cross-entropy), an input of the region; None for none.
     outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
@@ -100,6 +103,7 @@ class HeadMatch:
   mask: object = None
   outside_lse: float | None = None
   logit_scale: float = 1.0
+  lse_reads: tuple = ()
 
   public = "linear_cross_entropy"
 
@@ -111,6 +115,10 @@ class HeadMatch:
   def output(self, g: _graph.Graph):
     """The program value the region computes: the folded scalar or the per-token losses."""
     return self.fold.out if self.fold else g.nodes[self.root].outs[0]
+
+  def outputs(self, g: _graph.Graph) -> list:
+    """Every value of the region the program reads: :meth:`output`, then :attr:`lse_reads`'."""
+    return [self.output(g)] + [r for r, _, _ in self.lse_reads]
 
   @property
   def name(self) -> str:
@@ -418,6 +426,25 @@ class _Head:
     row = None if isinstance(ins[0], Lit) else self.rows.get(ins[0])
     if row is not None and self._is_lse(row):
       self.rows[o] = {"zsq": 1.0}
+
+  def lse_form(self, ref) -> tuple[float, float] | None:
+    """``(a, b)`` where the value ``ref`` is ``a * lse + b * lse ** 2`` per token, ``lse``
+    the log-sum-exp of the head's logits (at any shift), else None."""
+    row = None if isinstance(ref, Lit) else self.rows.get(ref)
+    if row is None or ref in self.masked_rows:
+      return None
+    b = row.get("zsq", 0.0)
+    rest = {k: c for k, c in row.items() if k != "zsq"}
+    lss = [k for k in rest if k.startswith("ls")]
+    if not rest:
+      return 0.0, b
+    if len(lss) != 1:
+      return None
+    a = rest[lss[0]]
+    want = {lss[0]: a, **{k: a for k in _shifts(lss[0][2:])}}
+    if set(rest) != set(want) or any(abs(rest[k] - c) > _TOL * abs(a) for k, c in want.items()):
+      return None
+    return a, b
 
   @staticmethod
   def _is_lse(row: dict) -> bool:
@@ -972,12 +999,14 @@ def _keeps_order(g: _graph.Graph, nodes) -> bool:
 
 
 def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
-          allow_fold: bool) -> tuple:
+          allow_fold: bool, unfoldable: str = "") -> tuple:
   """``(fold or None, why not, the head's weight, whether it is the matmul's weight
   transposed)``; a 16-bit cast of a float32 weight read only by the head (transposed before
-  or after the cast or not) is taken into ``nodes`` and its source is the head's weight."""
-  fold, why = fold_reduction(g, o, outvars) if allow_fold else (
-      None, "inside a loop body (its forward's gradients would be kept per step)")
+  or after the cast or not) is taken into ``nodes`` and its source is the head's weight.
+  ``unfoldable``: why the reduction may not be folded whatever it is ("": it may)."""
+  fold, why = (None, unfoldable) if unfoldable else fold_reduction(g, o, outvars) \
+      if allow_fold else (None, "inside a loop body (its forward's gradients would be kept per "
+                                "step)")
   if fold is not None and fold.nodes & taken:
     fold, why = None, "the program's reduction overlaps another conversion"
   head_w, absorbed, transposed = _wide_source(g, w, nodes)
@@ -986,6 +1015,28 @@ def _fold(g: _graph.Graph, o, w, nodes: set, outvars: set, taken: set,
     fold, why = None, ("a 16-bit weight (its float32 gradient accumulator would double the "
                        "gradient's memory)")
   return fold, why, head_w, transposed
+
+
+_LSE_READ = ("its log-sum-exp is also read outside the loss (the gradient of that read is "
+             "known only in the backward)")
+
+
+def _lse_reads(g: _graph.Graph, h: _Head, nodes: set, o, outvars: set,
+               xs: tuple) -> tuple | None:
+  """``(value, a, b)`` per value of the head's ``nodes`` (other than the loss ``o``) the
+  program reads elsewhere, each ``a * lse + b * lse ** 2`` per token of ``x``'s leading shape
+  ``xs``; ``()`` where none is read; None where one is anything else (the logits, a
+  probability: the head is left alone)."""
+  squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
+  reads = []
+  for r in _match.escaping(g, nodes, o, outvars):
+    form, shape = h.lse_form(r), tuple(g.avals[r].shape)
+    if (form is None or np.prod(shape) != np.prod(xs[:-1]) or h.mask is not None
+        or not jnp.issubdtype(g.avals[r].dtype, jnp.floating)
+        or (h.permuted and squeeze(shape) != squeeze(xs[:-1]))):
+      return None
+    reads.append((r, *form))
+  return tuple(reads)
 
 
 def _without_inputs(g: _graph.Graph, nodes: set, inputs) -> None:
@@ -1074,14 +1125,17 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
     nodes = _region(g, h, zi, root, outvars) | {di}
     if nodes & taken:
       continue
-    if _match.escapes(g, nodes, o, outvars):
+    reads = _lse_reads(g, h, nodes, o, outvars, tuple(g.avals[x].shape))
+    if reads is None:
       escaped = True
       continue
-    fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold)
+    fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold,
+                                          _LSE_READ if reads else "")
     _without_inputs(g, nodes, (x, head_w, h.labels, mask, h.bias and h.bias[0]))
     return HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                      None if h.bias is None else h.bias[0], h.labels,
                      1 - vaxis if transposed else vaxis, res[1], res[0], fold, why, h.cap,
                      _rounded_to(g, g.nodes[di]), res[2], mask,
-                     res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0), ""
+                     res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0,
+                     reads), ""
   return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

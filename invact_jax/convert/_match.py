@@ -249,17 +249,17 @@ def match_at(pat: Pattern, program: _graph.Graph, i: int, claimed: set) -> FormM
 
 def escapes(g: _graph.Graph, inside: set, out, outvars: set) -> bool:
   """Whether a value the nodes ``inside`` compute, other than ``out``, is used outside them
-  (then converting saves nothing and the values would be computed anyway: left alone).  A
-  reader whose results are all dropped (``jax.nn.logsumexp``'s unused ``sign``) uses
-  nothing."""
-  for i in inside:
-    for o in g.nodes[i].outs:
-      if o == out:
-        continue
-      if o in outvars or any(c not in inside and not _graph.dead(g, g.nodes[c], outvars)
-                             for c in g.consumers.get(o, ())):
-        return True
-  return False
+  (then converting saves nothing and the values would be computed anyway: left alone)."""
+  return bool(escaping(g, inside, out, outvars))
+
+
+def escaping(g: _graph.Graph, inside: set, out, outvars: set) -> list:
+  """The values the nodes ``inside`` compute, other than ``out``, that are used outside them
+  (in program order).  A reader whose results are all dropped (``jax.nn.logsumexp``'s unused
+  ``sign``) uses nothing."""
+  return [o for i in sorted(inside) for o in g.nodes[i].outs if o != out and (
+      o in outvars or any(c not in inside and not _graph.dead(g, g.nodes[c], outvars)
+                          for c in g.consumers.get(o, ())))]
 
 
 def aval(g: _graph.Graph, ref):

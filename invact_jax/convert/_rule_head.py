@@ -23,7 +23,9 @@ __all__ = ["HeadRule", "head_fn"]
 def head_fn(m: _cross_entropy.HeadMatch, target):
   """A matmul + cross-entropy as :func:`invact_jax.linear_cross_entropy`: with the program's
   reduction folded in (the per-token weights are the reduction's derivative; the gradients
-  are computed in the forward), or per token (the program's reduction follows)."""
+  are computed in the forward), or per token (the program's reduction follows; with the
+  values the program also reads, ``a * lse + b * lse ** 2``, from the head's log-sum-exp).
+  Returns a function of the match's inputs returning its outputs (a tuple)."""
   loss_ref = target.nodes[m.root].outs[0]
   loss_aval, x_aval = target.avals[loss_ref], _match.aval(target, m.x)
   d, n = x_aval.shape[-1], math.prod(x_aval.shape[:-1])
@@ -51,10 +53,16 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     def per_token(*vals):
       x, w = vals[0], vals[1]
       b = vals[2] if m.bias is not None else None
-      loss, _ = _ce_base.linear_cross_entropy(x.reshape(n, d), w, b, labels_of(vals), opts)
+      args = (x.reshape(n, d), w, b, labels_of(vals), opts)
+      if m.lse_reads:
+        loss, _, lse = _ce_base.with_lse(*args)
+      else:
+        loss, _ = _ce_base.linear_cross_entropy(*args)
       if m.mask is not None:
         loss = jnp.where(kept(vals), loss, 0.0)
-      return (m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype)
+      reads = [(a * lse + c * lse * lse).reshape(target.avals[r].shape).astype(
+          target.avals[r].dtype) for r, a, c in m.lse_reads]
+      return ((m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype), *reads)
     return per_token
 
   out_aval = target.avals[m.fold.out]
@@ -73,7 +81,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
       weights = jnp.where(kept(vals), weights, 0.0)
     total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels_of(vals), weights,
                                            opts)
-    return total.reshape(out_aval.shape).astype(out_aval.dtype)
+    return (total.reshape(out_aval.shape).astype(out_aval.dtype),)
   return folded
 
 
@@ -110,6 +118,6 @@ class HeadRule(_rule.Rule):
     return match.output(g)
 
   def build(self, g, match, opts):
-    unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [self.output(g, match)],
-                       _rule.single(head_fn(match, g)))
+    unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), match.outputs(g),
+                       head_fn(match, g))
     return _rule.Built(unit)

@@ -409,6 +409,38 @@ def test_labels_outside_the_vocabulary_as_a_one_hot_of_them_reads_them(outside, 
     assert math.isfinite(float(total))
 
 
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+def test_the_log_sum_exp_as_an_output_with_its_gradient(vocab_axis):
+  """``base.with_lse``: each token's log-sum-exp of its capped logits (ignored tokens' too),
+  and the gradients of ``sum(u * loss + a * lse + c * lse ** 2)`` with every option, against
+  JAX's autodiff of the plain formula (what ``invert`` gives a program that also reads the
+  log-sum-exp: a z-loss reduced on its own, a metric)."""
+  from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
+  x, w, b, y = _inputs()
+  y = y.at[::4].set(7)
+  w = w if vocab_axis == 1 else w.T
+  s, zl, cap = 0.1, 1e-3, 2.0
+  u, a, c = (jax.random.uniform(k, (N,)) for k in jax.random.split(jax.random.key(5), 3))
+  opts = base.Options(vocab_axis, "none", 7, s, zl, cap, 8, 16)
+
+  def ours(x, w, b):
+    loss, _, lse = base.with_lse(x, w, b, y, opts)
+    return jnp.sum(u * loss + a * lse + c * lse * lse), lse
+
+  def plain(x, w, b):
+    z = (x @ w if vocab_axis == 1 else x @ w.T) + b
+    z = cap * jnp.tanh(z / cap)
+    lse = jax.nn.logsumexp(z, -1)
+    per = invact_jax.linear_cross_entropy_reference(
+        x, w, y, bias=b, reduction="none", ignore_index=7, label_smoothing=s, z_loss=zl,
+        logit_soft_cap=cap, vocab_axis=vocab_axis)
+    return jnp.sum(u * per + a * lse + c * lse * lse), lse
+  (v1, lse1), g1 = jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+  (v0, lse0), g0 = jax.value_and_grad(plain, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+  assert _rel(v1, v0) <= 2e-6 and _rel(lse1, lse0) <= 2e-6, (v1, v0)
+  assert all(_rel(p, r) <= 2e-6 for p, r in zip(g1, g0)), [_rel(p, r) for p, r in zip(g1, g0)]
+
+
 @pytest.mark.parametrize("reduction, mode", [
     ("mean", "forward"), ("mean", "backward"), ("sum", "forward"), ("none", "backward")])
 def test_no_tokens(reduction, mode):

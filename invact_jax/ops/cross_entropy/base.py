@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from invact_jax.ops import _common
 
-__all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "reference", "default_mode",
-           "default_tiles"]
+__all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "with_lse", "reference",
+           "default_mode", "default_tiles"]
 
 #: The gradient modes: computed with the loss (scalar losses) or by recomputing the logits.
 GRADIENTS = ("forward", "backward")
@@ -353,6 +353,12 @@ def _fwd(x, w, b, y, opts):
 
 def _bwd(opts: Options, res, cts):
   g, _ = cts  # ``correct`` has no gradient
+  return _backward(opts, res, g, None)
+
+
+def _backward(opts: Options, res, g, g_lse):
+  """The gradients of the loss (cotangent ``g``) and, where ``g_lse`` is not None, of the
+  per-token log-sum-exp (its cotangent ``g_lse`` [N]: ``g_lse * softmax`` in the logits)."""
   x, w, b, y, lse = res
   cd = lse.dtype
   n, vocab = x.shape[0], w.shape[opts.vocab_axis]
@@ -364,6 +370,7 @@ def _bwd(opts: Options, res, cts):
   s = opts.label_smoothing
   xs, ys, ls, ss = (_chunks(x, ct), _chunks(jnp.where(counted, y, 0).astype(jnp.int32), ct),
                     _chunks(lse, ct), _chunks(scale, ct))
+  gls = None if g_lse is None else _chunks(g_lse.astype(cd), ct)
   wdt = x.dtype  # the matmuls run in the activations' dtype
 
   def tile(start, size, acc):
@@ -376,10 +383,11 @@ def _bwd(opts: Options, res, cts):
       z, t = _logits(xc, wt, bt, opts, cd)
       p = jnp.exp(z - lc[:, None])
       weight = opts.softmax_weight((yc >= 0) & (yc < vocab), lc)
-      if weight is not None:
-        p = p * weight[:, None]
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (yc - start)[:, None]
-      dz = logits_chain(p - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
+      pw = p if weight is None else p * weight[:, None]
+      dz = logits_chain(pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
+      if gls is not None:  # every token's log-sum-exp (ignored ones' too) read elsewhere
+        dz = dz + logits_chain(p * gls[i][:, None], t, opts)
       dzw = dz.astype(wdt)
       # the weight gradient sums over the tokens (sharded or not): it has the tile's type
       like_w = _common.explicit_sharding(wt, xc)
@@ -411,3 +419,25 @@ def _bwd(opts: Options, res, cts):
 
 
 linear_cross_entropy.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def with_lse(x, w, b, y, opts: Options):
+  """``(loss, correct, lse)``: :func:`linear_cross_entropy` and each token's float32
+  log-sum-exp of its (capped) logits, differentiable: what :func:`invact_jax.invert` gives a
+  program that also reads the log-sum-exp (a z-loss reduced on its own, a metric)."""
+  loss, lse, counted, correct = _forward(x, w, b, y, opts)
+  return _reduce(loss, counted, opts), correct, lse
+
+
+def _fwd_lse(x, w, b, y, opts):
+  loss, lse, counted, correct = _forward(x, w, b, y, opts)
+  return (_reduce(loss, counted, opts), correct, lse), (x, w, b, y, lse)
+
+
+def _bwd_lse(opts: Options, res, cts):
+  g, _, g_lse = cts
+  return _backward(opts, res, g, g_lse)
+
+
+with_lse.defvjp(_fwd_lse, _bwd_lse)
