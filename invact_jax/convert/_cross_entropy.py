@@ -80,6 +80,9 @@ class HeadMatch:
     lse_reads: ``(value, a, b)`` per value of the region the program also reads elsewhere,
       each ``a * lse + b * lse ** 2`` per token (a z-loss reduced on its own, or returned as a
       metric): the unit computes them from the head's log-sum-exp, with their gradients.
+    temperature: ``(s, "mul")`` or ``(s, "div")`` where the logits (bias added) are multiplied
+      or divided by ``s``, a traced scalar (a learnable temperature), an input of the region;
+      the head reads the tokens (and the bias) scaled by it instead.
     mask: a per-token boolean mask whose dropped tokens' loss is zero (optax's ``where=`` of
       a one-hot cross-entropy), an input of the region; None for none.
     outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
@@ -104,13 +107,15 @@ class HeadMatch:
   outside_lse: float | None = None
   logit_scale: float = 1.0
   lse_reads: tuple = ()
+  temperature: tuple | None = None
 
   public = "linear_cross_entropy"
 
   @property
   def inputs(self) -> list:
-    return [r for r in (self.x, self.w, self.bias, self.labels, self.mask) if r is not None] + (
-        list(self.fold.extras) if self.fold else [])
+    return [r for r in (self.x, self.w, self.bias, self.labels, self.mask,
+                        self.temperature and self.temperature[0]) if r is not None] + (
+                            list(self.fold.extras) if self.fold else [])
 
   def output(self, g: _graph.Graph):
     """The program value the region computes: the folded scalar or the per-token losses."""
@@ -129,6 +134,9 @@ class HeadMatch:
       extra += f", logits soft-capped at {self.soft_cap:g}"
     if self.logit_scale != 1.0:
       extra += f", logits scaled by {self.logit_scale:.6g}"
+    if self.temperature is not None:
+      extra += (", logits " + ("times" if self.temperature[1] == "mul" else "divided by")
+                + " a traced scalar")
     if self.fold:
       how = "its weighted sum folded in, gradients in the forward"
     else:
@@ -175,6 +183,8 @@ class _Head:
     self.helpers: set = set()        # nodes of [..., V] predicates and constants it selects by
     self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
     self.scale = None                # the logits' factor where the log-sum-exp reads them
+    self.temperature = None          # (traced scalar, "mul" or "div") applied to the logits
+    self.temperature_nodes: set = set()
 
   def _is_v(self, ref) -> bool:
     a = self.g.avals[ref]
@@ -352,11 +362,35 @@ class _Head:
         t = self.target[a]
         self.target[o] = (t[0] * c, t[1] * c)
       return
+    if self._traced_factor(n, a, b, o):
+      return
     if n.prim.name == "mul":  # the target weight times a linear value
       for t_ref, l_ref in ((a, b), (b, a)):
         if (not isinstance(t_ref, Lit) and t_ref in self.target and not isinstance(l_ref, Lit)
             and l_ref in self.elem):
           self.weighted[o] = (self.target[t_ref], self.elem[l_ref])
+
+  def _traced_factor(self, n, a, b, o) -> bool:
+    """``z * s``, ``s * z`` or ``z / s`` with ``s`` a traced scalar (a learnable temperature)
+    on the matmul's logits (bias added or not) before anything else reads them: the scaled
+    logits become the head's ``z`` (True: handled)."""
+    g = self.g
+    if self.temperature is not None or any(
+        (self.rows, self.exps, self.sums, self.weighted, self.tanh)) or self.cap is not None:
+      return False
+    for z, t in ((a, b),) if n.prim.name == "div" else ((a, b), (b, a)):
+      if isinstance(z, Lit) or isinstance(t, Lit) or self.elem.get(z) != {"z": 1.0}:
+        continue
+      src, chain = _spread_source(g, t)
+      if (src is None or isinstance(src, Lit) or math.prod(g.avals[src].shape) != 1
+          or not jnp.issubdtype(g.avals[src].dtype, jnp.floating)):
+        continue
+      self.temperature = (src, n.prim.name)
+      self.temperature_nodes = {g.producer[o][0], *chain} | {
+          g.producer[r][0] for r in self.elem if r in g.producer}
+      self.elem = {o: {"z": 1.0}}
+      return True
+    return False
 
   def _exp(self, n, ins, o) -> None:
     """``exp(a z - k)``, ``k`` a sum of row constants (a max, the program's own shift before
@@ -933,6 +967,7 @@ def _region(g: _graph.Graph, h: _Head, di: int, root: int, outvars: set) -> set:
   in it and never read (``jax.nn.logsumexp``'s sign)."""
   members = {g.producer[r][0] for table in h._tables() for r in table  # pylint: disable=protected-access
              if r in g.producer} | h.label_nodes | h.cap_nodes | h.helpers | {di}
+  members |= h.temperature_nodes
   if h.bias is not None:
     members.update(h.bias[1])
   changed = True
@@ -951,6 +986,8 @@ def _region(g: _graph.Graph, h: _Head, di: int, root: int, outvars: set) -> set:
         changed = True
   nodes = set(_graph.ancestors(g, root, lambda r: g.producer[r][0] in members))
   nodes |= {i for i in h.label_nodes if i in members}
+  if h.temperature is not None:  # (its scalar spread to the logits' shape, too)
+    nodes |= h.temperature_nodes
   if h.bias is not None:
     nodes.update(h.bias[1])
   for i in sorted(h.label_nodes, reverse=True):
@@ -1131,11 +1168,12 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
       continue
     fold, why, head_w, transposed = _fold(g, o, w, nodes, outvars, taken, allow_fold,
                                           _LSE_READ if reads else "")
-    _without_inputs(g, nodes, (x, head_w, h.labels, mask, h.bias and h.bias[0]))
+    _without_inputs(g, nodes, (x, head_w, h.labels, mask, h.bias and h.bias[0],
+                               h.temperature and h.temperature[0]))
     return HeadMatch(sorted(nodes | (fold.nodes if fold else set())), root, x, head_w,
                      None if h.bias is None else h.bias[0], h.labels,
                      1 - vaxis if transposed else vaxis, res[1], res[0], fold, why, h.cap,
                      _rounded_to(g, g.nodes[di]), res[2], mask,
                      res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0,
-                     reads), ""
+                     reads, h.temperature), ""
   return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

@@ -35,9 +35,10 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
                           float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype,
                           m.outside_lse, float(m.logit_scale))
-  # x, w, (bias,) labels, (mask,); then the reduction's reads
+  # x, w, (bias,) labels, (mask,) (temperature,); then the reduction's reads
   labels_at = 2 + (m.bias is not None)
-  heads = labels_at + 1 + (m.mask is not None)
+  temperature_at = labels_at + 1 + (m.mask is not None)
+  heads = temperature_at + (m.temperature is not None)
 
   def kept(vals):
     """Per token, whether the mask keeps it."""
@@ -49,11 +50,22 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     labels = vals[labels_at].reshape(n)
     return labels if m.mask is None else jnp.where(kept(vals), labels, 0)
 
+  def tokens(vals):
+    """``(x [n, d], w, bias)``; with a temperature ``s``, ``x`` and the bias times (or over)
+    it: ``(x @ w + b) * s = (x * s) @ w + b * s``, and ``s``'s gradient through that
+    product."""
+    x, w = vals[0].reshape(n, d), vals[1]
+    b = vals[2] if m.bias is not None else None
+    if m.temperature is None:
+      return x, w, b
+    s = vals[temperature_at].reshape(())
+    by = (lambda v: v * s) if m.temperature[1] == "mul" else (lambda v: v / s)  # noqa: E731
+    return by(x).astype(x.dtype), w, None if b is None else by(b).astype(b.dtype)
+
   if m.fold is None:
     def per_token(*vals):
-      x, w = vals[0], vals[1]
-      b = vals[2] if m.bias is not None else None
-      args = (x.reshape(n, d), w, b, labels_of(vals), opts)
+      x, w, b = tokens(vals)
+      args = (x, w, b, labels_of(vals), opts)
       if m.lse_reads:
         loss, _, lse = _ce_base.with_lse(*args)
       else:
@@ -69,8 +81,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   reduce = _match.region_of(target, m.fold.nodes, [loss_ref, *m.fold.extras], m.fold.out)
 
   def folded(*vals):
-    x, w = vals[0], vals[1]
-    b = vals[2] if m.bias is not None else None
+    x, w, b = tokens(vals)
     extras = vals[heads:]
     # the reduction is linear in the losses: its derivative is each token's weight
     _, pull = jax.vjp(lambda loss: reduce(loss, *extras),
@@ -79,8 +90,7 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
     if m.mask is not None:
       weights = jnp.where(kept(vals), weights, 0.0)
-    total, _ = _ce_in_forward.weighted_sum(x.reshape(n, d), w, b, labels_of(vals), weights,
-                                           opts)
+    total, _ = _ce_in_forward.weighted_sum(x, w, b, labels_of(vals), weights, opts)
     return (total.reshape(out_aval.shape).astype(out_aval.dtype),)
   return folded
 

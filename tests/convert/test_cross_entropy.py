@@ -428,6 +428,51 @@ def test_a_log_sum_exp_read_outside_the_loss_comes_from_the_head(name):
   assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
 
 
+TEMPERATURES = {  # logits times (or over) a traced scalar: a learnable temperature
+    "times": (lambda x, w, b, s, y: optax.softmax_cross_entropy_with_integer_labels(
+        (x @ w) * s, y).mean(), "times", True),
+    "scalar_first_with_a_bias": (
+        lambda x, w, b, s, y: optax.softmax_cross_entropy_with_integer_labels(
+            s * (x @ w + b), y).mean(), "times", True),
+    "divided": (lambda x, w, b, s, y: optax.softmax_cross_entropy_with_integer_labels(
+        (x @ w) / s, y).mean(), "divided by", True),
+    "exp_of_a_parameter": (lambda x, w, b, s, y: optax.softmax_cross_entropy_with_integer_labels(
+        (x @ w) * jnp.exp(s), y).mean(), "times", True),
+    "per_token_max": (lambda x, w, b, s, y: jnp.max(
+        optax.softmax_cross_entropy_with_integer_labels((x @ w + b) * s, y)), "times", False),
+    "then_soft_capped": (lambda x, w, b, s, y: optax.softmax_cross_entropy_with_integer_labels(
+        3.0 * jnp.tanh((x @ w) * s / 3.0), y).mean(), "times", True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEMPERATURES))
+def test_logits_scaled_by_a_traced_scalar(name):
+  """``(x @ w + b) * s`` with ``s`` traced (a learnable temperature, ``exp`` of a parameter):
+  the head reads ``x * s`` and ``b * s`` (the same logits), so the loss, and the gradients of
+  ``x``, ``w``, ``b`` and ``s``, are the original's at the float32 floor, folded or per token;
+  no [tokens, vocabulary] buffer."""
+  x, w, b, y = _inputs()
+  f, how, folded = TEMPERATURES[name]
+  s = jnp.float32(0.7)
+  loss = functools.partial(f, y=y)
+  inv = invact_jax.invert(loss)
+  g = jax.jit(jax.grad(inv, argnums=(0, 1, 2, 3)))(x, w, b, s)
+  (form,) = inv.last_report.forms
+  assert f"logits {how} a traced scalar" in form, form
+  assert ("folded in" in form) == folded, form
+  np.testing.assert_allclose(jax.jit(inv)(x, w, b, s), jax.jit(loss)(x, w, b, s), rtol=2e-6)
+  assert_at_float32_floor(loss, (x, w, b, s), g, argnums=(0, 1, 2, 3))
+  if name == "times":
+    n, v = 2048, 8192
+    k = jax.random.split(jax.random.key(1), 3)
+    xb, wb = jax.random.normal(k[0], (n, 64)), jax.random.normal(k[1], (64, v)) / 8
+    yb = jax.random.randint(k[2], (n,), 0, v)
+    big = lambda x, w, s: f(x, w, None, s, yb)  # noqa: E731
+    text = jax.jit(jax.grad(invact_jax.invert(big), argnums=(0, 1, 2))).lower(
+        xb, wb, s).compile().as_text()
+    assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
+
+
 def test_the_logits_read_outside_the_loss_leave_the_head_alone():
   """What the log-sum-exp's reads do not cover: the logits themselves (an argmax accuracy)
   read elsewhere; the head stays as written and the report says why."""
