@@ -17,6 +17,10 @@ a ``where`` on a constant).  An output is a norm when its polynomial is
     LayerNorm:  (x - m1) * r * S + B      with r = (m2 - m1^2 + eps)^(-1/2)
     RMSNorm:     x       * r * S + B      with r = (m2 + eps)^(-1/2)
 
+or, epsilon added to the standard deviation (``x / (std + eps)``), with ``q = 1 / (a *
+r^-1 + e)`` (``r`` as above without eps; a reciprocal of a row polynomial of several terms)
+in place of ``r``,
+
 with ``S`` and ``B`` polynomials in the parameters alone (Keras folds the affine into
 ``x * (r * gamma) + (beta - m1 * r * gamma)``: the same polynomial).  So scale and bias are
 found in any order or folded, with no affine (``jax.nn.standardize``), with statistics in
@@ -88,7 +92,7 @@ def _syms(p: dict) -> set:
 
 
 def _is_row(s) -> bool:
-  return s in (M1, M2) or s[0] == "r"
+  return s in (M1, M2) or s[0] in ("r", "q")
 
 
 def _power(p: dict, n: int) -> dict | None:
@@ -126,7 +130,8 @@ class NormMatch:
 
   Attributes:
     rms: RMSNorm (no centring) or LayerNorm.
-    eps: the constant added to the variance.
+    eps: the constant added to the variance (to the standard deviation where
+      ``eps_on_std``).
     axes: the reduced axes of ``x``.
     nodes: the region's node indices (sorted); ``root``/``root_out``: the output's producer.
     inputs: the region's inputs; ``inputs[0]`` is ``x``.
@@ -140,6 +145,8 @@ class NormMatch:
       program's normalized values were bfloat16, and float32 is kept where they were).
     layout: the output's layout: per dimension, the axis of ``x`` it runs along (None: a
       new axis of size 1); ``to_x`` moves an array from it to the layout of ``x``.
+    eps_on_std: the norm divides by ``std + eps`` (the annotated Transformer's LayerNorm),
+      not by ``sqrt(var + eps)``.
   """
   rms: bool
   eps: float
@@ -153,6 +160,7 @@ class NormMatch:
   bias: dict
   store: Any = None
   layout: tuple = ()
+  eps_on_std: bool = False
 
   @property
   def public(self) -> str:
@@ -162,7 +170,8 @@ class NormMatch:
   def name(self) -> str:
     kind = "RMSNorm" if self.rms else "LayerNorm"
     affine = [w for w, p in (("scale", self.scale), ("bias", self.bias))
-              if _syms(p)]
+              if _syms(p)] + (["epsilon added to the standard deviation"] if self.eps_on_std
+                              else [])
     return f"{kind} by its algebra (axes {self.axes}{', ' if affine else ''}{', '.join(affine)})"
 
 
@@ -185,6 +194,8 @@ class _Analysis:
     self._cur = self.layout[x]  # the layout of the node being read (for its parameters)
     self.radicals: dict = {}   # canonical row polynomial -> radical index
     self.radical_defs: list = []
+    self.reciprocals: dict = {}  # canonical row polynomial of several terms -> its index
+    self.reciprocal_defs: list = []
     self.params: list = []     # (source ref, chain) per parameter symbol
     self.param_ids: dict = {}  # ref -> symbol index
     self.opaque: set = set()   # vars computed from x that are not polynomials
@@ -375,6 +386,17 @@ class _Analysis:
       self.radical_defs.append(p)
     return ("r", self.radicals[key])
 
+  def _reciprocal(self, p: dict) -> dict | None:
+    """``{q: 1}``, the symbol ``q = 1 / p`` of a row polynomial ``p`` of several terms (a
+    standard deviation plus epsilon, ``sqrt(var) + eps``)."""
+    if any(not _is_row(s) for s in _syms(p)):
+      return None
+    key = tuple(sorted((m, round(c, 12)) for m, c in p.items()))
+    if key not in self.reciprocals:
+      self.reciprocals[key] = len(self.reciprocal_defs)
+      self.reciprocal_defs.append(p)
+    return {((("q", self.reciprocals[key]), 1),): 1.0}
+
   # -- one node
   def _value(self, ref):
     if ref is self.x or (not isinstance(ref, Lit) and ref in self.vals):
@@ -498,6 +520,8 @@ class _Analysis:
     return None
 
   def _pow(self, p: dict, y: float) -> dict | None:
+    if y == -1 and len(p) > 1:
+      return self._reciprocal(p)
     if float(y).is_integer():
       return _power(p, int(y))
     if y == -0.5:
@@ -525,13 +549,28 @@ class _Analysis:
     return out
 
   # -- the norm test
+  def _std_plus_eps(self, q) -> tuple | None:
+    """``(radical r, a, e)`` where ``1 / q = a * r^-1 + e`` (``a > 0``): a standard deviation
+    (``r``'s definition free of constants) scaled by ``a``, plus ``e``; else None."""
+    definition = self.reciprocal_defs[q[1]]
+    e = definition.get((), 0.0)
+    rest = [(m, c) for m, c in definition.items() if m != ()]
+    if len(rest) != 1 or len(rest[0][0]) != 1:
+      return None
+    ((r, power),), a = rest[0]
+    if r[0] != "r" or power != -1 or not a > 0.0 or self.radical_defs[r[1]].get((), 0.0):
+      return None
+    return r, a, e
+
   def norm(self, p: dict) -> tuple | None:
-    """``(rms, eps, scale, bias)`` when ``p`` is a norm's output polynomial, else None."""
+    """``(rms, eps, scale, bias, eps_on_std)`` when ``p`` is a norm's output polynomial
+    (``eps_on_std``: epsilon added to the standard deviation, ``x / (std + eps)``, not to the
+    variance), else None."""
     parts = _by_x_power(p)
     if set(parts) - {0, 1} or 1 not in parts:
       return None
     lin, free = parts[1], parts.get(0, {})
-    rads = {s for s in _syms(lin) if s[0] == "r"}
+    rads = {s for s in _syms(lin) if s[0] in ("r", "q")}
     if len(rads) != 1:
       return None
     (r,) = rads
@@ -541,6 +580,12 @@ class _Analysis:
       if d.pop(r, 0) != 1 or any(_is_row(s) for s in d):
         return None
       scale[tuple(sorted(d.items()))] = c
+    symbol, factor, on_std = r, 1.0, r[0] == "q"
+    if on_std:  # x / (a std + e) = x / (std + e / a) / a
+      found = self._std_plus_eps(r)
+      if found is None:
+        return None
+      r, factor, eps_std = found
     definition = self.radical_defs[r[1]]
     eps = definition.get((), 0.0)
     var = {m: c for m, c in definition.items() if m != ()}
@@ -559,13 +604,18 @@ class _Analysis:
       return None
     if not eps >= 0.0:
       return None
-    centre = {} if rms else _mul({_mono((M1, 1), (r, 1)): -1.0}, scale)
+    centre = {} if rms else _mul({_mono((M1, 1), (symbol, 1)): -1.0}, scale)
     if centre is None:
       return None
     bias = _add(free, centre, -1.0)
     if any(_is_row(s) for s in _syms(bias)):
       return None
-    return rms, float(eps) / k, _scale(scale, k ** -0.5), bias
+    if on_std:  # 1 / (a sqrt(k var) + e) = (std + e / (a sqrt(k)))^-1 / (a sqrt(k))
+      if not eps_std >= 0.0:
+        return None
+      unit = factor * k ** 0.5
+      return rms, float(eps_std) / unit, _scale(scale, 1.0 / unit), bias, True
+    return rms, float(eps) / k, _scale(scale, k ** -0.5), bias, False
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -638,7 +688,7 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
       continue
     found.sort(key=lambda t: -g.producer[t[0]][0])
     reason = None
-    for o, (rms, eps, scale, bias) in found:  # several norms may read one x (GPT-NeoX)
+    for o, (rms, eps, scale, bias, on_std) in found:  # several norms may read one x (NeoX)
       root, root_out = g.producer[o]
       if root in taken:
         continue  # an intermediate value of a norm already found
@@ -681,7 +731,7 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
                if o2 in a.vals and X in _syms(a.vals[o2])]
       store = min((av.dtype for av in full), key=lambda d: jnp.finfo(d).nmant)
       matches.append(NormMatch(rms, eps, a.axes, nodes, root, root_out, inputs, params,
-                               scale, bias, store, a.layout[o]))
+                               scale, bias, store, a.layout[o], on_std))
       taken.update(nodes)
     if not radicals and reason and not any(m.inputs[0] is x for m in matches):
       left.append(([g.producer[found[0][0]][0]], reason))

@@ -34,7 +34,8 @@ class NormVJP:
     self.x_aval = _match.aval(target, m.inputs[0])
     self.out_aval = target.avals[target.nodes[m.root].outs[m.root_out]]
     self.ndim = len(self.x_aval.shape)
-    self.rows_kernel = (m.layout == tuple(range(self.ndim)) and m.axes == (self.ndim - 1,))
+    self.rows_kernel = (m.layout == tuple(range(self.ndim)) and m.axes == (self.ndim - 1,)
+                        and not m.eps_on_std)
     self.sources = sorted({p[0] for p in m.params if p is not None and p[0] != "const"})
     self.target = target
     # No affine, the output in x's layout and in the dtype xhat is kept in: the output *is*
@@ -70,7 +71,8 @@ class NormVJP:
 
   def residuals(self, vals, z) -> tuple:
     """``(xhat, rstd, parameter sources)`` from the region's input values and output."""
-    xhat, rstd = _norm_base.normalize(vals[0], self.m.rms, self.m.eps, self.m.axes)
+    xhat, rstd = _norm_base.normalize(vals[0], self.m.rms, self.m.eps, self.m.axes,
+                                      self.m.eps_on_std)
     xhat = z if self.output_is_xhat else xhat.astype(self.m.store)
     return xhat, rstd, tuple(vals[i] for i in self.sources)
 
@@ -97,7 +99,11 @@ class NormVJP:
       dx = _norm_base.kernel_or_xla(self.implementation, xhat).backward_dx(
           m.rms, xhat, rstd, dz, vec, self.x_aval.dtype)
     else:
-      dx = _norm_base.dx_from_xhat(xh, rstd, dzc * scale, m.rms, m.axes).astype(
+      # x / (std + eps): the projection's term grows by (std + eps) / std = 1 / (1 - eps rstd)
+      # per row (to xhat times its square root; a constant row's NaN, as sqrt's derivative
+      # at 0 gives the program, included)
+      xp = xh * jax.lax.rsqrt(1.0 - m.eps * rstd) if m.eps_on_std else xh
+      dx = _norm_base.dx_from_xhat(xp, rstd, dzc * scale, m.rms, m.axes).astype(
           self.x_aval.dtype)
     out = [None] * len(m.inputs)  # None: a zero cotangent (constants, a where's fill value)
     out[0] = dx

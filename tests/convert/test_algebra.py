@@ -118,7 +118,25 @@ def ln_vmapped_rows(x, g, b):
   return jax.vmap(jax.vmap(row))(x)
 
 
+def ln_std_plus_eps(x, g, b):
+  """The annotated Transformer's LayerNorm: ``g * (x - mean) / (std + eps) + b``."""
+  return g * (x - _mean(x)) / (jnp.std(x, -1, keepdims=True) + EPS) + b
+
+
+def ln_unbiased_std_plus_eps(x, g, b):
+  """With the unbiased standard deviation (``ddof=1``, torch's default) and a larger eps."""
+  return (x - _mean(x)) / (jnp.std(x, -1, keepdims=True, ddof=1) + 1e-2) * g + b
+
+
+def rms_plus_eps(x, g, _):
+  """An RMSNorm dividing by the root mean square plus eps."""
+  return x / (jnp.sqrt(_mean(x * x)) + 1e-2) * g
+
+
 NORMS = {
+    "ln_std_plus_eps": (ln_std_plus_eps, "layer_norm"),
+    "ln_unbiased_std_plus_eps": (ln_unbiased_std_plus_eps, "layer_norm"),
+    "rms_plus_eps": (rms_plus_eps, "rms_norm"),
     "ln_rsqrt": (ln_rsqrt, "layer_norm"),
     "ln_pow_div_sqrt": (ln_pow_div_sqrt, "layer_norm"),
     "ln_fast_variance_clipped": (ln_fast_variance_clipped, "layer_norm"),
@@ -155,7 +173,8 @@ def kept_bytes(fn, *args) -> int:
 
 # bfloat16 inputs where the dtype changes the program (statistics upcast or not, a final cast)
 _BF16 = ("ln_rsqrt", "ln_keras_folded", "ln_reciprocal_sqrt_f32_stats", "rms_gemma",
-         "rms_input_dtype_stats", "standardize_last", "l2_normalize_f32_stats")
+         "rms_input_dtype_stats", "standardize_last", "l2_normalize_f32_stats",
+         "ln_std_plus_eps")
 
 
 @pytest.mark.parametrize("name, dtype", [(n, "float32") for n in sorted(NORMS)]

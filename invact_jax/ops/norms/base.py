@@ -33,9 +33,10 @@ from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 
 
-def normalize(x, rms: bool, eps: float, axes=-1):
+def normalize(x, rms: bool, eps: float, axes=-1, eps_on_std: bool = False):
   """(xhat, rstd) in the compute dtype (float32; float64 for float64 x); rstd keeps the
-  reduced ``axes`` as size 1 (``[..., 1]`` for the last axis)."""
+  reduced ``axes`` as size 1 (``[..., 1]`` for the last axis).  ``eps_on_std``: ``rstd = 1 /
+  (sqrt(var) + eps)`` (the annotated Transformer's LayerNorm) instead of ``rsqrt(var + eps)``."""
   xf = x.astype(_common.compute_dtype(x.dtype))
   if rms:
     var = jnp.mean(xf * xf, axis=axes, keepdims=True)
@@ -44,7 +45,7 @@ def normalize(x, rms: bool, eps: float, axes=-1):
     mean = jnp.mean(xf, axis=axes, keepdims=True)
     centered = xf - mean
     var = jnp.mean(centered * centered, axis=axes, keepdims=True)
-  rstd = jax.lax.rsqrt(var + eps)
+  rstd = 1.0 / (jnp.sqrt(var) + eps) if eps_on_std else jax.lax.rsqrt(var + eps)
   return centered * rstd, rstd
 
 
