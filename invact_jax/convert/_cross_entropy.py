@@ -184,6 +184,7 @@ class _Head:
     self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
     self.scale = None                # the logits' factor where the log-sum-exp reads them
     self.temperature = None          # (traced scalar, "mul" or "div") applied to the logits
+    self.vocab_sharded = False       # the logits constrained to shards of the vocabulary
     self.temperature_nodes: set = set()
 
   def _is_v(self, ref) -> bool:
@@ -271,9 +272,15 @@ class _Head:
     return True
 
   def _same(self, n, ins, o) -> None:
-    """A cast, copy, reshape, broadcast or transpose: the value it passes on."""
+    """A cast, copy, reshape, broadcast, transpose or sharding constraint: the value it passes
+    on (not the logits constrained to shards of the vocabulary: a tensor-parallel head,
+    which the chunked head's vocabulary tiles would gather)."""
     src = ins[0]
     if isinstance(src, Lit):
+      return
+    if n.prim.name in _primitives.SHARDING and src in self.elem and _splits_last(
+        n, self.g.avals[o].shape):
+      self.vocab_sharded = True
       return
     if n.prim.name == "transpose":
       perm = tuple(n.params["permutation"])
@@ -692,7 +699,8 @@ def _shifts(k: str) -> list:
 
 #: Primitive -> how a value computed by it from followed values is followed.
 _STEPS = {
-    **{p: _Head._same for p in _primitives.HEAD_SAME | _primitives.SHAPE | {"transpose"}},
+    **{p: _Head._same for p in _primitives.HEAD_SAME | _primitives.SHAPE | {"transpose"}
+       | _primitives.SHARDING},
     "add": _Head._add_sub, "sub": _Head._add_sub, "neg": _Head._neg,
     "mul": _Head._mul_div, "div": _Head._mul_div, "exp": _Head._exp,
     "reduce_sum": _Head._reduce_sum, "log": _Head._log, "gather": _Head._gather,
@@ -727,6 +735,16 @@ def _position_along(g: _graph.Graph, ref, axis: int) -> list | None:
     else:
       return None
   return None
+
+
+def _splits_last(n: _graph.Node, shape: tuple) -> bool:
+  """Whether the sharding primitive ``n`` places a value of ``shape`` split along its last
+  axis over devices (unknown shardings: split)."""
+  sharding = n.params.get("sharding", n.params.get("dst_sharding"))
+  try:
+    return tuple(sharding.shard_shape(tuple(shape)))[-1:] != tuple(shape)[-1:]
+  except Exception:  # pylint: disable=broad-except
+    return True
 
 
 def _spread_source(g: _graph.Graph, ref):
@@ -1097,6 +1115,8 @@ def _rounded_to(g: _graph.Graph, dot) -> str | None:
 
 
 _USED_ELSEWHERE = "its logits are also used elsewhere (a cross-entropy found, not replaced)"
+_VOCAB_SHARDED = ("its logits are constrained to shards of the vocabulary (a tensor-parallel "
+                  "head: the chunked head's vocabulary tiles would gather the weight)")
 _NOT_READ = ("its logits are read at integer labels, but no cross-entropy of them was found "
              "(a log-sum-exp masked along the vocabulary or weighted, as logsumexp's where= "
              "and b= take it, is none; a bias of -inf is)")
@@ -1143,6 +1163,8 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
       h.step(i)
   for i in range(zi + 1, len(g.nodes)):
     h.step(i)
+  if h.vocab_sharded:
+    return None, _VOCAB_SHARDED
   if h.labels is None:
     return None, ""
   escaped = found = False  # found: a per-token cross-entropy, taken or not

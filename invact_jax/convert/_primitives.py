@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = ["COMMUTATIVE", "IDENTITY", "SHAPE", "FREE", "ELEMENTWISE", "KEEPS_INPUTS",
            "CONSTANT", "RECOMPUTED", "LINEAR", "MATMULS", "DOT", "CALLS", "CUSTOM_CALLS",
-           "NESTED", "RADICALS", "SQUARES", "LINEAR_UNARY", "HEAD_SAME"]
+           "NESTED", "RADICALS", "SQUARES", "LINEAR_UNARY", "HEAD_SAME", "SHARDING"]
 
 #: Binary primitives whose operands may be matched in either order.
 COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or"})
@@ -62,3 +62,6 @@ LINEAR_UNARY = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "re
 #: What a cross-entropy's values pass through unchanged (``abs`` of a sum of exponentials is
 #: the sum).
 HEAD_SAME = IDENTITY | {"abs"}
+#: Primitives that only say how a value is laid out over devices (MaxText constrains its
+#: logits' sharding): a value passes through them unchanged.
+SHARDING = frozenset({"sharding_constraint", "reshard", "mesh_cast"})

@@ -473,6 +473,35 @@ def test_logits_scaled_by_a_traced_scalar(name):
     assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
 
 
+@pytest.mark.parametrize("vocab_split", [False, True])
+def test_logits_under_a_sharding_constraint(vocab_split):
+  """Logits constrained to a sharding, as MaxText constrains its logits under its mesh: split
+  over the tokens only, the constraint is a value passed on and the head converts (no logits
+  left to constrain); split along the vocabulary (a tensor-parallel head), the head is left
+  alone and the report says why (the chunked head's vocabulary tiles would gather the
+  weight)."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (virtual) devices; conftest.py sets 8")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  spec = jax.sharding.PartitionSpec("data", None, "model" if vocab_split else None)
+  x, w, _, y = _inputs()
+  x, y = jnp.concatenate([x, x]), jnp.concatenate([y, y])  # a batch the 4 data shards split
+
+  def f(x, w):
+    z = jax.lax.with_sharding_constraint(x @ w, jax.sharding.NamedSharding(mesh, spec))
+    return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
+  inv = invact_jax.invert(f)
+  xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(xs, w)
+  if vocab_split:
+    assert inv.last_report.replaced == {}, inv.last_report
+    assert any("shards of the vocabulary" in why for _, _, why in inv.last_report.left_alone)
+    return
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  np.testing.assert_allclose(jax.jit(inv)(xs, w), jax.jit(f)(xs, w), rtol=2e-6)
+  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+
+
 def test_the_logits_read_outside_the_loss_leave_the_head_alone():
   """What the log-sum-exp's reads do not cover: the logits themselves (an argmax accuracy)
   read elsewhere; the head stays as written and the report says why."""
