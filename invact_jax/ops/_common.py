@@ -128,6 +128,17 @@ def first_order_only(name: str, fn: Callable[..., Any], *args):
   return _guarded(name, fn, *args)
 
 
+def axis_size(name) -> int:
+  """The size of the mesh axis (or tuple of axes) ``name`` inside ``shard_map``.
+
+  Raises:
+    NameError: ``name`` is not an axis of the enclosing ``shard_map`` (JAX's own error).
+  """
+  if hasattr(jax.lax, "axis_size"):
+    return int(jax.lax.axis_size(name))
+  return int(jax.lax.psum(1, name))  # JAX before axis_size: the size, as a Python int
+
+
 def _vma(x) -> frozenset:
   aval = jax.typeof(x)
   v = getattr(aval, "vma", None)

@@ -258,6 +258,67 @@ def test_under_transformations(wrap, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+def test_a_vocabulary_split_over_a_mesh_axis(vocab_axis, mode):
+  """``vocab_axis_name`` inside ``shard_map`` (a tensor-parallel head, tokens split over
+  "data", the vocabulary over "model"): loss, accuracy and the gradients of x, w and the bias
+  are the plain formula's with every option, and the compiled program gathers no weight;
+  with the log-sum-exp read too (``base.with_lse``) and outside a shard_map (one line)."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (virtual) devices; conftest.py sets them")
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  x, w, b, y = _inputs(n=32)
+  y = y.at[::7].set(5)
+  w = w if vocab_axis == 1 else w.T
+  kw = dict(ignore_index=5, label_smoothing=0.1, z_loss=1e-3, logit_soft_cap=3.0,
+            vocab_axis=vocab_axis)
+  w_spec = P(None, "model") if vocab_axis == 1 else P("model", None)
+
+  def split(x, w, b):
+    def local(x, w, b, y):
+      loss, correct = invact_jax.linear_cross_entropy(
+          x, w, y, bias=b, reduction="sum", gradients=mode, vocab_axis_name="model",
+          return_correct=True, chunk_size=4, vocab_chunk_size=8, **kw)
+      return jax.lax.psum(loss, "data"), correct
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), w_spec, P("model"), P("data")),
+                         out_specs=(P(), P("data")))(x, w, b, y)
+
+  def plain(x, w, b):
+    return invact_jax.linear_cross_entropy_reference(x, w, y, bias=b, reduction="sum", **kw)
+  (v1, correct), g1 = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2), has_aux=True))(
+      x, w, b)
+  v0, g0 = jax.value_and_grad(plain, argnums=(0, 1, 2))(x, w, b)
+  assert _rel(v1, v0) <= 2e-6 and all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0)), (
+      _rel(v1, v0), [_rel(a, r) for a, r in zip(g1, g0)])
+  z = (x @ w if vocab_axis == 1 else x @ w.T) + b
+  np.testing.assert_array_equal(correct, (y != 5) & (jnp.argmax(z, -1) == y))
+  text = jax.jit(jax.grad(lambda w: split(x, w, b)[0])).lower(w).compile().as_text()
+  assert "all-gather" not in text, "a weight was gathered"
+  if mode == "backward":  # the log-sum-exp read: its gradient through the shards too
+    opts = base.Options(vocab_axis, "none", 5, 0.1, 1e-3, 3.0, 4, 8, vocab_axis_name="model")
+
+    def with_lse(x, w, b):
+      def local(x, w, b, y):
+        loss, _, lse = base.with_lse(x, w, b, y, opts)
+        return jax.lax.psum(jnp.sum(loss + 0.5 * lse ** 2), "data")
+      return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), w_spec, P("model"),
+                                                       P("data")), out_specs=P())(x, w, b, y)
+
+    def plain_lse(x, w, b):
+      zc = 3.0 * jnp.tanh(((x @ w if vocab_axis == 1 else x @ w.T) + b) / 3.0)
+      per = invact_jax.linear_cross_entropy_reference(x, w, y, bias=b, reduction="none", **kw)
+      return jnp.sum(per + 0.5 * jax.nn.logsumexp(zc, -1) ** 2)
+    g1 = jax.jit(jax.grad(with_lse, argnums=(0, 1, 2)))(x, w, b)
+    g0 = jax.grad(plain_lse, argnums=(0, 1, 2))(x, w, b)
+    assert all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0)), [_rel(a, r) for a, r in zip(g1, g0)]
+  with pytest.raises(ValueError, match="argument `vocab_axis_name` must name axes of the "
+                                       "enclosing shard_map"):
+    invact_jax.linear_cross_entropy(x, w, y, vocab_axis=vocab_axis, vocab_axis_name="model")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_return_correct_is_the_accuracys_numerator(mode):
   x, w, b, y = _inputs()
   y = y.at[:5].set(7)

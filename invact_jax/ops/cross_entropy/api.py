@@ -130,19 +130,38 @@ def _concrete_labels(fn, labels, ignore_index, vocab) -> None:
                      f"{bad}")
 
 
+def _vocab_shards(fn, vocab_axis_name) -> tuple[str | tuple | None, int]:
+  """Checked ``(vocab_axis_name, number of vocabulary shards)``."""
+  if vocab_axis_name is None:
+    return None, 1
+  names = (vocab_axis_name,) if isinstance(vocab_axis_name, str) else vocab_axis_name
+  if not isinstance(names, (tuple, list)) or not names or not all(
+      isinstance(a, str) for a in names):
+    raise TypeError(f"invact_jax.{fn}: argument `vocab_axis_name` must be a mesh axis name, "
+                    f"a tuple of them or None, got {vocab_axis_name!r}")
+  name = names[0] if len(names) == 1 else tuple(names)
+  try:
+    return name, _common.axis_size(name)
+  except NameError:
+    raise ValueError(f"invact_jax.{fn}: argument `vocab_axis_name` must name axes of the "
+                     f"enclosing shard_map, got {vocab_axis_name!r}") from None
+
+
 def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z_loss,
-             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size, gradients=None):
+             logit_soft_cap, vocab_axis, chunk_size, vocab_chunk_size, gradients=None,
+             vocab_axis_name=None):
   """Checked arguments: ``(x [N, d], w, bias, labels [N], Options, leading shape)``."""
   x, w, labels, bias, vocab_axis, d, vocab = _arrays(fn, x, w, labels, bias, vocab_axis)
   ignore, smoothing, zl, cap = _loss_options(fn, reduction, ignore_index, label_smoothing,
                                              z_loss, logit_soft_cap)
+  name, shards = _vocab_shards(fn, vocab_axis_name)
   lead = tuple(x.shape[:-1])
   n = math.prod(lead)
   mode, chunk, vocab_chunk = _mode_and_tiles(fn, reduction, w, n, vocab, gradients, chunk_size,
                                              vocab_chunk_size)
-  _concrete_labels(fn, labels, ignore, vocab)
+  _concrete_labels(fn, labels, ignore, vocab * shards)
   opts = base.Options(vocab_axis, reduction, ignore, smoothing, zl, cap, chunk, vocab_chunk,
-                      mode)
+                      mode, vocab_axis_name=name)
   return x.reshape(n, d), w, bias, labels.reshape(n), opts, lead
 
 
@@ -152,7 +171,9 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
                          z_loss: float = 0.0, logit_soft_cap: float | None = None,
                          vocab_axis: int = -1, chunk_size: int | None = None,
                          vocab_chunk_size: int | None = None, gradients: str | None = None,
-                         return_correct: bool = False, implementation: ImplementationLike = None
+                         return_correct: bool = False,
+                         vocab_axis_name: str | tuple[str, ...] | None = None,
+                         implementation: ImplementationLike = None
                          ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Cross-entropy of ``x @ w (+ bias)`` against integer labels, never holding the logits.
 
@@ -193,6 +214,14 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
       weight gradient per example or step: use ``"backward"`` there.
     return_correct: also return, per token, whether its label has the largest logit (the
       accuracy's numerator, for free: the forward tracks each token's largest logit).
+    vocab_axis_name: a tensor-parallel head, inside ``shard_map``: the mesh axis (or tuple
+      of axes) the vocabulary is split over.  ``w`` (and ``bias``) hold this device's
+      contiguous shard of it, in axis-index order; ``x`` and the labels (global vocabulary
+      indices) are the same on every device of that axis.  Each device computes its
+      shard's logits tile by tile; the row statistics (max, sum of exponentials, the
+      label's logit) are combined over the axis, and the input gradient summed over it
+      (Megatron's vocabulary-parallel cross-entropy), so no weight is gathered.  None: the
+      whole vocabulary is here.
     implementation: None / "xla".
 
   Returns:
@@ -214,7 +243,8 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   _implementation.resolve(implementation, op=fn, implementations=IMPLEMENTATIONS, options=())
   x2, w, bias, y, opts, lead = _options(fn, x, w, labels, bias, reduction, ignore_index,
                                         label_smoothing, z_loss, logit_soft_cap, vocab_axis,
-                                        chunk_size, vocab_chunk_size, gradients)
+                                        chunk_size, vocab_chunk_size, gradients,
+                                        vocab_axis_name)
   if not isinstance(return_correct, bool):
     raise TypeError(f"invact_jax.{fn}: argument `return_correct` must be a bool, got "
                     f"{return_correct!r}")

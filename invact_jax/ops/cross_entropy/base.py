@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from invact_jax.ops import _common
 
-__all__ = ["Options", "GRADIENTS", "linear_cross_entropy", "with_lse", "reference",
+__all__ = ["Options", "Shards", "GRADIENTS", "linear_cross_entropy", "with_lse", "reference",
            "default_mode", "default_tiles"]
 
 #: The gradient modes: computed with the loss (scalar losses) or by recomputing the logits.
@@ -86,6 +86,9 @@ class Options:
     logit_scale: the logits' factor after the bias (and the rounding to ``logits_dtype``),
       before the soft cap: what :func:`invact_jax.invert` keeps of a program's scaled logits
       (T5's and MaxText's tied head: ``logits / sqrt(d)``); 1: none.
+    vocab_axis_name: inside ``shard_map``, the mesh axis (or tuple of axes) the vocabulary
+      is split over (a tensor-parallel head: the weight and bias hold this device's
+      contiguous shard, in axis-index order); None: the whole vocabulary is here.
   """
   vocab_axis: int
   reduction: str
@@ -99,6 +102,7 @@ class Options:
   logits_dtype: str | None = None
   outside_lse: float | None = None
   logit_scale: float = 1.0
+  vocab_axis_name: str | tuple | None = None
 
   def outside(self, inside, picked, lse):
     """``picked`` where the label is ``inside`` ``[0, V)``; else NaN, or what stands for the
@@ -117,6 +121,25 @@ class Options:
     if self.z_loss:
       weight = (1.0 if weight is None else weight) + 2.0 * self.z_loss * lse
     return weight
+
+
+class Shards:
+  """The vocabulary as this device holds it: ``local`` entries from ``offset`` of ``total``
+  (one shard: the whole vocabulary, offset 0), and the row statistics across the shards."""
+
+  def __init__(self, opts: Options, local: int):
+    self.name, self.local = opts.vocab_axis_name, local
+    if self.name is None:
+      self.total, self.offset = local, 0
+    else:
+      self.total = local * _common.axis_size(self.name)
+      self.offset = jax.lax.axis_index(self.name) * local
+
+  def max(self, a):
+    return a if self.name is None else jax.lax.pmax(a, self.name)
+
+  def sum(self, a):
+    return a if self.name is None else jax.lax.psum(a, self.name)
 
 
 def _token_tile(tokens: int, limit: int) -> int:
@@ -299,7 +322,9 @@ def _forward(x, w, b, y, opts: Options):
   """Per-token losses and float32 lse: over token chunks, and within each over vocabulary
   tiles with an online log-sum-exp."""
   cd = _common.compute_dtype(x.dtype)
-  n, vocab = x.shape[0], w.shape[opts.vocab_axis]
+  n = x.shape[0]
+  shards = Shards(opts, w.shape[opts.vocab_axis])
+  vocab = shards.total
   counted = _counted(y, opts)
   s = opts.label_smoothing
 
@@ -313,16 +338,21 @@ def _forward(x, w, b, y, opts: Options):
       z, _ = _logits(xc, wt, bt, opts, cd)
       m_new = jnp.maximum(m, jnp.max(z, axis=-1))
       total = total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
-      here = jnp.arange(size, dtype=jnp.int32)[None, :] == (label - start)[:, None]
+      here = jnp.arange(size, dtype=jnp.int32)[None, :] == (
+          label - shards.offset - start)[:, None]
       picked = picked + jnp.sum(jnp.where(here, z, 0.0), axis=-1)
       if s:
         zsum = zsum + jnp.sum(z, axis=-1)
       return m_new, total, picked, zsum
     row = xc[:, 0]  # per-token accumulators: the tokens' sharding (and vma)
     zeros = _common.varying_like(jnp.zeros_like(row, dtype=cd), xc, w)
-    m, total, picked, zsum = _over_tiles(vocab, opts.vocab_chunk_size, tile, (
+    m, total, picked, zsum = _over_tiles(shards.local, opts.vocab_chunk_size, tile, (
         _common.varying_like(jnp.full_like(row, -jnp.inf, dtype=cd), xc, w), zeros, zeros,
         zeros))
+    if shards.name is not None:  # the shards' statistics combined
+      top = shards.max(m)
+      total = shards.sum(total * jnp.exp(m - top))
+      m, picked, zsum = top, shards.sum(picked), shards.sum(zsum)
     lse = m + jnp.log(total)
     inside = (label >= 0) & (label < vocab)
     loss = lse - (1.0 - s) * opts.outside(inside, picked, lse)
@@ -361,7 +391,9 @@ def _backward(opts: Options, res, g, g_lse):
   per-token log-sum-exp (its cotangent ``g_lse`` [N]: ``g_lse * softmax`` in the logits)."""
   x, w, b, y, lse = res
   cd = lse.dtype
-  n, vocab = x.shape[0], w.shape[opts.vocab_axis]
+  n = x.shape[0]
+  shards = Shards(opts, w.shape[opts.vocab_axis])
+  vocab = shards.total
   ct = opts.chunk_size
   counted = _counted(y, opts)
   if opts.reduction == "mean":
@@ -383,7 +415,8 @@ def _backward(opts: Options, res, g, g_lse):
       z, t = _logits(xc, wt, bt, opts, cd)
       p = jnp.exp(z - lc[:, None])
       weight = opts.softmax_weight((yc >= 0) & (yc < vocab), lc)
-      here = jnp.arange(size, dtype=jnp.int32)[None, :] == (yc - start)[:, None]
+      here = jnp.arange(size, dtype=jnp.int32)[None, :] == (
+          yc - shards.offset - start)[:, None]
       pw = p if weight is None else p * weight[:, None]
       dz = logits_chain(pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
       if gls is not None:  # every token's log-sum-exp (ignored ones' too) read elsewhere
@@ -404,16 +437,16 @@ def _backward(opts: Options, res, g, g_lse):
         dbt = dbt + jnp.sum(dz, axis=0)
       return dx, dwt, dbt
     dx, dwt, dbt = jax.lax.fori_loop(0, xs.shape[0], chunk, (
-        dx, _zeros(wt, cd, x, lse), None if b is None else _zeros(bt, cd, x, lse)))
+        dx, _zeros(wt, cd, x, lse, w), None if b is None else _zeros(bt, cd, x, lse, w)))
     dw = jax.lax.dynamic_update_slice_in_dim(dw, dwt.astype(w.dtype), start,
                                              axis=opts.vocab_axis)
     if db is not None:
       db = jax.lax.dynamic_update_slice_in_dim(db, dbt.astype(b.dtype), start, axis=0)
     return dx, dw, db
-  dx, dw, db = _over_tiles(vocab, opts.vocab_chunk_size, tile, (
-      _zeros(xs, cd, x, lse), _zeros(w, w.dtype, x, lse),
-      None if b is None else _zeros(b, b.dtype, x, lse)))
-  dx = _unchunk(dx, n).astype(x.dtype)
+  dx, dw, db = _over_tiles(shards.local, opts.vocab_chunk_size, tile, (
+      _zeros(xs, cd, x, lse, w), _zeros(w, w.dtype, x, lse, w),
+      None if b is None else _zeros(b, b.dtype, x, lse, w)))
+  dx = shards.sum(_unchunk(dx, n)).astype(x.dtype)  # (each shard's share of the vocabulary)
   return (_common.cotangent_like(dx, x), _common.cotangent_like(dw, w),
           None if b is None else _common.cotangent_like(db, b), None)
 

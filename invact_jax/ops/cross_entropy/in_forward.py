@@ -39,25 +39,28 @@ __all__ = ["weighted_sum", "reduced", "GRADIENT_NAME"]
 GRADIENT_NAME = "linear_cross_entropy gradient"
 
 
-def _chunk_loss(xc, lc, kc, w, b, opts: base.Options):
+def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards):
   """One chunk's logits and loss: ``(z, lse, per-token loss, correct)``; ``lc`` the labels
   with ignored ones set to 0, ``kc`` whether a token counts."""
   cd = _common.compute_dtype(xc.dtype)
-  vocab = w.shape[opts.vocab_axis]
+  vocab = shards.total
   z, _ = base._logits(xc, w.astype(xc.dtype), None if b is None else b.astype(xc.dtype), opts,
                       cd)
   inside = (lc >= 0) & (lc < vocab)
-  picked = jnp.take_along_axis(z, jnp.clip(lc, 0, vocab - 1)[:, None], axis=-1)[:, 0]
-  rowmax = jnp.max(z, axis=-1)
+  here = lc - shards.offset
+  picked = jnp.take_along_axis(z, jnp.clip(here, 0, shards.local - 1)[:, None], axis=-1)[:, 0]
+  if shards.name is not None:  # the shard holding the label gives its logit
+    picked = shards.sum(jnp.where((here >= 0) & (here < shards.local), picked, 0.0))
+  rowmax = shards.max(jnp.max(z, axis=-1))
   # The shift reads the label's logit (and the mean), so they are computed before the logits'
   # gradient overwrites the logits: the chunk holds one [c, V] buffer, not two.
   shift = jnp.maximum(rowmax, jnp.where(inside, picked, -jnp.inf))
   s = opts.label_smoothing
   if s:
-    zmean = jnp.sum(z, axis=-1) / vocab
+    zmean = shards.sum(jnp.sum(z, axis=-1)) / vocab
     shift = jnp.maximum(shift, zmean)
   shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
-  lse = shift + jnp.log(jnp.sum(jnp.exp(z - shift[:, None]), axis=-1))
+  lse = shift + jnp.log(shards.sum(jnp.sum(jnp.exp(z - shift[:, None]), axis=-1)))
   correct = kc & inside & (picked >= rowmax)
   picked = opts.outside(inside, picked, lse)
   loss = lse - (1.0 - s) * picked
@@ -68,15 +71,15 @@ def _chunk_loss(xc, lc, kc, w, b, opts: base.Options):
   return z, lse, jnp.where(kc, loss, 0.0), correct
 
 
-def _logits_grad(z, lse, lc, scale, opts: base.Options):
+def _logits_grad(z, lse, lc, scale, opts: base.Options, shards: base.Shards):
   """The chunk's ``d total / d z``, each token's row times its weight ``scale``."""
-  vocab = z.shape[-1]
+  vocab = shards.total
   s = opts.label_smoothing
   p = jnp.exp(z - lse[:, None])
   weight = opts.softmax_weight((lc >= 0) & (lc < vocab), lse)
   if weight is not None:
     p = p * weight[:, None]
-  here = jnp.arange(vocab, dtype=jnp.int32)[None, :] == lc[:, None]
+  here = jnp.arange(z.shape[-1], dtype=jnp.int32)[None, :] == (lc - shards.offset)[:, None]
   dz = p - jnp.where(here, 1.0 - s, 0.0)
   if s:
     dz = dz - s / vocab
@@ -115,14 +118,15 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False)):
   scale = jnp.where(counted, weights.astype(cd), 0.0)
   need_x, need_w, need_b = need
   grads = any(need)
+  shards = base.Shards(opts, w.shape[opts.vocab_axis])
 
   def chunk(acc, inputs):
     dw, db = acc
     xc, lc, kc, sc = inputs
-    z, lse, loss, correct = _chunk_loss(xc, lc, kc, w, b, opts)
+    z, lse, loss, correct = _chunk_loss(xc, lc, kc, w, b, opts, shards)
     if not grads:
       return acc, (loss, correct, None)
-    dz = _logits_grad(z, lse, lc, sc, opts)
+    dz = _logits_grad(z, lse, lc, sc, opts, shards)
     dzw = dz.astype(x.dtype)  # the matmuls run in the activations' dtype
     dxc = None
     if need_x:  # contracted with the weight's vocabulary axis
@@ -141,7 +145,7 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False)):
       base._chunks(scale, c)))
   loss, correct = base._unchunk(loss, n), base._unchunk(correct, n)
   if dx is not None:
-    dx = base._unchunk(dx, n)
+    dx = shards.sum(base._unchunk(dx, n))  # (each shard's share of the vocabulary)
   return loss, correct, dx, dw, db
 
 
