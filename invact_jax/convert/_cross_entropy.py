@@ -83,6 +83,9 @@ class HeadMatch:
     temperature: ``(s, "mul")`` or ``(s, "div")`` where the logits (bias added) are multiplied
       or divided by ``s``, a traced scalar (a learnable temperature), an input of the region;
       the head reads the tokens (and the bias) scaled by it instead.
+    vocab_sharding: the ``NamedSharding`` the program constrains the logits to where it splits
+      the vocabulary over mesh axes (a tensor-parallel head): the head runs per shard in
+      ``shard_map`` (``vocab_axis_name``), the tokens as the constraint places them; None.
     mask: a per-token boolean mask whose dropped tokens' loss is zero (optax's ``where=`` of
       a one-hot cross-entropy), an input of the region; None for none.
     outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
@@ -108,6 +111,7 @@ class HeadMatch:
   logit_scale: float = 1.0
   lse_reads: tuple = ()
   temperature: tuple | None = None
+  vocab_sharding: object = None
 
   public = "linear_cross_entropy"
 
@@ -137,6 +141,8 @@ class HeadMatch:
     if self.temperature is not None:
       extra += (", logits " + ("times" if self.temperature[1] == "mul" else "divided by")
                 + " a traced scalar")
+    if self.vocab_sharding is not None:
+      extra += f", vocabulary split over mesh axes {self.vocab_sharding.spec[-1]!r}"
     if self.fold:
       how = "its weighted sum folded in, gradients in the forward"
     else:
@@ -184,7 +190,9 @@ class _Head:
     self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
     self.scale = None                # the logits' factor where the log-sum-exp reads them
     self.temperature = None          # (traced scalar, "mul" or "div") applied to the logits
-    self.vocab_sharded = False       # the logits constrained to shards of the vocabulary
+    self.vocab_sharded = False       # ... to shards of the vocabulary the head cannot run on
+    self.vocab_split = None          # (sharding, shape): the logits constrained to shards of
+    #                                  the vocabulary, over a mesh the head runs per shard on
     self.temperature_nodes: set = set()
 
   def _is_v(self, ref) -> bool:
@@ -273,15 +281,18 @@ class _Head:
 
   def _same(self, n, ins, o) -> None:
     """A cast, copy, reshape, broadcast, transpose or sharding constraint: the value it passes
-    on (not the logits constrained to shards of the vocabulary: a tensor-parallel head,
-    which the chunked head's vocabulary tiles would gather)."""
+    on.  Logits constrained to shards of the vocabulary (a tensor-parallel head) are
+    followed where the head can run per shard (:func:`_vocab_split`)."""
     src = ins[0]
     if isinstance(src, Lit):
       return
     if n.prim.name in _primitives.SHARDING and src in self.elem and _splits_last(
         n, self.g.avals[o].shape):
-      self.vocab_sharded = True
-      return
+      split = _vocab_split(n, tuple(self.g.avals[o].shape))
+      if split is None or (self.vocab_split is not None and self.vocab_split != split):
+        self.vocab_sharded = True
+        return
+      self.vocab_split = split
     if n.prim.name == "transpose":
       perm = tuple(n.params["permutation"])
       if (src in self.elem or src in self.exps) and perm[-1] != len(perm) - 1:
@@ -747,6 +758,20 @@ def _splits_last(n: _graph.Node, shape: tuple) -> bool:
     return True
 
 
+def _vocab_split(n: _graph.Node, shape: tuple) -> tuple | None:
+  """``(sharding, shape)`` where the sharding primitive ``n`` places the logits of ``shape``
+  as a ``NamedSharding`` over a mesh of automatic axes (what ``shard_map`` runs the head
+  on, per shard), else None."""
+  sharding = n.params.get("sharding", n.params.get("dst_sharding"))
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if (not isinstance(sharding, jax.sharding.NamedSharding) or spec is None
+      or len(spec) > len(shape) or any("Auto" not in str(t)
+                                       for t in getattr(mesh, "axis_types", ()))
+      or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None)):
+    return None
+  return sharding, tuple(shape)
+
+
 def _spread_source(g: _graph.Graph, ref):
   """``(source, chain)``: ``ref`` followed back through broadcasts, reshapes and casts to a
   program value or an array constant (a bias closed over); ``(None, [])`` at a scalar."""
@@ -1116,7 +1141,9 @@ def _rounded_to(g: _graph.Graph, dot) -> str | None:
 
 _USED_ELSEWHERE = "its logits are also used elsewhere (a cross-entropy found, not replaced)"
 _VOCAB_SHARDED = ("its logits are constrained to shards of the vocabulary (a tensor-parallel "
-                  "head: the chunked head's vocabulary tiles would gather the weight)")
+                  "head) in a layout the head cannot run per shard on (not a NamedSharding "
+                  "of automatic mesh axes of the tokens' shape: the chunked head's "
+                  "vocabulary tiles would gather the weight)")
 _NOT_READ = ("its logits are read at integer labels, but no cross-entropy of them was found "
              "(a log-sum-exp masked along the vocabulary or weighted, as logsumexp's where= "
              "and b= take it, is none; a bias of -inf is)")
@@ -1163,7 +1190,8 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
       h.step(i)
   for i in range(zi + 1, len(g.nodes)):
     h.step(i)
-  if h.vocab_sharded:
+  if h.vocab_sharded or (h.vocab_split is not None and (
+      h.permuted or h.vocab_split[1] != tuple(g.avals[x].shape[:-1]) + (vocab,))):
     return None, _VOCAB_SHARDED
   if h.labels is None:
     return None, ""
@@ -1197,5 +1225,5 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
                      1 - vaxis if transposed else vaxis, res[1], res[0], fold, why, h.cap,
                      _rounded_to(g, g.nodes[di]), res[2], mask,
                      res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0,
-                     reads, h.temperature), ""
+                     reads, h.temperature, h.vocab_split and h.vocab_split[0]), ""
   return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

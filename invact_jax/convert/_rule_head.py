@@ -4,6 +4,7 @@ weighted sum, runs as :func:`invact_jax.linear_cross_entropy` (no logits buffer)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -62,14 +63,27 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     by = (lambda v: v * s) if m.temperature[1] == "mul" else (lambda v: v / s)  # noqa: E731
     return by(x).astype(x.dtype), w, None if b is None else by(b).astype(b.dtype)
 
+  def run(core, kinds, x, w, b, labels, weights=None):
+    """``core(x [k, d], w, b, labels [k], weights [k] or None, opts)`` over the tokens: its
+    outputs, per token (``kinds`` "token") or totals; under a vocabulary split, per device
+    in ``shard_map``."""
+    if m.vocab_sharding is None:
+      return core(x, w, b, labels, weights, opts)
+    return _per_shard(core, kinds, m.vocab_sharding, tuple(x_aval.shape[:-1]), m.vocab_axis,
+                      opts, x, w, b, labels, weights)
+
   if m.fold is None:
     def per_token(*vals):
       x, w, b = tokens(vals)
-      args = (x, w, b, labels_of(vals), opts)
-      if m.lse_reads:
-        loss, _, lse = _ce_base.with_lse(*args)
-      else:
-        loss, _ = _ce_base.linear_cross_entropy(*args)
+
+      def core(x, w, b, labels, _, opts):
+        args = (x, w, b, labels, opts)
+        if m.lse_reads:
+          loss, _, lse = _ce_base.with_lse(*args)
+          return loss, lse
+        return (_ce_base.linear_cross_entropy(*args)[0],)
+      loss, *lse = run(core, ("token",) * (1 + bool(m.lse_reads)), x, w, b, labels_of(vals))
+      lse = lse[0] if lse else None
       if m.mask is not None:
         loss = jnp.where(kept(vals), loss, 0.0)
       reads = [(a * lse + c * lse * lse).reshape(target.avals[r].shape).astype(
@@ -90,9 +104,47 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
     weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
     if m.mask is not None:
       weights = jnp.where(kept(vals), weights, 0.0)
-    total, _ = _ce_in_forward.weighted_sum(x, w, b, labels_of(vals), weights, opts)
+    (total,) = run(lambda x, w, b, labels, weights, opts: (_ce_in_forward.weighted_sum(
+        x, w, b, labels, weights, opts)[0],), ("total",), x, w, b, labels_of(vals), weights)
     return (total.reshape(out_aval.shape).astype(out_aval.dtype),)
   return folded
+
+
+def _per_shard(core, kinds, sharding, lead: tuple, vocab_axis: int, opts, x, w, b, labels,
+               weights):
+  """``core`` (as :func:`head_fn`'s ``run`` calls it) in ``shard_map`` over ``sharding``'s
+  mesh: the tokens placed as the logits' constraint places their leading axes, the weight and
+  bias split along the vocabulary over its last entry's axes (``vocab_axis_name``); per-token
+  outputs come back in the tokens' places, totals summed over the tokens' axes."""
+  spec = tuple(sharding.spec)
+  tok, vaxes = spec[:-1], spec[-1]
+  names = tuple(a for e in tok if e is not None for a in ((e,) if isinstance(e, str) else e))
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  d = x.shape[-1]
+  args = [x.reshape(*lead, d), w, labels.reshape(lead)]
+  specs = [P(*tok, None), P(None, vaxes) if vocab_axis == 1 else P(vaxes, None), P(*tok)]
+  if b is not None:
+    args.append(b)
+    specs.append(P(vaxes))
+  if weights is not None:
+    args.append(weights.reshape(lead))
+    specs.append(P(*tok))
+  axis_name = vaxes if isinstance(vaxes, str) else tuple(vaxes)
+
+  def local(x, w, labels, *rest):
+    b_l = rest[0] if b is not None else None
+    wt = rest[-1].reshape(-1) if weights is not None else None
+    k = math.prod(x.shape[:-1])
+    chunk, vocab_chunk = _ce_base.default_tiles(k, w.shape[vocab_axis], opts.gradients)
+    here = dataclasses.replace(opts, chunk_size=chunk, vocab_chunk_size=vocab_chunk,
+                               vocab_axis_name=axis_name)
+    outs = core(x.reshape(k, d), w, b_l, labels.reshape(k), wt, here)
+    return tuple(o.reshape(x.shape[:-1]) if kind == "token" else
+                 (jax.lax.psum(o, names) if names else o) for o, kind in zip(outs, kinds))
+  outs = jax.shard_map(local, mesh=sharding.mesh, in_specs=tuple(specs),
+                       out_specs=tuple(P(*tok) if kind == "token" else P() for kind in kinds))(
+                           *args)
+  return tuple(o.reshape(-1) if kind == "token" else o for o, kind in zip(outs, kinds))
 
 
 class HeadRule(_rule.Rule):

@@ -473,33 +473,53 @@ def test_logits_scaled_by_a_traced_scalar(name):
     assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
 
 
-@pytest.mark.parametrize("vocab_split", [False, True])
-def test_logits_under_a_sharding_constraint(vocab_split):
+SPLITS = {  # how the program constrains its logits -> what the head does
+    "tokens_only": ("data", None, None),
+    "vocabulary_folded": ("data", None, "model"),
+    "vocabulary_per_token": ("data", None, "model"),
+    "vocabulary_of_flattened_logits": ("data", "model"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLITS))
+def test_logits_under_a_sharding_constraint(name):
   """Logits constrained to a sharding, as MaxText constrains its logits under its mesh: split
   over the tokens only, the constraint is a value passed on and the head converts (no logits
-  left to constrain); split along the vocabulary (a tensor-parallel head), the head is left
-  alone and the report says why (the chunked head's vocabulary tiles would gather the
-  weight)."""
+  left to constrain); split along the vocabulary too (a tensor-parallel head), the head runs
+  per device in ``shard_map`` on its shard of the weight (``vocab_axis_name``), folded or
+  per token, gathering no weight; constrained in a layout the tokens do not have (logits
+  flattened to [tokens, V]), it is left alone and the report says why."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 (virtual) devices; conftest.py sets 8")
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-  spec = jax.sharding.PartitionSpec("data", None, "model" if vocab_split else None)
-  x, w, _, y = _inputs()
+  spec = P(*SPLITS[name])
+  x, w, b, y = _inputs(v=48)
   x, y = jnp.concatenate([x, x]), jnp.concatenate([y, y])  # a batch the 4 data shards split
 
-  def f(x, w):
-    z = jax.lax.with_sharding_constraint(x @ w, jax.sharding.NamedSharding(mesh, spec))
-    return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
+  def f(x, w, b):
+    z = x @ w + b
+    if name == "vocabulary_of_flattened_logits":
+      z = z.reshape(-1, z.shape[-1])
+    z = jax.lax.with_sharding_constraint(z, jax.sharding.NamedSharding(mesh, spec))
+    loss = optax.softmax_cross_entropy_with_integer_labels(z, y.reshape(z.shape[:-1]))
+    return jnp.max(loss) if name == "vocabulary_per_token" else loss.mean()
   inv = invact_jax.invert(f)
-  xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
-  g = jax.jit(jax.grad(inv, argnums=(0, 1)))(xs, w)
-  if vocab_split:
+  xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+  ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, P(None, "model")))
+  grad = jax.jit(jax.grad(inv, argnums=(0, 1, 2)))
+  g = grad(xs, ws, b)
+  if name == "vocabulary_of_flattened_logits":
     assert inv.last_report.replaced == {}, inv.last_report
     assert any("shards of the vocabulary" in why for _, _, why in inv.last_report.left_alone)
     return
   assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
-  np.testing.assert_allclose(jax.jit(inv)(xs, w), jax.jit(f)(xs, w), rtol=2e-6)
-  assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
+  (form,) = inv.last_report.forms
+  assert ("vocabulary split over mesh axes 'model'" in form) == name.startswith("vocabulary")
+  assert ("folded in" in form) == (name != "vocabulary_per_token"), form
+  np.testing.assert_allclose(jax.jit(inv)(xs, ws, b), jax.jit(f)(xs, ws, b), rtol=2e-6)
+  assert_at_float32_floor(f, (x, w, b), g, argnums=(0, 1, 2))
+  assert "all-gather" not in grad.lower(xs, ws, b).compile().as_text()
 
 
 def test_the_logits_read_outside_the_loss_leave_the_head_alone():
