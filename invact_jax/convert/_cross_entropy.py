@@ -173,6 +173,7 @@ class _Head:
     self.rows = {}                   # [...] (or [..., 1]) row values
     self.exps = {}                   # exp(z - k): ref -> k symbol
     self.sums = {}                   # sum over V of exp(z - k): ref -> k symbol
+    self.probs = {}                  # exp(z - k) / sum(exp(z - k)), the softmax: ref -> k
     self.target = {}                 # a * onehot + u: ref -> (a, u)
     self.weighted = {}               # target * linear: ref -> ((a, u), linear)
     self.bias = None
@@ -244,7 +245,8 @@ class _Head:
     return not isinstance(r, Lit) and any(r in t for t in self._tables())
 
   def _tables(self) -> tuple:
-    return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted, self.tanh)
+    return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted, self.tanh,
+            self.probs)
 
   def step(self, i: int) -> None:
     """Follow node ``i`` (in program order) if it computes from values followed so far."""
@@ -380,6 +382,10 @@ class _Head:
         t = self.target[a]
         self.target[o] = (t[0] * c, t[1] * c)
       return
+    if (n.prim.name == "div" and not isinstance(a, Lit) and not isinstance(b, Lit)
+        and a in self.exps and self.sums.get(b) == self.exps[a]):
+      self.probs[o] = self.exps[a]  # the softmax: exp(z - k) / sum(exp(z - k))
+      return
     if self._traced_factor(n, a, b, o):
       return
     if n.prim.name == "mul":  # the target weight times a linear value
@@ -469,6 +475,17 @@ class _Head:
   def _log(self, n, ins, o) -> None:
     if ins[0] in self.sums:
       self.rows[o] = {"ls" + self.sums[ins[0]]: 1.0}
+    elif ins[0] in self.probs:  # log(softmax(a z)) = a z - k - log(sum(exp(a z - k)))
+      k = self.probs[ins[0]]
+      self.elem[o] = {"z": self.scale or 1.0, "ls" + k: -1.0, **{s: -1.0 for s in _shifts(k)}}
+    elif len(self.rows.get(ins[0], {})) == 1 and next(iter(self.rows[ins[0]])).startswith(
+        "prob:"):
+      # log(softmax(a z)[y]) = a z[y] - k - log(sum(exp(a z - k))): the log-likelihood
+      (sym, c), = self.rows[ins[0]].items()
+      if c == 1.0:
+        k = sym[5:]
+        self.rows[o] = {"pick": self.scale or 1.0, "ls" + k: -1.0,
+                        **{s: -1.0 for s in _shifts(k)}}
 
   def _square(self, n, ins, o) -> None:
     """``lse ** 2`` (``square``, ``integer_pow`` 2, or ``lse * lse`` from :meth:`_mul_div`):
@@ -510,7 +527,8 @@ class _Head:
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
     rows = None if isinstance(src, Lit) or self._is_v(src) else self._rows_of_flat(src)
-    if not isinstance(src, Lit) and src in self.elem and (self._is_v(src) or rows is not None):
+    followed = not isinstance(src, Lit) and (src in self.elem or src in self.probs)
+    if followed and (self._is_v(src) or rows is not None):
       labels, nodes = ((self._advanced_index(n, idx) or self._labels_of(idx)) if rows is None
                        else self._flat_index(n, rows, idx) or (None, []))
       if labels is None or (self.labels is not None and self.labels != labels):
@@ -518,7 +536,8 @@ class _Head:
       self.labels = labels
       self.label_nodes.update(nodes)
       self.picks.add("gather")
-      self.rows[o] = {("pick" if k == "z" else k): c for k, c in self.elem[src].items()}
+      self.rows[o] = ({"prob:" + self.probs[src]: 1.0} if src in self.probs else
+                      {("pick" if k == "z" else k): c for k, c in self.elem[src].items()})
     elif not isinstance(src, Lit) and src in self.rows and all(
         isinstance(r, Lit) or r not in self.elem for r in ins[1:]):
       self.rows[o] = self.rows[src]  # .take(0) of a size-1 axis
@@ -620,6 +639,12 @@ class _Head:
     if self._zero_where_untargeted(ins):
       self.weighted[o] = self.weighted[ins[2]]
       return
+    if (not isinstance(ins[0], Lit) and self.target.get(ins[0]) == (1.0, 0.0)
+        and ins[2] in self.elem and _zero(self.g, ins[1])):
+      # where(one-hot, v, 0): the one-hot's predicate picks v at the label
+      self.weighted[o] = ((1.0, 0.0), self.elem[ins[2]])
+      self._take_zeros(ins[1])
+      return
     mask = _mask_root(self.g, ins[0])
     if mask is None or _mask_size(self.g, mask) * self.vocab != np.prod(self.g.avals[o].shape):
       return  # a mask of single logits (or none): not a per-token one
@@ -651,12 +676,17 @@ class _Head:
       if (not isinstance(t, Lit) and t in self.target and _zero(self.g, c)
           and self.target[t] == self.weighted[value][0]):
         self.helpers.add(self.g.producer[pred][0])
-        while not isinstance(zero, Lit):  # the zeros: a literal broadcast (and cast) to shape
-          i = self.g.producer[zero][0]
-          self.helpers.add(i)
-          zero = self.g.nodes[i].ins[0]
+        self._take_zeros(zero)
         return True
     return False
+
+  def _take_zeros(self, zero) -> None:
+    """The nodes making the zeros a select reads (a literal broadcast and cast to shape)
+    become the region's helpers."""
+    while not isinstance(zero, Lit):
+      i = self.g.producer[zero][0]
+      self.helpers.add(i)
+      zero = self.g.nodes[i].ins[0]
 
   def _shift_step(self, n, ins, o) -> None:
     """A row constant computed from z (a max and its clamps): a shift."""
@@ -1146,7 +1176,8 @@ _VOCAB_SHARDED = ("its logits are constrained to shards of the vocabulary (a ten
                   "vocabulary tiles would gather the weight)")
 _NOT_READ = ("its logits are read at integer labels, but no cross-entropy of them was found "
              "(a log-sum-exp masked along the vocabulary or weighted, as logsumexp's where= "
-             "and b= take it, is none; a bias of -inf is)")
+             "and b= take it, is none, nor is the log of a probability clipped or offset; a "
+             "bias of -inf is)")
 
 
 def find_heads(g: _graph.Graph, claimed: set, outvars: set,

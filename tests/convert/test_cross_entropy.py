@@ -104,6 +104,17 @@ FORMS = {
     # a bias closed over (a constant of the program, not an argument)
     "bias_closed_over": lambda x, w, b, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w + _BIAS, y).mean(),
+    # the log-likelihood from the probabilities: log(softmax(z)) picked, or weighted by a
+    # one-hot, and a softmax written out without a shift
+    "log_of_the_softmax_picked": lambda x, w, b, y: -jnp.mean(jnp.log(_pick(
+        jax.nn.softmax(x @ w + b), y))),
+    "one_hot_times_log_of_the_softmax": lambda x, w, b, y: -jnp.mean(jnp.sum(jax.nn.one_hot(
+        y, w.shape[1]) * jnp.log(jax.nn.softmax(x @ w)), -1)),
+    "log_of_a_softmax_written_out": lambda x, w, b, y: (lambda e: -jnp.mean(jnp.log(_pick(
+        e / jnp.sum(e, -1, keepdims=True), y))))(jnp.exp(x @ w)),
+    # the log-probabilities picked by the one-hot's predicate (a select against zero)
+    "where_one_hot": lambda x, w, b, y: -jnp.mean(jnp.sum(jnp.where(
+        y[..., None] == jnp.arange(w.shape[1]), jax.nn.log_softmax(x @ w + b), 0.0), -1)),
     "optax_safe_vmapped": lambda x, w, b, y: jnp.mean(jax.vmap(
         lambda x, y: optax.safe_softmax_cross_entropy(x @ w, jax.nn.one_hot(y, w.shape[1])))(
             x, y)),
@@ -225,6 +236,20 @@ def test_a_masked_log_sum_exp_whose_dropped_rows_are_kept_is_no_head(form):
   jax.grad(inv, argnums=(0, 1))(x, w)
   assert "linear_cross_entropy" not in inv.last_report.replaced, inv.last_report
   assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
+
+
+def test_the_log_of_a_clipped_probability_is_said():
+  """``-log(clip(softmax(z)[y], eps, 1))`` is no cross-entropy where the clip bites (its
+  gradient there is zero): left alone, the report names the head and why."""
+  x, w, _, y = _inputs()
+
+  def f(x, w):
+    return -jnp.mean(jnp.log(jnp.clip(_pick(jax.nn.softmax(x @ w), y), 1e-9, 1.0)))
+  inv = invact_jax.invert(f)
+  jax.jit(inv)(x, w)
+  assert "linear_cross_entropy" not in inv.last_report.replaced, inv.last_report
+  assert any("the log of a probability clipped or offset" in why
+             for _, _, why in inv.last_report.left_alone), inv.last_report
 
 
 @pytest.mark.parametrize("form", ["where", "b_mask", "b_weights", "bias_minus_inf"])
@@ -591,6 +616,8 @@ PADDED = {  # labels -100 at padding -> (the program's loss, finite?)
         jnp.maximum(y, 0), V) * jax.nn.log_softmax(z), -1)),
     "integer_labels_clipped": lambda z, y, m: jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels(z, jnp.clip(y, 0, V - 1))),
+    "where_one_hot_unmasked": lambda z, y, m: -jnp.mean(jnp.sum(jnp.where(
+        y[..., None] == jnp.arange(V), jax.nn.log_softmax(z), 0.0), -1)),
     "integer_labels_per_token_where": lambda z, y, m: jnp.sum(
         optax.softmax_cross_entropy_with_integer_labels(z, y, where=m) ** 2),
 }
