@@ -27,87 +27,100 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
   are computed in the forward), or per token (the program's reduction follows; with the
   values the program also reads, ``a * lse + b * lse ** 2``, from the head's log-sum-exp).
   Returns a function of the match's inputs returning its outputs (a tuple)."""
-  loss_ref = target.nodes[m.root].outs[0]
-  loss_aval, x_aval = target.avals[loss_ref], _match.aval(target, m.x)
-  d, n = x_aval.shape[-1], math.prod(x_aval.shape[:-1])
-  vocab = _match.aval(target, m.w).shape[m.vocab_axis]
-  mode = "forward" if m.fold else "backward"
-  chunk, vocab_chunk = _ce_base.default_tiles(n, vocab, mode)
-  opts = _ce_base.Options(m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing),
-                          float(m.z_loss), m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype,
-                          m.outside_lse, float(m.logit_scale))
-  # x, w, (bias,) labels, (mask,) (temperature,); then the reduction's reads
-  labels_at = 2 + (m.bias is not None)
-  temperature_at = labels_at + 1 + (m.mask is not None)
-  heads = temperature_at + (m.temperature is not None)
+  head = _HeadCall(m, target)
+  return head.per_token if m.fold is None else head.folded
 
-  def kept(vals):
+
+class _HeadCall:
+  """The unit's function of one :class:`._cross_entropy.HeadMatch` (its inputs: x, w,
+  (bias,) labels, (mask,) (temperature,), then the reduction's reads)."""
+
+  def __init__(self, m: _cross_entropy.HeadMatch, target):
+    self.m, self.target = m, target
+    self.loss_aval = target.avals[target.nodes[m.root].outs[0]]
+    self.x_aval = _match.aval(target, m.x)
+    self.d, self.n = self.x_aval.shape[-1], math.prod(self.x_aval.shape[:-1])
+    vocab = _match.aval(target, m.w).shape[m.vocab_axis]
+    mode = "forward" if m.fold else "backward"
+    chunk, vocab_chunk = _ce_base.default_tiles(self.n, vocab, mode)
+    self.opts = _ce_base.Options(
+        m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing), float(m.z_loss),
+        m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype, m.outside_lse,
+        float(m.logit_scale))
+    self.labels_at = 2 + (m.bias is not None)
+    self.temperature_at = self.labels_at + 1 + (m.mask is not None)
+    self.reads_at = self.temperature_at + (m.temperature is not None)
+
+  def kept(self, vals):
     """Per token, whether the mask keeps it."""
-    return jnp.reshape(vals[labels_at + 1], (n,)).astype(bool)
+    return jnp.reshape(vals[self.labels_at + 1], (self.n,)).astype(bool)
 
-  def labels_of(vals):
+  def labels(self, vals):
     """The tokens' labels; a token the mask drops reads label 0 (its loss is zero whatever
     its label: an out-of-range one must not make it NaN)."""
-    labels = vals[labels_at].reshape(n)
-    return labels if m.mask is None else jnp.where(kept(vals), labels, 0)
+    labels = vals[self.labels_at].reshape(self.n)
+    return labels if self.m.mask is None else jnp.where(self.kept(vals), labels, 0)
 
-  def tokens(vals):
+  def tokens(self, vals):
     """``(x [n, d], w, bias)``; with a temperature ``s``, ``x`` and the bias times (or over)
     it: ``(x @ w + b) * s = (x * s) @ w + b * s``, and ``s``'s gradient through that
     product."""
-    x, w = vals[0].reshape(n, d), vals[1]
+    m = self.m
+    x, w = vals[0].reshape(self.n, self.d), vals[1]
     b = vals[2] if m.bias is not None else None
     if m.temperature is None:
       return x, w, b
-    s = vals[temperature_at].reshape(())
+    s = vals[self.temperature_at].reshape(())
     by = (lambda v: v * s) if m.temperature[1] == "mul" else (lambda v: v / s)  # noqa: E731
     return by(x).astype(x.dtype), w, None if b is None else by(b).astype(b.dtype)
 
-  def run(core, kinds, x, w, b, labels, weights=None):
+  def run(self, core, kinds, x, w, b, labels, weights=None):
     """``core(x [k, d], w, b, labels [k], weights [k] or None, opts)`` over the tokens: its
     outputs, per token (``kinds`` "token") or totals; under a vocabulary split, per device
     in ``shard_map``."""
-    if m.vocab_sharding is None:
-      return core(x, w, b, labels, weights, opts)
-    return _per_shard(core, kinds, m.vocab_sharding, tuple(x_aval.shape[:-1]), m.vocab_axis,
-                      opts, x, w, b, labels, weights)
+    if self.m.vocab_sharding is None:
+      return core(x, w, b, labels, weights, self.opts)
+    return _per_shard(core, kinds, self.m.vocab_sharding, tuple(self.x_aval.shape[:-1]),
+                      self.m.vocab_axis, self.opts, x, w, b, labels, weights)
 
-  if m.fold is None:
-    def per_token(*vals):
-      x, w, b = tokens(vals)
+  def per_token(self, *vals):
+    """The per-token losses (and the log-sum-exp's reads); the program's reduction follows."""
+    m = self.m
+    x, w, b = self.tokens(vals)
 
-      def core(x, w, b, labels, _, opts):
-        args = (x, w, b, labels, opts)
-        if m.lse_reads:
-          loss, _, lse = _ce_base.with_lse(*args)
-          return loss, lse
-        return (_ce_base.linear_cross_entropy(*args)[0],)
-      loss, *lse = run(core, ("token",) * (1 + bool(m.lse_reads)), x, w, b, labels_of(vals))
-      lse = lse[0] if lse else None
-      if m.mask is not None:
-        loss = jnp.where(kept(vals), loss, 0.0)
-      reads = [(a * lse + c * lse * lse).reshape(target.avals[r].shape).astype(
-          target.avals[r].dtype) for r, a, c in m.lse_reads]
-      return ((m.sign * loss).reshape(loss_aval.shape).astype(loss_aval.dtype), *reads)
-    return per_token
+    def core(x, w, b, labels, _, opts):
+      args = (x, w, b, labels, opts)
+      if m.lse_reads:
+        loss, _, lse = _ce_base.with_lse(*args)
+        return loss, lse
+      return (_ce_base.linear_cross_entropy(*args)[0],)
+    loss, *lse = self.run(core, ("token",) * (1 + bool(m.lse_reads)), x, w, b,
+                          self.labels(vals))
+    if m.mask is not None:
+      loss = jnp.where(self.kept(vals), loss, 0.0)
+    avals = self.target.avals
+    reads = [(a * lse[0] + c * lse[0] * lse[0]).reshape(avals[r].shape).astype(avals[r].dtype)
+             for r, a, c in m.lse_reads]
+    return ((m.sign * loss).reshape(self.loss_aval.shape).astype(self.loss_aval.dtype), *reads)
 
-  out_aval = target.avals[m.fold.out]
-  reduce = _match.region_of(target, m.fold.nodes, [loss_ref, *m.fold.extras], m.fold.out)
-
-  def folded(*vals):
-    x, w, b = tokens(vals)
-    extras = vals[heads:]
+  def folded(self, *vals):
+    """The program's weighted sum of the losses, its weights the reduction's derivative."""
+    m, target = self.m, self.target
+    x, w, b = self.tokens(vals)
+    out_aval = target.avals[m.fold.out]
+    reduce = _match.region_of(target, m.fold.nodes,
+                              [target.nodes[m.root].outs[0], *m.fold.extras], m.fold.out)
+    extras = vals[self.reads_at:]
     # the reduction is linear in the losses: its derivative is each token's weight
     _, pull = jax.vjp(lambda loss: reduce(loss, *extras),
-                      jnp.zeros(loss_aval.shape, loss_aval.dtype))
+                      jnp.zeros(self.loss_aval.shape, self.loss_aval.dtype))
     (weights,) = pull(jnp.ones(out_aval.shape, out_aval.dtype))
-    weights = m.sign * weights.reshape(n).astype(_common.compute_dtype(x.dtype))
+    weights = m.sign * weights.reshape(self.n).astype(_common.compute_dtype(x.dtype))
     if m.mask is not None:
-      weights = jnp.where(kept(vals), weights, 0.0)
-    (total,) = run(lambda x, w, b, labels, weights, opts: (_ce_in_forward.weighted_sum(
-        x, w, b, labels, weights, opts)[0],), ("total",), x, w, b, labels_of(vals), weights)
+      weights = jnp.where(self.kept(vals), weights, 0.0)
+    (total,) = self.run(lambda x, w, b, labels, weights, opts: (_ce_in_forward.weighted_sum(
+        x, w, b, labels, weights, opts)[0],), ("total",), x, w, b, self.labels(vals), weights)
     return (total.reshape(out_aval.shape).astype(out_aval.dtype),)
-  return folded
 
 
 def _per_shard(core, kinds, sharding, lead: tuple, vocab_axis: int, opts, x, w, b, labels,

@@ -441,6 +441,8 @@ def test_a_log_sum_exp_read_outside_the_loss_comes_from_the_head(name):
   if aux:  # the loss's gradient alone: the metrics' cotangents are zeros
     g = jax.jit(jax.grad(inv, argnums=(0, 1), has_aux=True))(x, w)[0]
     assert_at_float32_floor(lambda x, w: f(x, w)[0], (x, w), g, argnums=(0, 1))
+  if name != "z_loss_reduced_on_its_own":
+    return  # (the compiled buffers: one form is enough)
   n, v = 2048, 8192
   k = jax.random.split(jax.random.key(1), 3)
   xb, wb = jax.random.normal(k[0], (n, 64)), jax.random.normal(k[1], (64, v)) / 8

@@ -177,21 +177,18 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
                          ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Cross-entropy of ``x @ w (+ bias)`` against integer labels, never holding the logits.
 
-  The same loss as the plain formula (``optax.softmax_cross_entropy_with_integer_labels``
-  of the logits, reduced), computed one chunk of tokens at a time: no [tokens, V] buffer
-  exists in either pass.  ``gradients="forward"`` computes the gradients with the loss
-  (three matmuls, as the plain head; :mod:`.in_forward`) and keeps them, in float32, instead
-  of ``x`` and ``w``; ``"backward"`` recomputes each tile's logits in the backward (a fourth
-  matmul; :mod:`.base`) and keeps ``x``, ``w``, the labels and a float32 log-sum-exp per
-  token.  Logits, the loss and the gradients accumulate in float32 (float64 for float64).
+  The plain formula's loss (optax's ``softmax_cross_entropy_with_integer_labels`` of the
+  logits, reduced) one chunk of tokens at a time: no [tokens, V] buffer in either pass.
+  ``gradients="forward"`` computes the gradients with the loss (three matmuls;
+  :mod:`.in_forward`) and keeps them, in float32; ``"backward"`` recomputes each tile's
+  logits (a fourth matmul; :mod:`.base`) and keeps ``x``, ``w``, the labels and a float32
+  log-sum-exp per token.  Accumulation in float32 (float64 for float64).
 
   Args:
     x: the final hidden states [..., d] (float16, bfloat16, float32 or float64).
     w: the output weight, [d, V] (``vocab_axis=-1``) or [V, d] (``vocab_axis=0``: a tied
       embedding table), used in ``x``'s dtype (a float32 weight with bfloat16 activations
-      is cast per tile or chunk and never kept as a bfloat16 copy; with ``"forward"``, a
-      float32 weight's gradient accumulator is its gradient itself, while a 16-bit weight's
-      is a float32 buffer of twice its size).
+      is cast per tile or chunk, never kept as a bfloat16 copy).
     labels: integer array of ``x``'s leading shape, in ``[0, V)`` or ``ignore_index``; an
       out-of-range label gives that token a NaN loss under ``jit`` (concrete labels are
       checked here).
@@ -214,14 +211,10 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
       weight gradient per example or step: use ``"backward"`` there.
     return_correct: also return, per token, whether its label has the largest logit (the
       accuracy's numerator, for free: the forward tracks each token's largest logit).
-    vocab_axis_name: a tensor-parallel head, inside ``shard_map``: the mesh axis (or tuple
-      of axes) the vocabulary is split over.  ``w`` (and ``bias``) hold this device's
-      contiguous shard of it, in axis-index order; ``x`` and the labels (global vocabulary
-      indices) are the same on every device of that axis.  Each device computes its
-      shard's logits tile by tile; the row statistics (max, sum of exponentials, the
-      label's logit) are combined over the axis, and the input gradient summed over it
-      (Megatron's vocabulary-parallel cross-entropy), so no weight is gathered.  None: the
-      whole vocabulary is here.
+    vocab_axis_name: inside ``shard_map``, the mesh axis (or axes) a tensor-parallel head
+      splits the vocabulary over: ``w`` and ``bias`` hold this device's contiguous shard, in
+      axis-index order, and ``x`` and the (global) labels are the same along the axis; row
+      statistics are combined over it (Megatron's vocabulary-parallel cross-entropy).
     implementation: None / "xla".
 
   Returns:
@@ -248,14 +241,18 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   if not isinstance(return_correct, bool):
     raise TypeError(f"invact_jax.{fn}: argument `return_correct` must be a bool, got "
                     f"{return_correct!r}")
-  if x2.shape[0] == 0:  # no tokens: the plain formula (nothing to hold)
-    out, correct = base.reference(x2, w, bias, y, opts), jnp.zeros(y.shape, bool)
-  elif opts.gradients == "forward":
-    out, correct = in_forward.reduced(x2, w, bias, y, opts)
-  else:
-    out, correct = base.linear_cross_entropy(x2, w, bias, y, opts)
+  out, correct = _loss(x2, w, bias, y, opts)
   out = out.reshape(lead) if reduction == "none" else out
   return (out, correct.reshape(lead)) if return_correct else out
+
+
+def _loss(x, w, bias, y, opts: base.Options):
+  """``(loss, correct)`` of checked arguments, by the gradient mode."""
+  if x.shape[0] == 0:  # no tokens: the plain formula (nothing to hold)
+    return base.reference(x, w, bias, y, opts), jnp.zeros(y.shape, bool)
+  if opts.gradients == "forward":
+    return in_forward.reduced(x, w, bias, y, opts)
+  return base.linear_cross_entropy(x, w, bias, y, opts)
 
 
 def linear_cross_entropy_reference(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
