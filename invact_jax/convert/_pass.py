@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -157,8 +158,10 @@ def find(g: _graph.Graph, opts: Options) -> Found:
       explained.update(nodes)
       opts.report.left_alone.append((what, g.nodes[nodes[0]].where, why))
   for i, n in enumerate(g.nodes):
+    # (of constants, sqrt(head_dim), or of one number, exp(log_temperature): no candidate)
     if (i not in claimed and i not in explained and n.prim.name in suggest
-        and not all(isinstance(r, Lit) for r in n.ins)):  # sqrt(head_dim) is no candidate
+        and not all(isinstance(r, Lit) for r in n.ins)
+        and any(math.prod(g.avals[o].shape) > 1 for o in n.outs)):
       opts.report.left_alone.append(
           (n.prim.name, n.where, f"not part of a recognized {suggest[n.prim.name]} form"))
   return found

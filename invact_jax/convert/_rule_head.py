@@ -62,39 +62,37 @@ class _HeadCall:
     return labels if self.m.mask is None else jnp.where(self.kept(vals), labels, 0)
 
   def tokens(self, vals):
-    """``(x [n, d], w, bias)``; with a temperature ``s``, ``x`` and the bias times (or over)
-    it: ``(x @ w + b) * s = (x * s) @ w + b * s``, and ``s``'s gradient through that
-    product."""
+    """``(x [n, d], w, bias, temperature)``: the temperature the factor the logits are
+    multiplied by (``1 / s`` where the program divides them by ``s``), or None."""
     m = self.m
     x, w = vals[0].reshape(self.n, self.d), vals[1]
     b = vals[2] if m.bias is not None else None
     if m.temperature is None:
-      return x, w, b
+      return x, w, b, None
     s = vals[self.temperature_at].reshape(())
-    by = (lambda v: v * s) if m.temperature[1] == "mul" else (lambda v: v / s)  # noqa: E731
-    return by(x).astype(x.dtype), w, None if b is None else by(b).astype(b.dtype)
+    return x, w, b, s if m.temperature[1] == "mul" else 1.0 / s
 
-  def run(self, core, kinds, x, w, b, labels, weights=None):
-    """``core(x [k, d], w, b, labels [k], weights [k] or None, opts)`` over the tokens: its
-    outputs, per token (``kinds`` "token") or totals; under a vocabulary split, per device
-    in ``shard_map``."""
+  def run(self, core, kinds, x, w, b, temperature, labels, weights=None):
+    """``core(x [k, d], w, b, temperature, labels [k], weights [k] or None, opts)`` over the
+    tokens: its outputs, per token (``kinds`` "token") or totals; under a vocabulary split,
+    per device in ``shard_map``."""
     if self.m.vocab_sharding is None:
-      return core(x, w, b, labels, weights, self.opts)
+      return core(x, w, b, temperature, labels, weights, self.opts)
     return _per_shard(core, kinds, self.m.vocab_sharding, tuple(self.x_aval.shape[:-1]),
-                      self.m.vocab_axis, self.opts, x, w, b, labels, weights)
+                      self.m.vocab_axis, self.opts, x, w, b, temperature, labels, weights)
 
   def per_token(self, *vals):
     """The per-token losses (and the log-sum-exp's reads); the program's reduction follows."""
     m = self.m
-    x, w, b = self.tokens(vals)
+    x, w, b, temperature = self.tokens(vals)
 
-    def core(x, w, b, labels, _, opts):
-      args = (x, w, b, labels, opts)
+    def core(x, w, b, temperature, labels, _, opts):
+      args = (x, w, b, labels, opts, temperature)
       if m.lse_reads:
         loss, _, lse = _ce_base.with_lse(*args)
         return loss, lse
       return (_ce_base.linear_cross_entropy(*args)[0],)
-    loss, *lse = self.run(core, ("token",) * (1 + bool(m.lse_reads)), x, w, b,
+    loss, *lse = self.run(core, ("token",) * (1 + bool(m.lse_reads)), x, w, b, temperature,
                           self.labels(vals))
     if m.mask is not None:
       loss = jnp.where(self.kept(vals), loss, 0.0)
@@ -106,7 +104,7 @@ class _HeadCall:
   def folded(self, *vals):
     """The program's weighted sum of the losses, its weights the reduction's derivative."""
     m, target = self.m, self.target
-    x, w, b = self.tokens(vals)
+    x, w, b, temperature = self.tokens(vals)
     out_aval = target.avals[m.fold.out]
     reduce = _match.region_of(target, m.fold.nodes,
                               [target.nodes[m.root].outs[0], *m.fold.extras], m.fold.out)
@@ -118,13 +116,15 @@ class _HeadCall:
     weights = m.sign * weights.reshape(self.n).astype(_common.compute_dtype(x.dtype))
     if m.mask is not None:
       weights = jnp.where(self.kept(vals), weights, 0.0)
-    (total,) = self.run(lambda x, w, b, labels, weights, opts: (_ce_in_forward.weighted_sum(
-        x, w, b, labels, weights, opts)[0],), ("total",), x, w, b, self.labels(vals), weights)
+    (total,) = self.run(
+        lambda x, w, b, temperature, labels, weights, opts: (_ce_in_forward.weighted_sum(
+            x, w, b, labels, weights, opts, temperature)[0],), ("total",), x, w, b,
+        temperature, self.labels(vals), weights)
     return (total.reshape(out_aval.shape).astype(out_aval.dtype),)
 
 
-def _per_shard(core, kinds, sharding, lead: tuple, vocab_axis: int, opts, x, w, b, labels,
-               weights):
+def _per_shard(core, kinds, sharding, lead: tuple, vocab_axis: int, opts, x, w, b,
+               temperature, labels, weights):
   """``core`` (as :func:`head_fn`'s ``run`` calls it) in ``shard_map`` over ``sharding``'s
   mesh: the tokens placed as the logits' constraint places their leading axes, the weight and
   bias split along the vocabulary over its last entry's axes (``vocab_axis_name``); per-token
@@ -142,16 +142,21 @@ def _per_shard(core, kinds, sharding, lead: tuple, vocab_axis: int, opts, x, w, 
   if weights is not None:
     args.append(weights.reshape(lead))
     specs.append(P(*tok))
+  if temperature is not None:
+    args.append(temperature)
+    specs.append(P())
   axis_name = vaxes if isinstance(vaxes, str) else tuple(vaxes)
 
   def local(x, w, labels, *rest):
+    rest = list(rest)
+    temp = rest.pop() if temperature is not None else None
     b_l = rest[0] if b is not None else None
     wt = rest[-1].reshape(-1) if weights is not None else None
     k = math.prod(x.shape[:-1])
     chunk, vocab_chunk = _ce_base.default_tiles(k, w.shape[vocab_axis], opts.gradients)
     here = dataclasses.replace(opts, chunk_size=chunk, vocab_chunk_size=vocab_chunk,
                                vocab_axis_name=axis_name)
-    outs = core(x.reshape(k, d), w, b_l, labels.reshape(k), wt, here)
+    outs = core(x.reshape(k, d), w, b_l, temp, labels.reshape(k), wt, here)
     return tuple(o.reshape(x.shape[:-1]) if kind == "token" else
                  (jax.lax.psum(o, names) if names else o) for o, kind in zip(outs, kinds))
   outs = jax.shard_map(local, mesh=sharding.mesh, in_specs=tuple(specs),

@@ -258,6 +258,49 @@ def test_under_transformations(wrap, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_traced_temperature_of_the_logits(mode):
+  """A traced scalar the logits are multiplied by (after the rounding, bias and constant
+  scale, before the soft cap: what ``invert`` keeps of a learnable temperature): loss and the
+  gradients of x, w, the bias, the weights and the temperature are the plain formula's, with
+  every option; in bfloat16 with the logits rounded as the program rounds them, the loss is
+  the program's."""
+  from invact_jax.ops.cross_entropy import base, in_forward  # pylint: disable=import-outside-toplevel
+  x, w, b, y = _inputs()
+  y = y.at[::5].set(7)
+  weights = jax.random.uniform(jax.random.key(4), (N,))
+  opts = base.Options(1, "sum" if mode == "forward" else "none", 7, 0.1, 1e-3, 3.0, 8, 16,
+                      mode, logit_scale=0.5)
+
+  def ours(x, w, b, weights, t):
+    if mode == "forward":
+      return in_forward.weighted_sum(x, w, b, y, weights, opts, t)[0]
+    return jnp.sum(weights * base.linear_cross_entropy(x, w, b, y, opts, t)[0])
+
+  def plain(x, w, b, weights, t):
+    z = 3.0 * jnp.tanh((x @ w + b) * 0.5 * t / 3.0)
+    per = optax.softmax_cross_entropy_with_integer_labels(z, jnp.where(y == 7, 0, y))
+    per = (0.9 * per + 0.1 * (jax.nn.logsumexp(z, -1) - jnp.mean(z, -1))
+           + 1e-3 * jax.nn.logsumexp(z, -1) ** 2)
+    return jnp.sum(jnp.where(y == 7, 0.0, weights * per))
+  t = jnp.float32(1.3)
+  v1, g1 = jax.value_and_grad(ours, argnums=(0, 1, 2, 3, 4))(x, w, b, weights, t)
+  v0, g0 = jax.value_and_grad(plain, argnums=(0, 1, 2, 3, 4))(x, w, b, weights, t)
+  assert _rel(v1, v0) <= 2e-6, (v1, v0)
+  assert all(_rel(a, r) <= 2e-6 for a, r in zip(g1, g0)), [_rel(a, r) for a, r in zip(g1, g0)]
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  rounded = dataclasses.replace(opts, logits_dtype="bfloat16", logit_soft_cap=None, z_loss=0.0,
+                                label_smoothing=0.0, logit_scale=1.0)
+  per = optax.softmax_cross_entropy_with_integer_labels((xb @ wb).astype(jnp.float32) * t,
+                                                        jnp.where(y == 7, 0, y))
+  program = jnp.sum(jnp.where(y == 7, 0.0, weights * per))
+  if mode == "forward":
+    got = in_forward.weighted_sum(xb, wb, None, y, weights, rounded, t)[0]
+  else:
+    got = jnp.sum(weights * base.linear_cross_entropy(xb, wb, None, y, rounded, t)[0])
+  assert _rel(got, program) <= 2e-6, (got, program)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("vocab_axis", [1, 0])
 def test_a_vocabulary_split_over_a_mesh_axis(vocab_axis, mode):
   """``vocab_axis_name`` inside ``shard_map`` (a tensor-parallel head, tokens split over

@@ -192,9 +192,11 @@ def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
 
 
 # ------------------------------------------------------------------------ the formula
-def _logits(x, w, b, opts: Options, cd):
+def _logits(x, w, b, opts: Options, cd, temperature=None):
   """``x @ w (+ b)`` in ``cd`` (float32 accumulation; rounded to ``opts.logits_dtype`` first
-  where the program it replaces rounded them), soft-capped: ``(z, raw / cap)``."""
+  where the program it replaces rounded them), scaled, times the traced scalar
+  ``temperature`` where one is given, soft-capped: ``(z, raw / cap, u)``, ``u`` the logits
+  the temperature multiplies (None without one)."""
   contract = (1,) if opts.vocab_axis == 0 else (0,)
   z = jax.lax.dot_general(x, w, (((1,), contract), ((), ())), preferred_element_type=cd)
   if opts.logits_dtype is not None:
@@ -206,11 +208,14 @@ def _logits(x, w, b, opts: Options, cd):
     z = z + b.astype(cd)
   if opts.logit_scale != 1.0:
     z = z * opts.logit_scale
+  u = None
+  if temperature is not None:
+    u, z = z, z * temperature.astype(cd)
   t = None
   if opts.logit_soft_cap is not None:
     t = jnp.tanh(z / opts.logit_soft_cap)
     z = opts.logit_soft_cap * t
-  return z, t
+  return z, t, u
 
 
 def logits_chain(dz, t, opts: Options):
@@ -219,6 +224,14 @@ def logits_chain(dz, t, opts: Options):
   if t is not None:
     dz = dz * (1.0 - t * t)
   return dz if opts.logit_scale == 1.0 else dz * opts.logit_scale
+
+
+def temperature_chain(dz, t, u, temperature, opts: Options):
+  """``(the gradient w.r.t. the matmul's logits, the temperature's share)`` from ``dz`` (w.r.t.
+  the capped logits) where :func:`_logits` multiplied ``u`` by a traced ``temperature``."""
+  dv = dz if t is None else dz * (1.0 - t * t)
+  return (logits_chain(dv * temperature.astype(dv.dtype), None, opts),
+          jnp.sum(dv * u))
 
 
 def _token_loss(z, y, counted, opts: Options):
@@ -259,7 +272,7 @@ def reference(x, w, b, y, opts: Options):
   """The plain formula, all logits at once, with JAX's own autodiff: the baseline."""
   cd = _common.compute_dtype(x.dtype)
   counted = _counted(y, opts)
-  z, _ = _logits(x, w.astype(x.dtype), None if b is None else b.astype(x.dtype), opts, cd)
+  z, _, _ = _logits(x, w.astype(x.dtype), None if b is None else b.astype(x.dtype), opts, cd)
   per_token, _ = _token_loss(z, y, counted, opts)
   return _reduce(per_token, counted, opts)
 
@@ -318,7 +331,7 @@ def _zeros(like, dtype, *refs):
   return _common.varying_like(z, *refs)
 
 
-def _forward(x, w, b, y, opts: Options):
+def _forward(x, w, b, y, opts: Options, temperature=None):
   """Per-token losses and float32 lse: over token chunks, and within each over vocabulary
   tiles with an online log-sum-exp."""
   cd = _common.compute_dtype(x.dtype)
@@ -335,7 +348,7 @@ def _forward(x, w, b, y, opts: Options):
     def tile(start, size, acc):
       m, total, picked, zsum = acc
       wt, bt = _weight_tile(w, b, start, size, opts, x.dtype)
-      z, _ = _logits(xc, wt, bt, opts, cd)
+      z, _, _ = _logits(xc, wt, bt, opts, cd, temperature)
       m_new = jnp.maximum(m, jnp.max(z, axis=-1))
       total = total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (
@@ -369,16 +382,19 @@ def _forward(x, w, b, y, opts: Options):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def linear_cross_entropy(x, w, b, y, opts: Options):
+def linear_cross_entropy(x, w, b, y, opts: Options, temperature=None):
   """``(loss, correct)``: the reduced loss (``opts.reduction``) of tokens ``x`` [N, d] and,
-  per token, whether its label has the largest logit (no gradient); see the module doc."""
-  loss, _, counted, correct = _forward(x, w, b, y, opts)
+  per token, whether its label has the largest logit (no gradient); see the module doc.
+  ``temperature``: a traced scalar the logits are multiplied by (after ``opts``'s rounding,
+  bias and scale, before the cap; what :func:`invact_jax.invert` keeps of a learnable
+  temperature), differentiated too; None: none."""
+  loss, _, counted, correct = _forward(x, w, b, y, opts, temperature)
   return _reduce(loss, counted, opts), correct
 
 
-def _fwd(x, w, b, y, opts):
-  loss, lse, counted, correct = _forward(x, w, b, y, opts)
-  return (_reduce(loss, counted, opts), correct), (x, w, b, y, lse)
+def _fwd(x, w, b, y, opts, temperature):
+  loss, lse, counted, correct = _forward(x, w, b, y, opts, temperature)
+  return (_reduce(loss, counted, opts), correct), (x, w, b, y, lse, temperature)
 
 
 def _bwd(opts: Options, res, cts):
@@ -389,7 +405,7 @@ def _bwd(opts: Options, res, cts):
 def _backward(opts: Options, res, g, g_lse):
   """The gradients of the loss (cotangent ``g``) and, where ``g_lse`` is not None, of the
   per-token log-sum-exp (its cotangent ``g_lse`` [N]: ``g_lse * softmax`` in the logits)."""
-  x, w, b, y, lse = res
+  x, w, b, y, lse, temperature = res
   cd = lse.dtype
   n = x.shape[0]
   shards = Shards(opts, w.shape[opts.vocab_axis])
@@ -406,21 +422,28 @@ def _backward(opts: Options, res, g, g_lse):
   wdt = x.dtype  # the matmuls run in the activations' dtype
 
   def tile(start, size, acc):
-    dx, dw, db = acc
+    dx, dw, db, dtemp = acc
     wt, bt = _weight_tile(w, b, start, size, opts, wdt)
 
     def chunk(i, inner):
-      dx, dwt, dbt = inner
+      dx, dwt, dbt, dtemp = inner
       xc, yc, lc, sc = xs[i], ys[i], ls[i], ss[i]
-      z, t = _logits(xc, wt, bt, opts, cd)
+      z, t, u = _logits(xc, wt, bt, opts, cd, temperature)
       p = jnp.exp(z - lc[:, None])
       weight = opts.softmax_weight((yc >= 0) & (yc < vocab), lc)
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (
           yc - shards.offset - start)[:, None]
       pw = p if weight is None else p * weight[:, None]
-      dz = logits_chain(pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
-      if gls is not None:  # every token's log-sum-exp (ignored ones' too) read elsewhere
-        dz = dz + logits_chain(p * gls[i][:, None], t, opts)
+      if temperature is None:
+        dz = logits_chain(pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
+        if gls is not None:  # every token's log-sum-exp (ignored ones' too) read elsewhere
+          dz = dz + logits_chain(p * gls[i][:, None], t, opts)
+      else:
+        dz = (pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab) * sc[:, None]
+        if gls is not None:
+          dz = dz + p * gls[i][:, None]
+        dz, share = temperature_chain(dz, t, u, temperature, opts)
+        dtemp = dtemp + share
       dzw = dz.astype(wdt)
       # the weight gradient sums over the tokens (sharded or not): it has the tile's type
       like_w = _common.explicit_sharding(wt, xc)
@@ -435,37 +458,43 @@ def _backward(opts: Options, res, g, g_lse):
       dx = jax.lax.dynamic_update_index_in_dim(dx, dx[i] + dxc, i, 0)
       if dbt is not None:
         dbt = dbt + jnp.sum(dz, axis=0)
-      return dx, dwt, dbt
-    dx, dwt, dbt = jax.lax.fori_loop(0, xs.shape[0], chunk, (
-        dx, _zeros(wt, cd, x, lse, w), None if b is None else _zeros(bt, cd, x, lse, w)))
+      return dx, dwt, dbt, dtemp
+    dx, dwt, dbt, dtemp = jax.lax.fori_loop(0, xs.shape[0], chunk, (
+        dx, _zeros(wt, cd, x, lse, w), None if b is None else _zeros(bt, cd, x, lse, w),
+        dtemp))
     dw = jax.lax.dynamic_update_slice_in_dim(dw, dwt.astype(w.dtype), start,
                                              axis=opts.vocab_axis)
     if db is not None:
       db = jax.lax.dynamic_update_slice_in_dim(db, dbt.astype(b.dtype), start, axis=0)
-    return dx, dw, db
-  dx, dw, db = _over_tiles(shards.local, opts.vocab_chunk_size, tile, (
+    return dx, dw, db, dtemp
+  dtemp = None if temperature is None else _common.varying_like(
+      jnp.zeros((), cd), x, lse, w)
+  dx, dw, db, dtemp = _over_tiles(shards.local, opts.vocab_chunk_size, tile, (
       _zeros(xs, cd, x, lse, w), _zeros(w, w.dtype, x, lse, w),
-      None if b is None else _zeros(b, b.dtype, x, lse, w)))
+      None if b is None else _zeros(b, b.dtype, x, lse, w), dtemp))
   dx = shards.sum(_unchunk(dx, n)).astype(x.dtype)  # (each shard's share of the vocabulary)
+  if dtemp is not None:  # (summed over the tokens and the vocabulary's shards)
+    dtemp = _common.cotangent_like(shards.sum(dtemp).astype(temperature.dtype).reshape(
+        jnp.shape(temperature)), temperature)
   return (_common.cotangent_like(dx, x), _common.cotangent_like(dw, w),
-          None if b is None else _common.cotangent_like(db, b), None)
+          None if b is None else _common.cotangent_like(db, b), None, dtemp)
 
 
 linear_cross_entropy.defvjp(_fwd, _bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def with_lse(x, w, b, y, opts: Options):
+def with_lse(x, w, b, y, opts: Options, temperature=None):
   """``(loss, correct, lse)``: :func:`linear_cross_entropy` and each token's float32
   log-sum-exp of its (capped) logits, differentiable: what :func:`invact_jax.invert` gives a
   program that also reads the log-sum-exp (a z-loss reduced on its own, a metric)."""
-  loss, lse, counted, correct = _forward(x, w, b, y, opts)
+  loss, lse, counted, correct = _forward(x, w, b, y, opts, temperature)
   return _reduce(loss, counted, opts), correct, lse
 
 
-def _fwd_lse(x, w, b, y, opts):
-  loss, lse, counted, correct = _forward(x, w, b, y, opts)
-  return (_reduce(loss, counted, opts), correct, lse), (x, w, b, y, lse)
+def _fwd_lse(x, w, b, y, opts, temperature):
+  loss, lse, counted, correct = _forward(x, w, b, y, opts, temperature)
+  return (_reduce(loss, counted, opts), correct, lse), (x, w, b, y, lse, temperature)
 
 
 def _bwd_lse(opts: Options, res, cts):

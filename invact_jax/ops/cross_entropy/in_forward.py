@@ -39,13 +39,14 @@ __all__ = ["weighted_sum", "reduced", "GRADIENT_NAME"]
 GRADIENT_NAME = "linear_cross_entropy gradient"
 
 
-def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards):
-  """One chunk's logits and loss: ``(z, lse, per-token loss, correct)``; ``lc`` the labels
-  with ignored ones set to 0, ``kc`` whether a token counts."""
+def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards, temperature=None):
+  """One chunk's logits and loss: ``(z, u, lse, per-token loss, correct)``; ``lc`` the labels
+  with ignored ones set to 0, ``kc`` whether a token counts; ``u`` the logits a traced
+  ``temperature`` multiplies (None without one)."""
   cd = _common.compute_dtype(xc.dtype)
   vocab = shards.total
-  z, _ = base._logits(xc, w.astype(xc.dtype), None if b is None else b.astype(xc.dtype), opts,
-                      cd)
+  z, _, u = base._logits(xc, w.astype(xc.dtype), None if b is None else b.astype(xc.dtype),
+                         opts, cd, temperature)
   inside = (lc >= 0) & (lc < vocab)
   here = lc - shards.offset
   picked = jnp.take_along_axis(z, jnp.clip(here, 0, shards.local - 1)[:, None], axis=-1)[:, 0]
@@ -68,11 +69,13 @@ def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards):
     loss = loss - s * zmean
   if opts.z_loss:
     loss = loss + opts.z_loss * lse * lse
-  return z, lse, jnp.where(kc, loss, 0.0), correct
+  return z, u, lse, jnp.where(kc, loss, 0.0), correct
 
 
-def _logits_grad(z, lse, lc, scale, opts: base.Options, shards: base.Shards):
-  """The chunk's ``d total / d z``, each token's row times its weight ``scale``."""
+def _logits_grad(z, lse, lc, scale, opts: base.Options, shards: base.Shards, u=None,
+                 temperature=None):
+  """The chunk's ``d total / d z``, each token's row times its weight ``scale``, and the
+  temperature's share of its gradient (None without one)."""
   vocab = shards.total
   s = opts.label_smoothing
   p = jnp.exp(z - lse[:, None])
@@ -84,7 +87,9 @@ def _logits_grad(z, lse, lc, scale, opts: base.Options, shards: base.Shards):
   if s:
     dz = dz - s / vocab
   t = None if opts.logit_soft_cap is None else z / opts.logit_soft_cap
-  return base.logits_chain(dz, t, opts) * scale[:, None]
+  if temperature is not None:
+    return base.temperature_chain(dz * scale[:, None], t, u, temperature, opts)
+  return base.logits_chain(dz, t, opts) * scale[:, None], None
 
 
 def _add_weight_grad(dw, xc, dzw, opts: base.Options):
@@ -107,26 +112,30 @@ def _add_weight_grad(dw, xc, dzw, opts: base.Options):
   return base._over_tiles(vocab, cv, lambda start, size, dw: update(dw, start, size), dw)
 
 
-def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False)):
-  """The chunked pass: ``(per-token loss, correct, dx, dw, db)``; the gradients (of
-  ``sum(weights * loss)``) are computed for the inputs ``need`` names (x, w, b), else None."""
+def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False, False),
+         temperature=None):
+  """The chunked pass: ``(per-token loss, correct, dx, dw, db, dtemperature)``; the gradients
+  (of ``sum(weights * loss)``) are computed for the inputs ``need`` names (x, w, b, the
+  temperature), else None."""
   cd = _common.compute_dtype(x.dtype)
   n = x.shape[0]
   c = opts.chunk_size
   counted = base._counted(y, opts)
   labels = jnp.where(counted, y, 0).astype(jnp.int32)
   scale = jnp.where(counted, weights.astype(cd), 0.0)
-  need_x, need_w, need_b = need
+  need_x, need_w, need_b, need_t = need
   grads = any(need)
   shards = base.Shards(opts, w.shape[opts.vocab_axis])
 
   def chunk(acc, inputs):
-    dw, db = acc
+    dw, db, dt = acc
     xc, lc, kc, sc = inputs
-    z, lse, loss, correct = _chunk_loss(xc, lc, kc, w, b, opts, shards)
+    z, u, lse, loss, correct = _chunk_loss(xc, lc, kc, w, b, opts, shards, temperature)
     if not grads:
       return acc, (loss, correct, None)
-    dz = _logits_grad(z, lse, lc, sc, opts, shards)
+    dz, share = _logits_grad(z, lse, lc, sc, opts, shards, u, temperature)
+    if need_t:
+      dt = dt + share
     dzw = dz.astype(x.dtype)  # the matmuls run in the activations' dtype
     dxc = None
     if need_x:  # contracted with the weight's vocabulary axis
@@ -136,27 +145,30 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False)):
       dw = _add_weight_grad(dw, xc, dzw, opts)
     if need_b:
       db = db + jnp.sum(dz, axis=0)
-    return (dw, db), (loss, correct, dxc)
+    return (dw, db, dt), (loss, correct, dxc)
 
   init = (base._zeros(w, cd, x, w) if need_w else None,
-          base._zeros(b, cd, x, w) if need_b else None)
-  (dw, db), (loss, correct, dx) = jax.lax.scan(chunk, init, (
+          base._zeros(b, cd, x, w) if need_b else None,
+          _common.varying_like(jnp.zeros((), cd), x, w) if need_t else None)
+  (dw, db, dt), (loss, correct, dx) = jax.lax.scan(chunk, init, (
       base._chunks(x, c), base._chunks(labels, c), base._chunks(counted, c, False),
       base._chunks(scale, c)))
   loss, correct = base._unchunk(loss, n), base._unchunk(correct, n)
   if dx is not None:
     dx = shards.sum(base._unchunk(dx, n))  # (each shard's share of the vocabulary)
-  return loss, correct, dx, dw, db
+  if dt is not None:  # (summed over the tokens and the vocabulary's shards)
+    dt = shards.sum(dt)
+  return loss, correct, dx, dw, db, dt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def weighted_sum(x, w, b, y, weights, opts: base.Options):
+def weighted_sum(x, w, b, y, weights, opts: base.Options, temperature=None):
   """``(sum(weights * loss), correct)`` of tokens ``x`` [N, d], labels ``y`` [N] and per-token
   ``weights`` [N] (ignored tokens count 0 whatever their weight, and so does a token of
   weight 0 whatever its loss: a padding token's out-of-range label makes no NaN); the
   gradients are computed in the forward (see the module doc).  ``opts.reduction`` is not
-  read."""
-  loss, correct, *_ = _run(x, w, b, y, weights, opts)
+  read.  ``temperature``: as :func:`.base.linear_cross_entropy`'s."""
+  loss, correct, *_ = _run(x, w, b, y, weights, opts, temperature=temperature)
   return _total(loss, weights), correct
 
 
@@ -165,25 +177,27 @@ def _total(loss, weights):
   return jnp.sum(jnp.where(weights != 0, weights.astype(loss.dtype) * loss, 0.0))
 
 
-def _fwd(x, w, b, y, weights, opts):
-  need = (x.perturbed, w.perturbed, b is not None and b.perturbed)
+def _fwd(x, w, b, y, weights, opts, temperature):
+  tv = None if temperature is None else temperature.value
+  need = (x.perturbed, w.perturbed, b is not None and b.perturbed,
+          temperature is not None and temperature.perturbed)
   xv, wv, yv, weights_v = x.value, w.value, y.value, weights.value
   bv = None if b is None else b.value
-  loss, correct, dx, dw, db = _run(xv, wv, bv, yv, weights_v, opts, need)
+  loss, correct, dx, dw, db, dt = _run(xv, wv, bv, yv, weights_v, opts, need, tv)
   total = _total(loss, weights_v)
   dx, dw, db = (None if g is None else checkpoint_name(g, GRADIENT_NAME) for g in (dx, dw, db))
   kept_loss = loss if weights.perturbed else None
   # Empty slices of the primals: their dtypes and mesh types for the cotangents, no bytes.
   like = [None if v is None else v[:0] for v in (xv, wv, bv, weights_v)]
-  return (total, correct), (dx, dw, db, kept_loss, *like)
+  return (total, correct), (dx, dw, db, kept_loss, dt, tv, *like)
 
 
 def _bwd(opts: base.Options, res, cts):
   del opts
   g, _ = cts  # ``correct`` has no gradient
-  dx, dw, db, loss, x, w, b, weights = res
+  dx, dw, db, loss, dt, temperature, x, w, b, weights = res
   if isinstance(g, jax.custom_derivatives.SymbolicZero):
-    return None, None, None, None, None
+    return None, None, None, None, None, None
   g = g.astype(jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
 
   def scaled(grad, primal):
@@ -191,7 +205,9 @@ def _bwd(opts: base.Options, res, cts):
       return None
     return _common.cotangent_like((g * grad).astype(primal.dtype), primal)
   return (scaled(dx, x), scaled(dw, w), None if b is None else scaled(db, b), None,
-          scaled(loss, weights))
+          scaled(loss, weights),
+          None if temperature is None else scaled(dt.reshape(jnp.shape(temperature)),
+                                                  temperature))
 
 
 weighted_sum.defvjp(_fwd, _bwd, symbolic_zeros=True)
