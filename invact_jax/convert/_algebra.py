@@ -92,7 +92,7 @@ def _syms(p: dict) -> set:
 
 
 def _is_row(s) -> bool:
-  return s in (M1, M2) or s[0] in ("r", "q")
+  return s in (M1, M2) or s[0] in ("r", "q", "f")
 
 
 def _power(p: dict, n: int) -> dict | None:
@@ -124,14 +124,18 @@ def _by_x_power(p: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ match
+_EPS_MODES = {"std": "epsilon added to the standard deviation",
+              "floor_var": "the variance floored at epsilon",
+              "floor_std": "the standard deviation floored at epsilon"}
+
+
 @dataclasses.dataclass
 class NormMatch:
   """A norm found by its algebra: what the conversion replaces and how.
 
   Attributes:
     rms: RMSNorm (no centring) or LayerNorm.
-    eps: the constant added to the variance (to the standard deviation where
-      ``eps_on_std``).
+    eps: the constant added to the variance (or as ``eps_mode`` says).
     axes: the reduced axes of ``x``.
     nodes: the region's node indices (sorted); ``root``/``root_out``: the output's producer.
     inputs: the region's inputs; ``inputs[0]`` is ``x``.
@@ -145,8 +149,9 @@ class NormMatch:
       program's normalized values were bfloat16, and float32 is kept where they were).
     layout: the output's layout: per dimension, the axis of ``x`` it runs along (None: a
       new axis of size 1); ``to_x`` moves an array from it to the layout of ``x``.
-    eps_on_std: the norm divides by ``std + eps`` (the annotated Transformer's LayerNorm),
-      not by ``sqrt(var + eps)``.
+    eps_mode: where epsilon enters: "var" ``rsqrt(var + eps)``; "std" ``1 / (std + eps)``
+      (the annotated Transformer's LayerNorm); "floor_var" ``rsqrt(max(var, eps))``;
+      "floor_std" ``1 / max(std, eps)`` (torch's ``F.normalize``).
   """
   rms: bool
   eps: float
@@ -160,7 +165,7 @@ class NormMatch:
   bias: dict
   store: Any = None
   layout: tuple = ()
-  eps_on_std: bool = False
+  eps_mode: str = "var"
 
   @property
   def public(self) -> str:
@@ -170,8 +175,7 @@ class NormMatch:
   def name(self) -> str:
     kind = "RMSNorm" if self.rms else "LayerNorm"
     affine = [w for w, p in (("scale", self.scale), ("bias", self.bias))
-              if _syms(p)] + (["epsilon added to the standard deviation"] if self.eps_on_std
-                              else [])
+              if _syms(p)] + ([_EPS_MODES[self.eps_mode]] if self.eps_mode != "var" else [])
     return f"{kind} by its algebra (axes {self.axes}{', ' if affine else ''}{', '.join(affine)})"
 
 
@@ -196,6 +200,8 @@ class _Analysis:
     self.radical_defs: list = []
     self.reciprocals: dict = {}  # canonical row polynomial of several terms -> its index
     self.reciprocal_defs: list = []
+    self.floors: dict = {}     # (canonical row polynomial, floor) -> index
+    self.floor_defs: list = []  # (row polynomial, floor c > 0): the symbol max(p, c)
     self.params: list = []     # (source ref, chain) per parameter symbol
     self.param_ids: dict = {}  # ref -> symbol index
     self.opaque: set = set()   # vars computed from x that are not polynomials
@@ -397,6 +403,15 @@ class _Analysis:
       self.reciprocal_defs.append(p)
     return {((("q", self.reciprocals[key]), 1),): 1.0}
 
+  def _floor(self, p: dict, c: float) -> dict:
+    """``{f: 1}``, the symbol ``f = max(p, c)`` of a row polynomial ``p`` and a constant
+    ``c > 0`` (a variance or norm kept from falling below ``c``)."""
+    key = (tuple(sorted((m, round(v, 12)) for m, v in p.items())), round(c, 12))
+    if key not in self.floors:
+      self.floors[key] = len(self.floor_defs)
+      self.floor_defs.append((p, c))
+    return {((("f", self.floors[key]), 1),): 1.0}
+
   # -- one node
   def _value(self, ref):
     if ref is self.x or (not isinstance(ref, Lit) and ref in self.vals):
@@ -510,10 +525,13 @@ class _Analysis:
       r = self._radical(vals[0])
       return None if r is None else {((r, -1),): 1.0}
     if name == "max":  # a clip of a row statistic at a constant below it (the variance at 0)
-      a, b = vals
+      a, b = vals  # or a floor above 0: the symbol max(p, c)
       for v, c in ((a, b), (b, a)):
-        if not (X in _syms(v)) and set(c) <= {()} and c.get((), 0.0) <= 0.0 and _syms(v):
-          return v
+        if not (X in _syms(v)) and set(c) <= {()} and _syms(v):
+          if c.get((), 0.0) <= 0.0:
+            return v
+          if all(_is_row(s) for s in _syms(v)):
+            return self._floor(v, c[()])
       return None
     if name == "reduce_sum":  # over the reduced axes: checked by its layout
       return self._sum(vals[0])
@@ -562,33 +580,62 @@ class _Analysis:
       return None
     return r, a, e
 
+  def _statistic(self, symbol, power: int) -> tuple | None:
+    """``(mode, var, unit, eps)`` of the row symbol a norm's output is ``x`` times (to
+    ``power``): ``var`` the row polynomial its variance is (a constant factor included),
+    ``unit`` the factor that statistic comes with and ``eps`` the constant, for ``mode``
+    (:attr:`NormMatch.eps_mode`) "var" ``(unit var + eps)^-1/2``, "std" ``1 / (unit
+    sqrt(var) + eps)``, "floor_var" ``(unit max(var, eps))^-1/2`` and "floor_std" ``1 /
+    max(unit sqrt(var), eps)``; None for anything else."""
+    kind = symbol[0]
+    if kind == "r" and power == 1:
+      definition = self.radical_defs[symbol[1]]
+      (m, unit), = definition.items() if len(definition) == 1 else ((None, 0.0),)
+      if m is not None and len(m) == 1 and m[0][0][0] == "f" and m[0][1] == 1 and unit > 0:
+        var, eps = self.floor_defs[m[0][0][1]]
+        return "floor_var", var, unit, eps
+      return "var", {k: c for k, c in definition.items() if k != ()}, 1.0, \
+          definition.get((), 0.0)
+    if kind == "q" and power == 1:
+      found = self._std_plus_eps(symbol)
+      if found is None:
+        return None
+      r, unit, eps = found
+      return "std", self.radical_defs[r[1]], unit, eps
+    if kind == "f" and power == -1:
+      inner, eps = self.floor_defs[symbol[1]]
+      if len(inner) != 1:
+        return None
+      (m, unit), = inner.items()
+      if len(m) != 1 or m[0][0][0] != "r" or m[0][1] != -1 or not unit > 0:
+        return None
+      definition = self.radical_defs[m[0][0][1]]
+      if definition.get((), 0.0):
+        return None
+      return "floor_std", definition, unit, eps
+    return None
+
   def norm(self, p: dict) -> tuple | None:
-    """``(rms, eps, scale, bias, eps_on_std)`` when ``p`` is a norm's output polynomial
-    (``eps_on_std``: epsilon added to the standard deviation, ``x / (std + eps)``, not to the
-    variance), else None."""
+    """``(rms, eps, scale, bias, eps_mode)`` when ``p`` is a norm's output polynomial (see
+    :attr:`NormMatch.eps_mode`), else None."""
     parts = _by_x_power(p)
     if set(parts) - {0, 1} or 1 not in parts:
       return None
     lin, free = parts[1], parts.get(0, {})
-    rads = {s for s in _syms(lin) if s[0] in ("r", "q")}
-    if len(rads) != 1:
+    rows = {(s, e) for m in lin for s, e in m if _is_row(s)}
+    if len(rows) != 1:
       return None
-    (r,) = rads
+    ((symbol, power),) = rows
     scale: dict = {}
     for m, c in lin.items():
       d = dict(m)
-      if d.pop(r, 0) != 1 or any(_is_row(s) for s in d):
+      if d.pop(symbol, 0) != power or any(_is_row(s) for s in d):
         return None
       scale[tuple(sorted(d.items()))] = c
-    symbol, factor, on_std = r, 1.0, r[0] == "q"
-    if on_std:  # x / (a std + e) = x / (std + e / a) / a
-      found = self._std_plus_eps(r)
-      if found is None:
-        return None
-      r, factor, eps_std = found
-    definition = self.radical_defs[r[1]]
-    eps = definition.get((), 0.0)
-    var = {m: c for m, c in definition.items() if m != ()}
+    found = self._statistic(symbol, power)
+    if found is None:
+      return None
+    mode, var, unit, eps = found
     m1sq = _mono((M1, 2))
     # the statistic up to a constant factor k > 0 (a sum of squares, jnp.linalg.norm's, is
     # k = n times their mean): x * rsqrt(k var + eps) is the norm of epsilon eps / k, its
@@ -604,18 +651,17 @@ class _Analysis:
       return None
     if not eps >= 0.0:
       return None
-    centre = {} if rms else _mul({_mono((M1, 1), (symbol, 1)): -1.0}, scale)
+    centre = {} if rms else _mul({_mono((M1, 1), (symbol, power)): -1.0}, scale)
     if centre is None:
       return None
     bias = _add(free, centre, -1.0)
     if any(_is_row(s) for s in _syms(bias)):
       return None
-    if on_std:  # 1 / (a sqrt(k var) + e) = (std + e / (a sqrt(k)))^-1 / (a sqrt(k))
-      if not eps_std >= 0.0:
-        return None
-      unit = factor * k ** 0.5
-      return rms, float(eps_std) / unit, _scale(scale, 1.0 / unit), bias, True
-    return rms, float(eps) / k, _scale(scale, k ** -0.5), bias, False
+    if mode in ("std", "floor_std"):  # 1 / (a sqrt(k var) + e) = (std + e / a')^-1 / a'
+      unit = unit * k ** 0.5
+      return rms, float(eps) / unit, _scale(scale, 1.0 / unit), bias, mode
+    # (unit (k var + e))^-1/2 = (var + e / k)^-1/2 (unit k)^-1/2, and so with a floor
+    return rms, float(eps) / k, _scale(scale, (unit * k) ** -0.5), bias, mode
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -688,7 +734,7 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
       continue
     found.sort(key=lambda t: -g.producer[t[0]][0])
     reason = None
-    for o, (rms, eps, scale, bias, on_std) in found:  # several norms may read one x (NeoX)
+    for o, (rms, eps, scale, bias, mode) in found:  # several norms may read one x (NeoX)
       root, root_out = g.producer[o]
       if root in taken:
         continue  # an intermediate value of a norm already found
@@ -731,7 +777,7 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
                if o2 in a.vals and X in _syms(a.vals[o2])]
       store = min((av.dtype for av in full), key=lambda d: jnp.finfo(d).nmant)
       matches.append(NormMatch(rms, eps, a.axes, nodes, root, root_out, inputs, params,
-                               scale, bias, store, a.layout[o], on_std))
+                               scale, bias, store, a.layout[o], mode))
       taken.update(nodes)
     if not radicals and reason and not any(m.inputs[0] is x for m in matches):
       left.append(([g.producer[found[0][0]][0]], reason))

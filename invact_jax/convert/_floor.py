@@ -213,6 +213,9 @@ class _Walker:
       rows = math.prod(x.shape) // max(1, math.prod(x.shape[a] for a in m.axes))
       self._add(("rstd", out), f"{m.public} row statistic", (rows,), "float32", 4 * rows,
                 g.nodes[m.root].where)
+      if m.eps_mode.startswith("floor"):  # which side of its floor each row is on
+        self._add(("side", out), f"{m.public} row factor", (rows,), "float32", 4 * rows,
+                  g.nodes[m.root].where)
     for m in self.found.softmaxes:
       self.anchor(self.found.output(g, m), "softmax output", 1 << 30)
     for m in self.found.heads:  # the LM head: its input and a float32 log-sum-exp per token

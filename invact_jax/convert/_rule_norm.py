@@ -35,7 +35,7 @@ class NormVJP:
     self.out_aval = target.avals[target.nodes[m.root].outs[m.root_out]]
     self.ndim = len(self.x_aval.shape)
     self.rows_kernel = (m.layout == tuple(range(self.ndim)) and m.axes == (self.ndim - 1,)
-                        and not m.eps_on_std)
+                        and m.eps_mode == "var")
     self.sources = sorted({p[0] for p in m.params if p is not None and p[0] != "const"})
     self.target = target
     # No affine, the output in x's layout and in the dtype xhat is kept in: the output *is*
@@ -70,16 +70,20 @@ class NormVJP:
     return scale, bias
 
   def residuals(self, vals, z) -> tuple:
-    """``(xhat, rstd, parameter sources)`` from the region's input values and output."""
-    xhat, rstd = _norm_base.normalize(vals[0], self.m.rms, self.m.eps, self.m.axes,
-                                      self.m.eps_on_std)
-    xhat = z if self.output_is_xhat else xhat.astype(self.m.store)
-    return xhat, rstd, tuple(vals[i] for i in self.sources)
+    """``(xhat, rstd, parameter sources)`` from the region's input values and output; under
+    a floor, also the rows' projection factors (which side of the floor each row is on)."""
+    m = self.m
+    xhat, rstd = _norm_base.normalize(vals[0], m.rms, m.eps, m.axes, m.eps_mode)
+    xhat = z if self.output_is_xhat else xhat.astype(m.store)
+    res = (xhat, rstd, tuple(vals[i] for i in self.sources))
+    if m.eps_mode.startswith("floor"):
+      res += (_norm_base.projection(vals[0], m.rms, m.eps, m.axes, m.eps_mode),)
+    return res
 
   def recompute(self, res):
     """The norm's output recomputed from the residuals (``xhat * scale + bias`` in the compute
     dtype, then in the output's layout and dtype)."""
-    xhat, rstd, src = res
+    xhat, rstd, src, *_ = res
     xh = xhat.astype(rstd.dtype)
     scale, bias = self._affine(xh, src)
     z = _algebra.from_x(xh * scale + bias, self.m.layout, tuple(self.out_aval.shape))
@@ -88,7 +92,7 @@ class NormVJP:
   def backward(self, res, dz) -> tuple:
     """Cotangents of the region's inputs (None for constants) from the output's ``dz``."""
     m, ndim = self.m, self.ndim
-    xhat, rstd, src = res
+    xhat, rstd, src, *factor = res
     cd = rstd.dtype
     xh, dzc = xhat.astype(cd), _algebra.to_x(dz.astype(cd), m.layout, ndim)
     scale, _ = self._affine(xh, src)
@@ -99,10 +103,11 @@ class NormVJP:
       dx = _norm_base.kernel_or_xla(self.implementation, xhat).backward_dx(
           m.rms, xhat, rstd, dz, vec, self.x_aval.dtype)
     else:
-      # x / (std + eps): the projection's term grows by (std + eps) / std = 1 / (1 - eps rstd)
-      # per row (to xhat times its square root; a constant row's NaN, as sqrt's derivative
-      # at 0 gives the program, included)
-      xp = xh * jax.lax.rsqrt(1.0 - m.eps * rstd) if m.eps_on_std else xh
+      # the projection's term times a factor per row (to xhat times its square root): x /
+      # (std + eps): (std + eps) / std = 1 / (1 - eps rstd) (a constant row's NaN, as sqrt's
+      # derivative at 0 gives the program, included); under a floor, the kept factor
+      xp = (xh * jax.lax.rsqrt(1.0 - m.eps * rstd) if m.eps_mode == "std" else
+            xh * jnp.sqrt(factor[0]) if factor else xh)
       dx = _norm_base.dx_from_xhat(xp, rstd, dzc * scale, m.rms, m.axes).astype(
           self.x_aval.dtype)
     out = [None] * len(m.inputs)  # None: a zero cotangent (constants, a where's fill value)

@@ -133,7 +133,24 @@ def rms_plus_eps(x, g, _):
   return x / (jnp.sqrt(_mean(x * x)) + 1e-2) * g
 
 
+def rms_floored_variance(x, g, _):
+  """``x * rsqrt(max(mean(x^2), eps))``: the variance kept from falling below eps."""
+  return x * jax.lax.rsqrt(jnp.maximum(_mean(x * x), 1e-2)) * g
+
+
+def ln_floored_variance(x, g, b):
+  return (x - _mean(x)) * jax.lax.rsqrt(jnp.maximum(jnp.var(x, -1, keepdims=True), 1e-2)) * g + b
+
+
+def l2_normalize_floored(x, g, _):
+  """torch's ``F.normalize``: ``x / max(||x||, eps)``."""
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 0.5) * g
+
+
 NORMS = {
+    "rms_floored_variance": (rms_floored_variance, "rms_norm"),
+    "ln_floored_variance": (ln_floored_variance, "layer_norm"),
+    "l2_normalize_floored": (l2_normalize_floored, "rms_norm"),
     "ln_std_plus_eps": (ln_std_plus_eps, "layer_norm"),
     "ln_unbiased_std_plus_eps": (ln_unbiased_std_plus_eps, "layer_norm"),
     "rms_plus_eps": (rms_plus_eps, "rms_norm"),
@@ -194,6 +211,24 @@ def test_norm_written_any_way_is_converted(name, dtype):
                           hand_loss=None if dtype == "float32" else loss)
   assert kept_bytes(inv, x, g, b) <= 0.6 * kept_bytes(norm, x, g, b), (
       memory.residuals(inv, x, g, b), memory.residuals(norm, x, g, b))
+
+
+@pytest.mark.parametrize("name", ["rms_floored_variance", "ln_floored_variance",
+                                  "l2_normalize_floored"])
+def test_a_floored_statistic_below_and_above_its_floor(name):
+  """Rows whose statistic lies below the floor (a constant scale there: no projection term)
+  and above it: the forward is the original's bit for bit and the gradient at the float32
+  floor."""
+  norm, public = NORMS[name]
+  x, (g, b) = _x(), _params()
+  x = x.at[0, :2].multiply(1e-3)  # below any of the floors
+  inv = invact_jax.invert(norm)
+  np.testing.assert_array_equal(np.asarray(jit(inv)(x, g, b)), np.asarray(jit(norm)(x, g, b)))
+  loss = _loss(norm)
+  inv_loss = invact_jax.invert(loss)
+  grads = jax.jit(jax.grad(inv_loss, argnums=(0, 1, 2)))(x, g, b)
+  assert inv_loss.last_report.replaced == {public: 1}, inv_loss.last_report
+  assert_at_float32_floor(loss, (x, g, b), grads, argnums=(0, 1, 2))
 
 
 def test_under_scan_and_vmap():

@@ -33,20 +33,47 @@ from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 
 
-def normalize(x, rms: bool, eps: float, axes=-1, eps_on_std: bool = False):
+def normalize(x, rms: bool, eps: float, axes=-1, mode: str = "var"):
   """(xhat, rstd) in the compute dtype (float32; float64 for float64 x); rstd keeps the
-  reduced ``axes`` as size 1 (``[..., 1]`` for the last axis).  ``eps_on_std``: ``rstd = 1 /
-  (sqrt(var) + eps)`` (the annotated Transformer's LayerNorm) instead of ``rsqrt(var + eps)``."""
+  reduced ``axes`` as size 1 (``[..., 1]`` for the last axis).  ``mode``: where epsilon
+  enters, ``rstd`` = "var" ``rsqrt(var + eps)``; "std" ``1 / (sqrt(var) + eps)`` (the
+  annotated Transformer's LayerNorm); "floor_var" ``rsqrt(max(var, eps))``; "floor_std"
+  ``1 / max(sqrt(var), eps)`` (torch's ``F.normalize``)."""
+  centered, var = _centered(x, rms, axes)
+  return centered * _rstd(var, eps, mode), _rstd(var, eps, mode)
+
+
+def _centered(x, rms: bool, axes):
   xf = x.astype(_common.compute_dtype(x.dtype))
   if rms:
-    var = jnp.mean(xf * xf, axis=axes, keepdims=True)
-    centered = xf
-  else:
-    mean = jnp.mean(xf, axis=axes, keepdims=True)
-    centered = xf - mean
-    var = jnp.mean(centered * centered, axis=axes, keepdims=True)
-  rstd = 1.0 / (jnp.sqrt(var) + eps) if eps_on_std else jax.lax.rsqrt(var + eps)
-  return centered * rstd, rstd
+    return xf, jnp.mean(xf * xf, axis=axes, keepdims=True)
+  centered = xf - jnp.mean(xf, axis=axes, keepdims=True)
+  return centered, jnp.mean(centered * centered, axis=axes, keepdims=True)
+
+
+def _rstd(var, eps: float, mode: str):
+  if mode == "std":
+    return 1.0 / (jnp.sqrt(var) + eps)
+  if mode == "floor_var":
+    return jax.lax.rsqrt(jnp.maximum(var, eps))
+  if mode == "floor_std":
+    return 1.0 / jnp.maximum(jnp.sqrt(var), eps)
+  return jax.lax.rsqrt(var + eps)
+
+
+def projection(x, rms: bool, eps: float, axes, mode: str):
+  """Per row, the factor the backward's projection term (``xhat * mean(g * xhat)``) has
+  where epsilon is not added to the variance, or None where it is 1 ("var"): "std" ``(std +
+  eps) / std``; a floor: 1 above it, 0 below (the floor is a constant), 1/2 at it (JAX's
+  ``max`` splits its derivative at a tie)."""
+  if mode == "var":
+    return None
+  _, var = _centered(x, rms, axes)
+  if mode == "std":
+    std = jnp.sqrt(var)
+    return (std + eps) / std
+  stat = var if mode == "floor_var" else jnp.sqrt(var)
+  return jnp.where(stat > eps, 1.0, jnp.where(stat == eps, 0.5, 0.0)).astype(var.dtype)
 
 
 def affine(xhat, scale, bias, dtype):
