@@ -40,7 +40,8 @@ def normalize(x, rms: bool, eps: float, axes=-1, mode: str = "var"):
   annotated Transformer's LayerNorm); "floor_var" ``rsqrt(max(var, eps))``; "floor_std"
   ``1 / max(sqrt(var), eps)`` (torch's ``F.normalize``)."""
   centered, var = _centered(x, rms, axes)
-  return centered * _rstd(var, eps, mode), _rstd(var, eps, mode)
+  rstd = _rstd(var, eps, mode)
+  return centered * rstd, rstd
 
 
 def _centered(x, rms: bool, axes):
