@@ -196,12 +196,10 @@ class _Analysis:
     # size 1).  Transposes, broadcasts and reshapes move axes; statistics are over ``axes``.
     self.layout: dict = {x: tuple(range(len(self.shape)))}
     self._cur = self.layout[x]  # the layout of the node being read (for its parameters)
-    self.radicals: dict = {}   # canonical row polynomial -> radical index
-    self.radical_defs: list = []
-    self.reciprocals: dict = {}  # canonical row polynomial of several terms -> its index
-    self.reciprocal_defs: list = []
-    self.floors: dict = {}     # (canonical row polynomial, floor) -> index
-    self.floor_defs: list = []  # (row polynomial, floor c > 0): the symbol max(p, c)
+    # Row symbols of row polynomials p, per kind: "r" p^(-1/2) (definition p), "q" 1 / p
+    # (p of several terms), "f" max(p, c) (definition (p, c), c > 0).
+    self.symbols: dict = {}    # (kind, canonical definition) -> the symbol
+    self.defs: dict = {"r": [], "q": [], "f": []}  # kind -> definitions, by symbol index
     self.params: list = []     # (source ref, chain) per parameter symbol
     self.param_ids: dict = {}  # ref -> symbol index
     self.opaque: set = set()   # vars computed from x that are not polynomials
@@ -382,35 +380,33 @@ class _Analysis:
         v = v.reshape(out.shape)
     return Lit(v)
 
-  def _radical(self, p: dict) -> tuple | None:
-    """The symbol ``r`` with ``r = p^(-1/2)`` for a row polynomial ``p``."""
+  def _symbol(self, kind: str, p: dict, c: float | None = None) -> tuple | None:
+    """The row symbol of ``kind`` (see ``self.defs``) of the row polynomial ``p`` (and the
+    floor ``c``), the same for the same definition; None where ``p`` is not a row
+    polynomial."""
     if any(not _is_row(s) for s in _syms(p)):
       return None
-    key = tuple(sorted((m, round(c, 12)) for m, c in p.items()))
-    if key not in self.radicals:
-      self.radicals[key] = len(self.radical_defs)
-      self.radical_defs.append(p)
-    return ("r", self.radicals[key])
+    key = (kind, tuple(sorted((m, round(v, 12)) for m, v in p.items())),
+           None if c is None else round(c, 12))
+    if key not in self.symbols:
+      self.symbols[key] = (kind, len(self.defs[kind]))
+      self.defs[kind].append(p if c is None else (p, c))
+    return self.symbols[key]
+
+  def _radical(self, p: dict) -> tuple | None:
+    """The symbol ``r`` with ``r = p^(-1/2)`` for a row polynomial ``p``."""
+    return self._symbol("r", p)
 
   def _reciprocal(self, p: dict) -> dict | None:
     """``{q: 1}``, the symbol ``q = 1 / p`` of a row polynomial ``p`` of several terms (a
     standard deviation plus epsilon, ``sqrt(var) + eps``)."""
-    if any(not _is_row(s) for s in _syms(p)):
-      return None
-    key = tuple(sorted((m, round(c, 12)) for m, c in p.items()))
-    if key not in self.reciprocals:
-      self.reciprocals[key] = len(self.reciprocal_defs)
-      self.reciprocal_defs.append(p)
-    return {((("q", self.reciprocals[key]), 1),): 1.0}
+    q = self._symbol("q", p)
+    return None if q is None else {((q, 1),): 1.0}
 
   def _floor(self, p: dict, c: float) -> dict:
     """``{f: 1}``, the symbol ``f = max(p, c)`` of a row polynomial ``p`` and a constant
     ``c > 0`` (a variance or norm kept from falling below ``c``)."""
-    key = (tuple(sorted((m, round(v, 12)) for m, v in p.items())), round(c, 12))
-    if key not in self.floors:
-      self.floors[key] = len(self.floor_defs)
-      self.floor_defs.append((p, c))
-    return {((("f", self.floors[key]), 1),): 1.0}
+    return {((self._symbol("f", p, c), 1),): 1.0}
 
   # -- one node
   def _value(self, ref):
@@ -570,13 +566,13 @@ class _Analysis:
   def _std_plus_eps(self, q) -> tuple | None:
     """``(radical r, a, e)`` where ``1 / q = a * r^-1 + e`` (``a > 0``): a standard deviation
     (``r``'s definition free of constants) scaled by ``a``, plus ``e``; else None."""
-    definition = self.reciprocal_defs[q[1]]
+    definition = self.defs["q"][q[1]]
     e = definition.get((), 0.0)
     rest = [(m, c) for m, c in definition.items() if m != ()]
     if len(rest) != 1 or len(rest[0][0]) != 1:
       return None
     ((r, power),), a = rest[0]
-    if r[0] != "r" or power != -1 or not a > 0.0 or self.radical_defs[r[1]].get((), 0.0):
+    if r[0] != "r" or power != -1 or not a > 0.0 or self.defs["r"][r[1]].get((), 0.0):
       return None
     return r, a, e
 
@@ -589,10 +585,10 @@ class _Analysis:
     max(unit sqrt(var), eps)``; None for anything else."""
     kind = symbol[0]
     if kind == "r" and power == 1:
-      definition = self.radical_defs[symbol[1]]
+      definition = self.defs["r"][symbol[1]]
       (m, unit), = definition.items() if len(definition) == 1 else ((None, 0.0),)
       if m is not None and len(m) == 1 and m[0][0][0] == "f" and m[0][1] == 1 and unit > 0:
-        var, eps = self.floor_defs[m[0][0][1]]
+        var, eps = self.defs["f"][m[0][0][1]]
         return "floor_var", var, unit, eps
       return "var", {k: c for k, c in definition.items() if k != ()}, 1.0, \
           definition.get((), 0.0)
@@ -601,15 +597,15 @@ class _Analysis:
       if found is None:
         return None
       r, unit, eps = found
-      return "std", self.radical_defs[r[1]], unit, eps
+      return "std", self.defs["r"][r[1]], unit, eps
     if kind == "f" and power == -1:
-      inner, eps = self.floor_defs[symbol[1]]
+      inner, eps = self.defs["f"][symbol[1]]
       if len(inner) != 1:
         return None
       (m, unit), = inner.items()
       if len(m) != 1 or m[0][0][0] != "r" or m[0][1] != -1 or not unit > 0:
         return None
-      definition = self.radical_defs[m[0][0][1]]
+      definition = self.defs["r"][m[0][0][1]]
       if definition.get((), 0.0):
         return None
       return "floor_std", definition, unit, eps

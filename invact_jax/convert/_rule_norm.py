@@ -73,12 +73,10 @@ class NormVJP:
     """``(xhat, rstd, parameter sources)`` from the region's input values and output; under
     a floor, also the rows' projection factors (which side of the floor each row is on)."""
     m = self.m
-    xhat, rstd = _norm_base.normalize(vals[0], m.rms, m.eps, m.axes, m.eps_mode)
+    xhat, rstd, side = _norm_base.statistics(vals[0], m.rms, m.eps, m.axes, m.eps_mode)
     xhat = z if self.output_is_xhat else xhat.astype(m.store)
     res = (xhat, rstd, tuple(vals[i] for i in self.sources))
-    if m.eps_mode.startswith("floor"):
-      res += (_norm_base.projection(vals[0], m.rms, m.eps, m.axes, m.eps_mode),)
-    return res
+    return res if side is None else (*res, side)
 
   def recompute(self, res):
     """The norm's output recomputed from the residuals (``xhat * scale + bias`` in the compute

@@ -434,14 +434,13 @@ def _backward(opts: Options, res, g, g_lse):
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (
           yc - shards.offset - start)[:, None]
       pw = p if weight is None else p * weight[:, None]
+      dz = pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab  # (w.r.t. the capped logits)
       if temperature is None:
-        dz = logits_chain(pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab, t, opts) * sc[:, None]
+        dz = logits_chain(dz, t, opts) * sc[:, None]
         if gls is not None:  # every token's log-sum-exp (ignored ones' too) read elsewhere
           dz = dz + logits_chain(p * gls[i][:, None], t, opts)
       else:
-        dz = (pw - jnp.where(here, 1.0 - s, 0.0) - s / vocab) * sc[:, None]
-        if gls is not None:
-          dz = dz + p * gls[i][:, None]
+        dz = dz * sc[:, None] + (0.0 if gls is None else p * gls[i][:, None])
         dz, share = temperature_chain(dz, t, u, temperature, opts)
         dtemp = dtemp + share
       dzw = dz.astype(wdt)

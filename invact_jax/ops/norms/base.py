@@ -39,42 +39,31 @@ def normalize(x, rms: bool, eps: float, axes=-1, mode: str = "var"):
   enters, ``rstd`` = "var" ``rsqrt(var + eps)``; "std" ``1 / (sqrt(var) + eps)`` (the
   annotated Transformer's LayerNorm); "floor_var" ``rsqrt(max(var, eps))``; "floor_std"
   ``1 / max(sqrt(var), eps)`` (torch's ``F.normalize``)."""
-  centered, var = _centered(x, rms, axes)
-  rstd = _rstd(var, eps, mode)
-  return centered * rstd, rstd
+  return statistics(x, rms, eps, axes, mode)[:2]
 
 
-def _centered(x, rms: bool, axes):
+def statistics(x, rms: bool, eps: float, axes=-1, mode: str = "var"):
+  """``(xhat, rstd, side)``: :func:`normalize`'s, and under a floor ("floor_var",
+  "floor_std") the factor per row of the backward's projection term ``xhat * mean(g *
+  xhat)``: 1 above the floor, 0 below (the floor is a constant), 1/2 at it (JAX's ``max``
+  splits its derivative at a tie); None for the other modes."""
   xf = x.astype(_common.compute_dtype(x.dtype))
   if rms:
-    return xf, jnp.mean(xf * xf, axis=axes, keepdims=True)
-  centered = xf - jnp.mean(xf, axis=axes, keepdims=True)
-  return centered, jnp.mean(centered * centered, axis=axes, keepdims=True)
-
-
-def _rstd(var, eps: float, mode: str):
+    centered, var = xf, jnp.mean(xf * xf, axis=axes, keepdims=True)
+  else:
+    centered = xf - jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(centered * centered, axis=axes, keepdims=True)
+  side = None
   if mode == "std":
-    return 1.0 / (jnp.sqrt(var) + eps)
-  if mode == "floor_var":
-    return jax.lax.rsqrt(jnp.maximum(var, eps))
-  if mode == "floor_std":
-    return 1.0 / jnp.maximum(jnp.sqrt(var), eps)
-  return jax.lax.rsqrt(var + eps)
-
-
-def projection(x, rms: bool, eps: float, axes, mode: str):
-  """Per row, the factor the backward's projection term (``xhat * mean(g * xhat)``) has
-  where epsilon is not added to the variance, or None where it is 1 ("var"): "std" ``(std +
-  eps) / std``; a floor: 1 above it, 0 below (the floor is a constant), 1/2 at it (JAX's
-  ``max`` splits its derivative at a tie)."""
-  if mode == "var":
-    return None
-  _, var = _centered(x, rms, axes)
-  if mode == "std":
-    std = jnp.sqrt(var)
-    return (std + eps) / std
-  stat = var if mode == "floor_var" else jnp.sqrt(var)
-  return jnp.where(stat > eps, 1.0, jnp.where(stat == eps, 0.5, 0.0)).astype(var.dtype)
+    rstd = 1.0 / (jnp.sqrt(var) + eps)
+  elif mode.startswith("floor"):
+    stat = var if mode == "floor_var" else jnp.sqrt(var)
+    floored = jnp.maximum(stat, eps)
+    rstd = jax.lax.rsqrt(floored) if mode == "floor_var" else 1.0 / floored
+    side = jnp.where(stat > eps, 1.0, jnp.where(stat == eps, 0.5, 0.0)).astype(var.dtype)
+  else:
+    rstd = jax.lax.rsqrt(var + eps)
+  return centered * rstd, rstd, side
 
 
 def affine(xhat, scale, bias, dtype):
