@@ -276,7 +276,7 @@ def _elements(aval) -> int:
   return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
 
 
-def jaxpr_flops(jaxpr) -> float:
+def jaxpr_flops(jaxpr, *, per_iteration: bool = False) -> float:
   """FLOPs of ``jaxpr`` (open or closed) counted the way XLA's cost analysis counts the
   lowered module, without lowering it: a matmul 2·M·N·K, an elementwise operation one per
   output element (``logistic`` three, ``integer_pow`` its multiplications, JAX 0.12's
@@ -287,6 +287,8 @@ def jaxpr_flops(jaxpr) -> float:
 
   Args:
     jaxpr: a ``jax.core.Jaxpr`` or ``ClosedJaxpr`` (``jax.make_jaxpr(f)(*args)``).
+    per_iteration: count a ``scan``'s body once per iteration (its ``length``) instead of
+      once: the FLOPs the program runs, not XLA's figure.
 
   Returns:
     The FLOP count: :func:`flops`'s to a few operations on scalars for each tested op, and
@@ -295,14 +297,15 @@ def jaxpr_flops(jaxpr) -> float:
     a gradient's seed).
   """
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  return _counted(jaxpr, [True] * len(jaxpr.outvars), [False] * len(jaxpr.invars))
+  return _counted(jaxpr, [True] * len(jaxpr.outvars), [False] * len(jaxpr.invars),
+                  per_iteration)
 
 
 def _literal(v) -> bool:
   return isinstance(v, jax.extend.core.Literal)
 
 
-def _counted(jaxpr, live_out: list, const_in: list) -> float:
+def _counted(jaxpr, live_out: list, const_in: list, per_iteration: bool) -> float:
   """FLOPs of the equations of ``jaxpr`` that its live outputs (``live_out``) need; inputs
   flagged in ``const_in`` are constants (a literal passed into a call), and an equation of
   constants only is folded (no FLOPs), as XLA folds it."""
@@ -321,22 +324,25 @@ def _counted(jaxpr, live_out: list, const_in: list) -> float:
       continue
     live.update(v for v in e.invars if not _literal(v))
     if id(e) not in folded:
-      total += _eqn_flops(e, outs, [const(v) for v in e.invars])
+      total += _eqn_flops(e, outs, [const(v) for v in e.invars], per_iteration)
   return total
 
 
-def _eqn_flops(e, live_out: list, const_in: list) -> float:
+def _eqn_flops(e, live_out: list, const_in: list, per_iteration: bool) -> float:
   name = e.primitive.name
   inner = [getattr(v, "jaxpr", v) for v in e.params.values()
            if hasattr(getattr(v, "jaxpr", v), "eqns")]
   branches = e.params.get("branches")
   if branches:  # (the first input is the index)
-    return max(_counted(b.jaxpr, live_out, const_in[1:]) for b in branches)
+    return max(_counted(b.jaxpr, live_out, const_in[1:], per_iteration) for b in branches)
   if inner:
     if (len(inner) == 1 and len(inner[0].outvars) == len(e.outvars)
         and len(inner[0].invars) == len(e.invars) and name != "scan"):
-      return _counted(inner[0], live_out, const_in)  # a call: what its live outputs need
-    return sum(_counted(j, [True] * len(j.outvars), [False] * len(j.invars)) for j in inner)
+      # a call: what its live outputs need
+      return _counted(inner[0], live_out, const_in, per_iteration)
+    trips = e.params["length"] if name == "scan" and per_iteration else 1
+    return trips * sum(_counted(j, [True] * len(j.outvars), [False] * len(j.invars),
+                                per_iteration) for j in inner)
   out = sum(_elements(v.aval) for v in e.outvars)
   if name == "dot_general":
     (lhs_contract, _), _ = e.params["dimension_numbers"]

@@ -234,3 +234,14 @@ def test_jaxpr_flops_of_a_remat_layers_gradient_and_a_scan_are_xla_s(policy):
   g = jax.value_and_grad(loss, argnums=(0, 1))
   assert memory.jaxpr_flops(jax.make_jaxpr(g)(*args)) == pytest.approx(
       memory.flops(g, *args), rel=1e-3)
+  # per iteration: the FLOPs the unrolled loop runs (its forward; the gradients accumulate
+  # the weights' slices differently)
+  def unrolled(x, w):
+    for i in range(w.shape[0]):
+      x = body(x, w[i])[0]
+    return jnp.sum(x ** 2)
+  assert memory.jaxpr_flops(jax.make_jaxpr(loss)(*args), per_iteration=True) == (
+      memory.jaxpr_flops(jax.make_jaxpr(unrolled)(*args)))
+  assert memory.jaxpr_flops(jax.make_jaxpr(g)(*args), per_iteration=True) == pytest.approx(
+      memory.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(unrolled, argnums=(0, 1)))(*args)),
+      rel=0.02)

@@ -60,6 +60,9 @@ class Options:
     recomputable: per site numbered so far (its number is its index), whether it can be
       recomputed.
     in_loop: converting a scan body (its residuals are kept per step).
+    measure_remat: compile a ``jax.checkpoint`` body both ways and convert it only where
+      that lowers its temp (:func:`_remat_body`); False converts it unmeasured (for
+      ``invact_jax.plan``, which replaces the policy the measurement is made under).
   """
   names: frozenset
   activation: Any
@@ -70,6 +73,7 @@ class Options:
   recompute: frozenset = frozenset()
   recomputable: list = dataclasses.field(default_factory=list)
   in_loop: bool = False
+  measure_remat: bool = True
 
   def site(self, public: str, where: str, recomputable: bool = False) -> str | None:
     """Number the next site: None if it is to be left alone (``skip``), ``"recompute"`` for
@@ -299,7 +303,7 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
   opts.recomputable[:] = probe.recomputable  # the sites keep their numbers either way
   sites = ([(public, where) for public, _, where in probe.report.converted]
            + [(public, where) for public, where, _ in probe.report.recomputed])
-  if sites:
+  if sites and opts.measure_remat:
     body = p["jaxpr"]  # (open: a checkpoint's body takes its constants as inputs)
     jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
     original = jax.make_jaxpr(remat(lambda *a: jax.core.eval_jaxpr(jaxpr, consts, *a)))(*structs)

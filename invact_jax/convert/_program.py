@@ -108,16 +108,18 @@ class _Conversion:
   """One ``invert(fn, ...)``: its options, and ``fallback="temp"``'s choices per trace
   signature."""
 
-  def __init__(self, fn, names, implementation, floor, fallback, argnums):
+  def __init__(self, fn, names, implementation, floor, fallback, argnums,
+               measure_remat=True):
     self.fn, self.names, self.floor, self.fallback, self.argnums = (
         fn, names, floor, fallback, argnums)
+    self.measure_remat = measure_remat
     self.impls = [_implementation.resolve(implementation, op="invert", implementations=table)
                   for table in (_act_api.IMPLEMENTATIONS, _norm_api.IMPLEMENTATIONS)]
     self.cache: dict = {}
 
   def options(self, report: ConversionReport, choice: _fallback.Choice) -> _pass.Options:
     return _pass.Options(self.names, *self.impls, report, bool(self.floor) and choice.floor,
-                         choice.skip, choice.recompute)
+                         choice.skip, choice.recompute, measure_remat=self.measure_remat)
 
   def choose(self, closed, args, leaves, dyn, report: ConversionReport) -> _fallback.Choice:
     """``fallback="temp"``'s choice for this trace signature (measured once), else none."""
@@ -211,9 +213,20 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
   """
   if not callable(fn):
     raise TypeError(f"invact_jax.invert: argument `fn` must be callable, got {type(fn).__name__}")
-  conversion = _Conversion(fn, _names(only, norms), implementation, floor, fallback,
-                          _checked(fallback, argnums))
+  return _wrapped(fn, _Conversion(fn, _names(only, norms), implementation, floor, fallback,
+                                  _checked(fallback, argnums)))
 
+
+def inverted_for_plan(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``invert(fn)`` as :func:`invact_jax.plan` takes it for an operator variant: the bodies
+  of the program's ``jax.checkpoint`` s converted without compiling them both ways (the plan
+  replaces the layer's policy, the premise of that measurement, and compiles the programs it
+  compares)."""
+  return _wrapped(fn, _Conversion(fn, _names(None, True), None, True, None, (0,),
+                                  measure_remat=False))
+
+
+def _wrapped(fn, conversion: _Conversion) -> Callable[..., Any]:
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     out, wrapped.last_report = conversion(args, kwargs)
