@@ -154,7 +154,7 @@ def rows_of(name: str, build: Callable, args: tuple, depth: int, dtype: str, pol
         "program": name, "dtype": dtype, "layers": depth, "budget": budget,
         "configuration": r.configuration,
         "keep": list(r.keep), "offload": list(r.offload), "as_written": r.as_written,
-        "policy": r.policy,
+        "policy": r.policy, "alternatives": list(r.alternatives),
         "predicted_bytes": r.predicted_bytes, "compiled_bytes": r.compiled_bytes,
         "prediction_error": r.predicted_bytes / r.compiled_bytes - 1.0,
         "recompute_flops": depth * (_flops(planned, args) - none_flops),
