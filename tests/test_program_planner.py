@@ -301,6 +301,28 @@ def test_a_layer_with_its_own_remat_runs_without_it_where_that_fits():
   _assert_within_the_originals_error(remat, planned, *TOY)
 
 
+def test_the_inverted_variant_converts_remat_bodies_without_compiling_them(monkeypatch):
+  """``invert`` compiles a ``jax.checkpoint`` body's gradient both ways before converting it
+  (under the user's policy); ``plan(convert=True)`` replaces that policy, so its inverted
+  variant converts the body unmeasured."""
+  from invact_jax.convert import _fallback, _program  # pylint: disable=import-outside-toplevel
+  layer = jax.checkpoint(_layer(False), policy=jax.checkpoint_policies.nothing_saveable)
+
+  def loss(params, x):
+    return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)
+  measured, real = [], _fallback.gradient_temp
+  monkeypatch.setattr(_fallback, "gradient_temp",
+                      lambda *a, **k: measured.append(1) or real(*a, **k))
+  jax.make_jaxpr(invact_jax.invert(loss))(*ARGS)
+  assert measured
+  measured.clear()
+  variant = _program.inverted_for_plan(loss)
+  jax.make_jaxpr(variant)(*ARGS)
+  assert not measured and {"rms_norm", "silu", "softmax"} <= set(variant.last_report.replaced)
+  r = invact_jax.plan(loss, *ARGS, budget="1GiB", convert=True).report
+  assert not measured and len(r.alternatives) == 1
+
+
 def test_sharded_inputs_and_jit():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   x = jax.device_put(jnp.tile(ARGS[1], (4, 1, 1)), jax.NamedSharding(
