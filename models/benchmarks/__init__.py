@@ -12,3 +12,23 @@ through :mod:`.child`.
 * :mod:`.frontier`, :mod:`.frontier_torch`: the full-model memory-time frontier;
 * :mod:`.gpu_report`: the GPU report's sections; :mod:`.headline`: the README's table.
 """
+import os
+import platform
+
+__all__ = ["host"]
+
+
+def host() -> str:
+  """The machine's CPU model and core count (``/proc/cpuinfo``; else ``platform``), for the
+  benchmarks' JSON beside the device: XLA:CPU's timings and float32 roundings depend on it
+  (the conversion zoo's gradient errors moved between an Intel Xeon and an AMD EPYC host with
+  the same code, 2026-11-27)."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f
+                    if line.startswith("model name")), model)
+  except OSError:
+    pass
+  return f"{model}, {os.cpu_count()} cores"
+

@@ -37,6 +37,7 @@ from tqdm import tqdm
 import invact_jax
 from invact_jax import memory
 from models import options
+from models import benchmarks
 from models import reference_layers
 from models import third_party
 
@@ -193,7 +194,7 @@ def run(a: argparse.Namespace) -> int:
   names = third_party.installed(a.third_party)
   layers = layer_rows(a.size, a.dtypes, a.models)
   models = third_party_rows("test", a.dtypes, names)
-  meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+  meta = {"jax": jax.__version__, "host": benchmarks.host(), "device": jax.devices()[0].device_kind,
           "size": dict(zip(("d", "heads", "T", "batch"), SIZES[a.size])),
           "date": datetime.date.today().isoformat()}
   print(f"JAX {meta['jax']}, {meta['device']}, {meta['size']}, {meta['date']}")

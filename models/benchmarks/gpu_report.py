@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from models import benchmarks
 from models.benchmarks import child
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ def environment() -> dict:
     pass
   dev = jax.devices()[0]
   return {"date": datetime.date.today().isoformat(), "platform": jax.default_backend(),
-          "device": str(dev.device_kind), "device_count": jax.device_count(), "driver": driver,
+          "host": benchmarks.host(), "device": str(dev.device_kind), "device_count": jax.device_count(), "driver": driver,
           "python": platform.python_version(), "versions": _versions()}
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from models import benchmarks
 from models import third_party
 
 
@@ -62,7 +63,7 @@ def run(a: argparse.Namespace) -> int:
   rows = [third_party.compare(m, a.size, jnp.dtype(a.dtype), reference=True,
                                  fallback=a.fallback, timed=a.compile_tries)
           for m in tqdm(models, desc="models", file=sys.stderr)]
-  meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+  meta = {"jax": jax.__version__, "host": benchmarks.host(), "device": jax.devices()[0].device_kind,
           "size": third_party.SIZES[a.size], "dtype": a.dtype, "fallback": a.fallback,
           "compile_tries": a.compile_tries,
           "date": datetime.date.today().isoformat()}

@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 import invact_jax
+from models import benchmarks
 
 __all__ = ["Head", "HEADS", "make_head", "compile_step", "rows", "torch_rows",
            "tile_heads", "parse_tile", "too_large", "device_bytes"]
@@ -333,7 +334,9 @@ def render_docs(text: str, root) -> str:
     meta = data["meta"]
     rows = [r for r in data["rows"] if m.group(3) is None or r["dtype"] == m.group(3)]
     command = re.sub(r" --json \S+", "", meta["command"])
-    where = (f"`{command}` (`{m.group(2)}`) — {meta['device']}, JAX "
+    device = meta["device"] + (f" ({meta['host']})" if meta.get("host") and
+                               meta["device"] == "cpu" else "")
+    where = (f"`{command}` (`{m.group(2)}`) — {device}, JAX "
              f"{meta['jax']}, Python {meta['python']}, {meta['date']}; N = {meta['tokens']}, "
              f"d = {meta['d']}, V = {meta['vocab']}, median of {meta['repeats']}")
     return f"{m.group(1)}{where}:\n\n{table(rows)}\n{m.group(5)}"
@@ -399,7 +402,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
   if why:
     print(f"error: --tokens/--d/--vocab: {why}", file=sys.stderr)
     return 2
-  meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+  meta = {"jax": jax.__version__, "host": benchmarks.host(), "device": jax.devices()[0].device_kind,
           "tokens": a.tokens, "d": a.d, "vocab": a.vocab, "repeats": a.repeats,
           "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
           "command": "python scripts/bench_lm_head.py " + " ".join(argv)}

@@ -24,7 +24,7 @@ import time
 import jax
 
 from invact_jax import memory
-from models import options, presets, vit
+from models import benchmarks, options, presets, vit
 
 def _residual_bytes(cfg, batch, seq_len, depth):
   c = cfg.replace(depth=depth, scan_layers=False, remat="none")
@@ -69,7 +69,7 @@ def measure(model: str, dtype: str, batch: int, configuration: str, *, seq_len: 
       "configuration": configuration, "scan_layers": scan_layers,
       "residual_bytes_per_layer": per_layer, "compiled_temp_bytes": comp.temp,
       "device_peak_bytes": peak, "step_time_s": statistics.median(times) if times else None,
-      "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+      "platform": jax.default_backend(), "host": benchmarks.host(), "device": str(jax.devices()[0].device_kind),
       "jax": jax.__version__,
   }
 

@@ -40,6 +40,7 @@ from invact_jax.ops.activations import _rational
 from invact_jax.ops.activations import api as activations_api
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import registry
+from models import benchmarks
 
 __all__ = ["Row", "measure", "table", "hlo_ops", "cpu_rows", "cpu_table", "write_report", "fwd_bwd",
            "interleaved", "cost_split", "split_table", "lookup_table", "table_backward"]
@@ -402,7 +403,7 @@ def benchmark(args: argparse.Namespace) -> int:
     return 2
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-          "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+          "host": benchmarks.host(), "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
           "command": " ".join(sys.argv)}
   if args.cost:
     return _cost(args, meta, tqdm)

@@ -21,7 +21,7 @@ import platform
 import sys
 from typing import Callable
 
-from models import cli
+from models import benchmarks, cli
 from models.benchmarks import plan_program
 
 __all__ = ["PRESETS", "Options", "program", "run"]
@@ -167,7 +167,7 @@ def run(args: Options) -> int:
   table = plan_program.table([r for rows in results.values() for r in rows])
   print(table)
   meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-          "python": platform.python_version(), "device": jax.devices()[0].device_kind,
+          "python": platform.python_version(), "host": benchmarks.host(), "device": jax.devices()[0].device_kind,
           "platform": jax.default_backend(), "command": " ".join(sys.argv),
           **{k: getattr(args, k) for k in ("dtype", "batch", "seq_len", "points", "convert")},
           "overrides": overrides}

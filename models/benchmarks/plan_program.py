@@ -29,6 +29,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from models import benchmarks
 
 __all__ = ["PROGRAMS", "run", "rows", "rows_of", "table"]
 
@@ -199,7 +200,7 @@ def run(programs: list[str], dtype: str, layers: int | None, out: pathlib.Path |
   print(table(rs))
   if out is not None:
     meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
-            "python": platform.python_version(), "device": jax.devices()[0].device_kind,
+            "python": platform.python_version(), "host": benchmarks.host(), "device": jax.devices()[0].device_kind,
             "platform": jax.default_backend(), "dtype": dtype, "layers": layers}
     out.write_text(json.dumps({"meta": meta, "rows": rs}, indent=1))
     print(f"wrote {out}")

@@ -1,5 +1,6 @@
 """models.benchmarks.op_speed (the logic of scripts/bench_kernels.py) on tiny sizes."""
 import json
+import os
 import pathlib
 
 import pytest
@@ -46,6 +47,10 @@ def test_script_writes_json(tmp_path):
       "--repeats", "1", "--out", str(out)]) == 0
   data = json.loads(out.read_text())
   assert data["meta"]["jax"] and data["meta"]["device"]
+  # the host beside the device: XLA:CPU's timings and roundings depend on it
+  from models import benchmarks  # pylint: disable=import-outside-toplevel
+  assert data["meta"]["host"] == benchmarks.host() and benchmarks.host().endswith(
+      f", {os.cpu_count()} cores")
   assert {row["implementation"] for row in data["rows"]} == {"copy", "jax.nn", "xla"}
 
 
