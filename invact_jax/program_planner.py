@@ -16,9 +16,10 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
    ``matmul_3_lhs``).  Other elementwise values are always recomputed from them.  A ``jax.checkpoint``
    the layer already has is replaced by the plan's.
 3. Their costs from the program: bytes exactly from shape and dtype (per layer); the recompute
-   FLOPs each saves counted on one layer's traced gradient with XLA's cost-analysis
-   conventions (:func:`invact_jax.memory.jaxpr_flops`: no lowering, no compile); the peak
-   of keeping nothing compiled once (the minimum, and the base of the run-phase model).
+   FLOPs each saves counted on one layer's traced linearization (which holds the recompute a
+   policy asks for) with XLA's cost-analysis conventions (:func:`invact_jax.memory.jaxpr_flops`:
+   no lowering, no compile); the peak of keeping nothing compiled once (the minimum, and the
+   base of the run-phase model).
 4. :func:`invact_jax.planner.solve` (MONeT's integer program) chooses one set for every layer;
    where it keeps every tensor worth keeping, the program as written is compiled first (no
    recompute at all, if it fits); else the planned program is compiled: where XLA's temp is
@@ -28,6 +29,10 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
    where the model holds, plus the tracing.
 5. The returned function is ``fn`` with the layer body under ``jax.checkpoint`` with the
    names policy of the plan (``planner.policy``: offloaded tensors go to ``pinned_host``).
+
+With ``convert=True`` the same runs on ``invert(fn)`` too, from the program whose step does
+the fewest FLOPs recomputing nothing up; a program that cannot beat a plan already made is
+not planned, and the plan whose step does fewer FLOPs is taken.
 """
 from __future__ import annotations
 
