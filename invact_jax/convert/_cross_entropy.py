@@ -91,6 +91,9 @@ class HeadMatch:
     outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
       the label's logit: through a one-hot (a row of zeros), that share of its log-sum-exp
       (``linear_cross_entropy``'s ``Options.outside_lse``); through a gather, None (NaN).
+    clamp_labels: the program's one-hot is a row of an identity picked by the labels
+      (``jnp.eye(V)[labels]``), which XLA's gather takes at the nearest row for a label
+      outside ``[0, V)``: the head reads the labels clamped to ``[0, V - 1]`` likewise.
   """
   nodes: list
   root: int
@@ -112,6 +115,7 @@ class HeadMatch:
   lse_reads: tuple = ()
   temperature: tuple | None = None
   vocab_sharding: object = None
+  clamp_labels: bool = False
 
   public = "linear_cross_entropy"
 
@@ -175,6 +179,7 @@ class _Head:
     self.sums = {}                   # sum over V of exp(z - k): ref -> k symbol
     self.probs = {}                  # exp(z - k) / sum(exp(z - k)), the softmax: ref -> k
     self.target = {}                 # a * onehot + u: ref -> (a, u)
+    self.identity = {}               # jnp.eye(V): ref -> the nodes computing it
     self.weighted = {}               # target * linear: ref -> ((a, u), linear)
     self.bias = None
     self.labels = None
@@ -189,6 +194,7 @@ class _Head:
     self.masked_rows: set = set()    # row values zero in the rows the mask drops
     self.helpers: set = set()        # nodes of [..., V] predicates and constants it selects by
     self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
+    self.clamp_labels = False        # the one-hot is jnp.eye(V)[labels]
     self.scale = None                # the logits' factor where the log-sum-exp reads them
     self.temperature = None          # (traced scalar, "mul" or "div") applied to the logits
     self.vocab_sharded = False       # ... to shards of the vocabulary the head cannot run on
@@ -246,7 +252,7 @@ class _Head:
 
   def _tables(self) -> tuple:
     return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted, self.tanh,
-            self.probs)
+            self.probs, self.identity)
 
   def step(self, i: int) -> None:
     """Follow node ``i`` (in program order) if it computes from values followed so far."""
@@ -271,6 +277,8 @@ class _Head:
     if not (any(c is not None for c in iotas) and self._is_v(n.outs[0])):
       return False
     k = next(k for k, c in enumerate(iotas) if c is not None)
+    if self._identity(i, n, iotas[k], n.ins[1 - k]):
+      return True
     labels, nodes = self._labels_of(n.ins[1 - k])
     if labels is not None and (self.labels is None or self.labels == labels):
       self.labels = labels
@@ -280,6 +288,42 @@ class _Head:
       self.picks.add("one_hot")
       self.target[n.outs[0]] = (1.0, 0.0)
     return True
+
+  def _identity(self, i: int, n, columns: list, other) -> bool:
+    """``iota(0) == iota(1)`` over [V, V], ``jnp.eye(V)``: recorded (True), its rows picked
+    by the labels their one-hot (:meth:`_identity_rows`); ``columns``: the nodes computing
+    the positions along its last axis."""
+    g = self.g
+    rows = None if isinstance(other, Lit) else _position_along(g, other, 0)
+
+    def plain(j: int) -> bool:  # (an offset diagonal, jnp.eye(V, k=1), is no identity)
+      m = g.nodes[j]
+      return m.prim.name in ("iota", "broadcast_in_dim", "convert_element_type") or (
+          m.prim.name == "add" and any(self._const(r) == 0 for r in m.ins))
+    if (tuple(g.avals[n.outs[0]].shape) != (self.vocab, self.vocab) or rows is None
+        or not all(plain(j) for j in [*rows, *columns])):
+      return False
+    self.identity[n.outs[0]] = [i, *columns, *rows]
+    return True
+
+  def _identity_rows(self, n, idx, o) -> None:
+    """``jnp.eye(V)[labels]``: the identity's rows at the labels, their one-hot."""
+    g, dn = self.g, n.params["dimension_numbers"]
+    out = tuple(g.avals[o].shape)
+    if (tuple(dn.offset_dims) != (len(out) - 1,) or tuple(dn.collapsed_slice_dims) != (0,)
+        or tuple(dn.start_index_map) != (0,) or isinstance(idx, Lit)
+        or tuple(n.params["slice_sizes"]) != (1, self.vocab)
+        or tuple(g.avals[idx].shape) != out[:-1] + (1,)):
+      return
+    labels, nodes = self._labels_of(idx)
+    if labels is None or (self.labels is not None and self.labels != labels):
+      return
+    self.labels = labels
+    self.label_nodes.update(nodes)
+    self.label_nodes.update(self.identity[n.ins[0]])
+    self.picks.add("one_hot")
+    self.clamp_labels = True
+    self.target[o] = (1.0, 0.0)
 
   def _same(self, n, ins, o) -> None:
     """A cast, copy, reshape, broadcast, transpose or sharding constraint: the value it passes
@@ -526,6 +570,9 @@ class _Head:
 
   def _gather(self, n, ins, o) -> None:
     src, idx = ins[0], ins[1]
+    if not isinstance(src, Lit) and src in self.identity:
+      self._identity_rows(n, idx, o)
+      return
     rows = None if isinstance(src, Lit) or self._is_v(src) else self._rows_of_flat(src)
     followed = not isinstance(src, Lit) and (src in self.elem or src in self.probs)
     if followed and (self._is_v(src) or rows is not None):
@@ -1216,7 +1263,7 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
   # target's arithmetic there, then everything after the matmul
   for i in range(next((e for e in compares if e < di), di), di):
     before = g.nodes[i]
-    if before.prim.name == "eq" or any(not isinstance(r, Lit) and r in h.target
+    if before.prim.name == "eq" or any(not isinstance(r, Lit) and (r in h.target or r in h.identity)
                                        for r in before.ins):
       h.step(i)
   for i in range(zi + 1, len(g.nodes)):
@@ -1256,5 +1303,6 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
                      1 - vaxis if transposed else vaxis, res[1], res[0], fold, why, h.cap,
                      _rounded_to(g, g.nodes[di]), res[2], mask,
                      res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0,
-                     reads, h.temperature, h.vocab_split and h.vocab_split[0]), ""
+                     reads, h.temperature, h.vocab_split and h.vocab_split[0],
+                     h.clamp_labels), ""
   return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

@@ -40,7 +40,7 @@ class _HeadCall:
     self.loss_aval = target.avals[target.nodes[m.root].outs[0]]
     self.x_aval = _match.aval(target, m.x)
     self.d, self.n = self.x_aval.shape[-1], math.prod(self.x_aval.shape[:-1])
-    vocab = _match.aval(target, m.w).shape[m.vocab_axis]
+    vocab = self.vocab = _match.aval(target, m.w).shape[m.vocab_axis]
     mode = "forward" if m.fold else "backward"
     chunk, vocab_chunk = _ce_base.default_tiles(self.n, vocab, mode)
     self.opts = _ce_base.Options(
@@ -59,6 +59,8 @@ class _HeadCall:
     """The tokens' labels; a token the mask drops reads label 0 (its loss is zero whatever
     its label: an out-of-range one must not make it NaN)."""
     labels = vals[self.labels_at].reshape(self.n)
+    if self.m.clamp_labels:  # jnp.eye(V)[labels]: XLA's gather takes the nearest row
+      labels = jnp.clip(labels, 0, self.vocab - 1)
     return labels if self.m.mask is None else jnp.where(self.kept(vals), labels, 0)
 
   def tokens(self, vals):

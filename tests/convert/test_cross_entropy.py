@@ -118,6 +118,11 @@ FORMS = {
     "optax_safe_vmapped": lambda x, w, b, y: jnp.mean(jax.vmap(
         lambda x, y: optax.safe_softmax_cross_entropy(x @ w, jax.nn.one_hot(y, w.shape[1])))(
             x, y)),
+    # the one-hot as the identity's rows at the labels (a gather of ``jnp.eye(V)``)
+    "identity_rows": lambda x, w, b, y: -jnp.mean(jnp.sum(
+        jnp.eye(w.shape[1])[y] * jax.nn.log_softmax(x @ w + b), -1)),
+    "identity_rows_optax": lambda x, w, b, y: optax.softmax_cross_entropy(
+        x @ w, jnp.eye(w.shape[1], dtype=jnp.float32)[y.reshape(-1)].reshape(B, T, -1)).sum(),
 }
 _KEEP = np.arange(B * T).reshape(B, T) % 3 != 0
 _BIAS = np.linspace(-1.0, 1.0, V, dtype=np.float32)
@@ -622,6 +627,11 @@ PADDED = {  # labels -100 at padding -> (the program's loss, finite?)
         y[..., None] == jnp.arange(V), jax.nn.log_softmax(z), 0.0), -1)),
     "integer_labels_per_token_where": lambda z, y, m: jnp.sum(
         optax.softmax_cross_entropy_with_integer_labels(z, y, where=m) ** 2),
+    # jnp.eye(V)[y]: -100 wraps to V - 100 (still below 0 here) and XLA's gather takes the
+    # nearest row, 0: the head reads the labels clamped alike
+    "identity_rows": lambda z, y, m: optax.softmax_cross_entropy(z, jnp.eye(V)[y]).mean(),
+    "identity_rows_above": lambda z, y, m: optax.softmax_cross_entropy(
+        z, jnp.eye(V)[jnp.where(m, y, V + 3)]).mean(),
 }
 
 
@@ -682,6 +692,23 @@ def test_a_custom_jvp_that_is_no_cross_entropy_of_the_logits_stays_as_written():
     assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
     for a, b_ in zip(g, want):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-6, atol=1e-7)
+
+
+def test_the_identity_whose_rows_were_the_one_hot_is_not_built_after_invert():
+  x, w, b, y = _inputs()
+  eqns = jax.make_jaxpr(invact_jax.invert(FORMS["identity_rows"]))(x, w, b, y).eqns
+  shapes = {tuple(v.aval.shape) for e in eqns for v in e.outvars}
+  assert (V, V) not in shapes and (B, T, V) not in shapes, shapes
+
+
+def test_an_offset_diagonal_is_no_one_hot():
+  """``jnp.eye(V, k=1)[y]`` picks the logit after the label's (and none for the last): no
+  identity, no labelled head."""
+  x, w, _, y = _inputs()
+  f = lambda x, w: optax.softmax_cross_entropy(x @ w, jnp.eye(V, k=1)[y]).mean()  # noqa: E731
+  inv = invact_jax.invert(f)
+  assert float(jax.jit(inv)(x, w)) == float(jax.jit(f)(x, w))
+  assert "linear_cross_entropy" not in inv.last_report.replaced
 
 
 def test_soft_targets_are_not_a_labelled_head():
