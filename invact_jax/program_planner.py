@@ -827,7 +827,8 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
     has_aux: ``fn`` returns ``(loss, auxiliary data)``, as for ``jax.grad``.
     convert: also plan ``invact_jax.invert(fn)`` (its activations, norms, softmax and LM head
       converted: MONeT's operator variants) and take the one whose planned step does fewer
-      FLOPs within the budget (planning takes twice as long).
+      FLOPs within the budget (a program whose step, recomputing nothing, does at least the
+      FLOPs of the plan made first is not planned: ``report.alternatives``).
     offload: whether tensors may go to host memory (None: where the device has
       ``pinned_host``).
     host_bandwidth: bytes/s between device and host, to cost offloading (None: measured).
