@@ -284,6 +284,13 @@ def _body_graph(closed, known: dict) -> _graph.Graph:
   return graph
 
 
+# The remat check's measurements by (converted body, original body, backend): a program
+# traced again (a training step and an evaluation of the same loss, a retrace) compiles the
+# bodies once.
+_MEASURED: dict = {}
+_MEASURED_SIZE = 64
+
+
 def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
   """A ``jax.checkpoint`` call converted (a closed jaxpr holding the re-wrapped call), or None
   to run it as written.
@@ -309,8 +316,14 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
     original = jax.make_jaxpr(remat(lambda *a: jax.core.eval_jaxpr(jaxpr, consts, *a)))(*structs)
     from invact_jax.convert import _fallback  # pylint: disable=import-outside-toplevel  # (a cycle)
     positions = [i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact)]
-    ours, theirs = (_fallback.gradient_temp(c, _graph.flatten(c), structs, positions, None)
-                    for c in (converted, original))
+    key = (str(converted), str(original), jax.default_backend())
+    if key not in _MEASURED:
+      if len(_MEASURED) >= _MEASURED_SIZE:
+        _MEASURED.clear()
+      _MEASURED[key] = tuple(
+          _fallback.gradient_temp(c, _graph.flatten(c), structs, positions, None)
+          for c in (converted, original))
+    ours, theirs = _MEASURED[key]
     if ours >= theirs:
       why = (f"inside jax.checkpoint its policy decides what is kept: converting the body "
              f"{'gains nothing' if ours == theirs else 'raises'} its gradient's compiled temp "

@@ -305,6 +305,29 @@ class NestedTest(parameterized.TestCase):
     self._check(lambda x: jnp.sum(f(x) ** 2), (_x(),), {"mish": 1})
 
 
+def test_a_checkpoint_body_is_measured_once_for_every_trace(monkeypatch):
+  """A program traced again (a training step and an evaluation of the same loss, another
+  ``invert`` of it) reuses the body's two compiled figures: the same decision, no compile."""
+  from invact_jax.convert import _fallback, _pass  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(_pass, "_MEASURED", {})
+  ws = 1 + 0.1 * _x((34, 32))
+  policy = jax.checkpoint_policies.save_only_these_names("kept")
+
+  def loss(ws, x):
+    return jnp.sum(jnp.sin(jax.checkpoint(
+        lambda h: checkpoint_name(_block(h, ws), "kept"), policy=policy)(x)))
+  measured, real = [], _fallback.gradient_temp
+  monkeypatch.setattr(_fallback, "gradient_temp",
+                      lambda *a, **k: measured.append(1) or real(*a, **k))
+  reports = []
+  for rows in (64, 64, 256):
+    inv = invact_jax.invert(loss)
+    jax.make_jaxpr(jax.grad(inv))(ws, _x((rows, 32)))
+    reports.append((inv.last_report.replaced, inv.last_report.left_alone))
+  assert len(measured) == 4  # 64 rows once, 256 rows once
+  assert reports[0] == reports[1] and reports[0][0] == {} and reports[2][1] == []
+
+
 # ------------------------------------------------------------------- left alone
 def test_a_match_whose_intermediate_is_used_elsewhere_is_left_alone_and_said():
   def loss(x):
