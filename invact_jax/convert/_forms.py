@@ -35,7 +35,7 @@ __all__ = ["Form", "FORMS", "SENTINELS"]
 # Traced in place of a form's numeric parameters; exactly representable in every float dtype,
 # and read back from the matched program.  (A program whose own constant equals a sentinel
 # still matches correctly: the value read back is that constant.)
-SENTINELS = {"alpha": 0.1328125, "negative_slope": 0.064453125, "c": 1.6875}
+SENTINELS = {"alpha": 0.1328125, "negative_slope": 0.064453125, "c": 1.6875, "b": 2.3125}
 
 
 @dataclasses.dataclass(frozen=True)

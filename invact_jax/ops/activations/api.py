@@ -28,7 +28,9 @@ __all__ = ["gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "selu
            "tanh_reference", "softplus_reference", "selu_reference", "celu_reference",
            "elu_reference", "hard_tanh_reference", "leaky_relu_reference", "hard_silu_reference",
            "hard_swish_reference",
-           "hard_sigmoid_reference", "relu6_reference", "relu_reference"]
+           "hard_sigmoid_reference", "relu6_reference", "relu_reference",
+           "soft_sign", "squareplus", "sparse_plus",
+           "soft_sign_reference", "squareplus_reference", "sparse_plus_reference"]
 
 #: How the activations can run: name -> implementation (kernel options set by ``resolve``).
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
@@ -351,6 +353,52 @@ def relu(x: Array, *, implementation: ImplementationLike = None) -> Array:
   return _run("relu", x, implementation)
 
 
+def soft_sign(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Soft sign, ``x / (1 + |x|)``, keeping only its output: f' = (1 - |y|)^2.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.soft_sign(x)``.
+  """
+  return _run("soft_sign", x, implementation)
+
+
+def squareplus(x: Array, b: float = 4.0, *,
+               implementation: ImplementationLike = None) -> Array:
+  """Squareplus, ``(x + sqrt(x^2 + b)) / 2``, keeping only its output:
+  f' = 1 / (1 + b / (4 y^2)).
+
+  Args:
+    x: floating-point array.
+    b: as in ``jax.nn.squareplus``; a static positive number (the backward is specialised on
+      it).
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.squareplus(x, b)``.
+  """
+  if not float(_common.static_scalar("squareplus", "b", b)) > 0.0:
+    raise ValueError(f"invact_jax.squareplus: argument `b` must be positive, got {b!r}")
+  return _run("squareplus", x, implementation, b=b)
+
+
+def sparse_plus(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Sparse plus (0 below -1, ``(x + 1)^2 / 4`` between, x above 1) keeping only its output:
+  f' = min(sqrt(y), 1).
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.sparse_plus(x)``.
+  """
+  return _run("sparse_plus", x, implementation)
+
+
 # ---------------------------------------------------------------- the references
 def gelu_reference(x: Array, approximate: bool = True) -> Array:
   """``jax.nn.gelu`` with JAX's own autodiff (keeps x): the baseline of :func:`gelu`.
@@ -558,6 +606,43 @@ def relu_reference(x: Array) -> Array:
     ``jax.nn.relu`` of ``x``, differentiated by JAX.
   """
   return _reference("relu", x)
+
+
+def soft_sign_reference(x: Array) -> Array:
+  """``jax.nn.soft_sign`` with JAX's own autodiff: the baseline of :func:`soft_sign`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.soft_sign`` of ``x``, differentiated by JAX.
+  """
+  return _reference("soft_sign", x)
+
+
+def squareplus_reference(x: Array, b: float = 4.0) -> Array:
+  """``jax.nn.squareplus`` with JAX's own autodiff: the baseline of :func:`squareplus`.
+
+  Args:
+    x: floating-point array.
+    b: as for :func:`squareplus`.
+
+  Returns:
+    ``jax.nn.squareplus`` of ``x``, differentiated by JAX.
+  """
+  return _reference("squareplus", x, b=b)
+
+
+def sparse_plus_reference(x: Array) -> Array:
+  """``jax.nn.sparse_plus`` with JAX's own autodiff: the baseline of :func:`sparse_plus`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.sparse_plus`` of ``x``, differentiated by JAX.
+  """
+  return _reference("sparse_plus", x)
 
 
 #: public name -> (the op, its reference); a test checks its names against :data:`registry.PUBLIC`.

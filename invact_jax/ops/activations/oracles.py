@@ -167,6 +167,34 @@ def leaky_relu_derivative(x, negative_slope=1e-2):
   return np.where(np.signbit(x), negative_slope, 1.0)
 
 
+def soft_sign_forward(x):
+  return np.where(np.isinf(x), np.sign(x), x / (np.abs(x) + 1.0))  # (its limits at +-inf)
+
+
+def soft_sign_derivative(x):
+  return 1.0 / np.square(1.0 + np.abs(x))
+
+
+def squareplus_forward(x, b=4.0):
+  # (x + s) / 2 = b / (2 (s - x)): no cancellation for negative x
+  s = np.sqrt(np.square(x) + b)
+  return np.where(x >= 0, (x + s) / 2.0, b / (2.0 * (s - x)))
+
+
+def squareplus_derivative(x, b=4.0):
+  x = _clip(x)
+  s = np.sqrt(np.square(x) + b)
+  return np.where(x >= 0, 0.5 * (1.0 + x / s), 0.5 * b / (s * (s - x)))
+
+
+def sparse_plus_forward(x):
+  return np.where(x <= -1, 0.0, np.where(x >= 1, x, np.square(x + 1.0) / 4.0))
+
+
+def sparse_plus_derivative(x):
+  return np.where(x <= -1, 0.0, np.where(x >= 1, 1.0, (x + 1.0) / 2.0))
+
+
 def relu_derivative(x):
   return np.where(x > 0, 1.0, 0.0)
 
@@ -222,6 +250,21 @@ def selu_grad_from_output(y, x):
 def elu_grad_from_output(y, x, alpha=1.0):
   # The branch is x's (for alpha < 0 the output does not tell it).
   return np.where(x > 0, 1.0, y + alpha)
+
+
+def soft_sign_grad_from_output(y, x):
+  del x
+  return np.square(1.0 - np.abs(y))
+
+
+def squareplus_grad_from_output(y, x, b=4.0):
+  del x
+  return 1.0 / (1.0 + (b / 4.0) / np.square(y))
+
+
+def sparse_plus_grad_from_output(y, x):
+  del x
+  return np.minimum(np.sqrt(y), 1.0)
 
 
 def leaky_relu_grad_from_output(y, x, negative_slope=1e-2):

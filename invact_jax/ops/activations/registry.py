@@ -31,7 +31,8 @@ __all__ = ["Activation", "ACTIVATIONS", "PUBLIC", "get", "by_public", "nonmonoto
 # module attributes while it runs, and references must keep calling the originals.
 _NN = {name: getattr(jax.nn, name) for name in (
     "gelu", "silu", "mish", "sigmoid", "tanh", "softplus", "selu", "celu", "elu", "hard_tanh",
-    "leaky_relu", "hard_silu", "hard_sigmoid", "relu6", "relu")}
+    "leaky_relu", "hard_silu", "hard_sigmoid", "relu6", "relu", "soft_sign", "squareplus",
+    "sparse_plus")}
 
 
 def _always(**params) -> bool:
@@ -180,6 +181,21 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
         _oracles.relu_forward, _oracles.relu_derivative,
         "ReLU; f' = [y > 0] (f'(0) = 0 as in jax.nn.relu)", piecewise_linear=True,
         kernel_forward=_math.relu_kernel_forward, grad64=_oracles.relu_grad_from_output),
+    Activation(
+        "soft_sign", "soft_sign", _NN["soft_sign"], _math.soft_sign_grad,
+        _oracles.soft_sign_forward, _oracles.soft_sign_derivative,
+        "Soft sign, x / (1 + |x|); f' = (1 - |y|)^2",
+        grad64=_oracles.soft_sign_grad_from_output),
+    Activation(
+        "squareplus", "squareplus", _NN["squareplus"], _math.squareplus_grad,
+        _oracles.squareplus_forward, _oracles.squareplus_derivative,
+        "Squareplus, (x + sqrt(x^2 + b)) / 2; f' = 1 / (1 + b / (4 y^2))",
+        params=(("b", 4.0),), grad64=_oracles.squareplus_grad_from_output),
+    Activation(
+        "sparse_plus", "sparse_plus", _NN["sparse_plus"], _math.sparse_plus_grad,
+        _oracles.sparse_plus_forward, _oracles.sparse_plus_derivative,
+        "Sparse plus; f' = min(sqrt(y), 1)",
+        grad64=_oracles.sparse_plus_grad_from_output),
 )}
 
 

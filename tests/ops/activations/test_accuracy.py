@@ -15,6 +15,9 @@ class AccuracyTest(parameterized.TestCase):
     print(f"{name} {dtype}: floor {row.floor:.3e} error {row.error:.3e} ratio {row.ratio:.3f}")
     self.assertEqual(row.nonfinite, 0)
     self.assertLessEqual(row.error, 1.2 * row.floor)
+    # left out only where jax.nn's own output is not finite and the true one is: the
+    # extremes of the grid (soft_sign's +-inf, squareplus's overflowing x**2), never more
+    self.assertLessEqual(row.unsound, 8)
 
   def test_floor_detects_a_bad_inverse(self):
     # The audit must be able to fail: a slightly wrong derivative breaks the bound.

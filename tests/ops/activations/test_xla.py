@@ -46,8 +46,11 @@ class XlaActivationTest(test_base.ActivationTestBase):
     def loss(x):
       y = case.fn()(x)
       return y.astype(jnp.float32).sum(), y
-    (_, y), _ = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
-    y_ref = jax.jit(case.reference())(x)
+    # (two compilations compared to the last ulp: at XLA's default code generation, where the
+    # claim is made; tests.DEFAULT_COMPILE — squareplus's cancellation for x < 0 shows -O0's
+    # elemental code 1-2 ulp apart between the two programs)
+    (_, y), _ = tests.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    y_ref = tests.jit(case.reference())(x)
     np.testing.assert_array_equal(test_base.raw_bits(y), test_base.raw_bits(y_ref))
 
   @parameterized.parameters(*NONMONOTONE)
