@@ -489,8 +489,9 @@ def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
 
 
 # ---------------------------------------------------------------------------------- costs
-# FLOPs counted per (the tagged layer's jaxpr, keep, fixed): planning one program at several
-# budgets (scripts/plan_memory.py, the frontier's plan rows) counts each layer policy once.
+# FLOPs counted per (the tagged layer's jaxpr, keep, fixed, transposed): planning one program
+# at several budgets (scripts/plan_memory.py, the frontier's plan rows) counts each layer
+# policy once.
 _FLOPS: dict = {}
 _FLOPS_SIZE = 4096
 
@@ -503,15 +504,18 @@ def _layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None = None) -> 
   the tangent equations), plus the layer's transposed-against-tangent difference measured
   once on its gradient: the recompute is the only part a policy changes, and a gradient's
   trace (its transpose) takes twice a linearization's (GPT-2's layer: 0.10 vs 0.05 s)."""
-  key = (loop.signature, tuple(keep), fixed)
+  return (_counted(loop, keep, fixed) + _counted(loop, (), None, transposed=True)
+          - _counted(loop, (), None))
+
+
+def _counted(loop: _Loop, keep: Sequence[str], fixed: str | None,
+             transposed: bool = False) -> float:
+  """:func:`_count_layer_flops`, each (layer, policy, transposed) traced once."""
+  key = (loop.signature, tuple(keep), fixed, transposed)
   if key not in _FLOPS:
     if len(_FLOPS) >= _FLOPS_SIZE:
       _FLOPS.clear()
-    offset = (loop.signature, "transposed")
-    if offset not in _FLOPS:
-      _FLOPS[offset] = (_count_layer_flops(loop, (), None, transposed=True)
-                        - _count_layer_flops(loop, (), None))
-    _FLOPS[key] = _count_layer_flops(loop, keep, fixed) + _FLOPS[offset]
+    _FLOPS[key] = _count_layer_flops(loop, keep, fixed, transposed)
   return _FLOPS[key]
 
 
@@ -802,11 +806,7 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
 
 def _least_step_flops(fn, args, grad) -> float:
   """The least FLOPs a planned gradient step of ``fn`` can do: its layer loop recomputing
-  nothing (0 where ``fn`` has no layer loop: :func:`_plan_one` says so)."""
-  _, loops, _ = _loops(jax.make_jaxpr(fn)(*args))
-  loop = _read_by_the_backward(loops[0]) if loops else None
-  if loop is None:
-    return 0.0
+  nothing (a program without one is as it is; :func:`_plan_one` then says so)."""
   return memory.jaxpr_flops(jax.make_jaxpr(grad(_apply(fn, (), (), "everything")))(*args),
                            per_iteration=True)
 
