@@ -203,13 +203,16 @@ def floor_derivative64(name: str, y_stored: np.ndarray, x: np.ndarray,
     g = derivative64(name, inverse64(name, y64, x64 < x_min))
     g = np.where(np.isnan(y64) & (x64 < x_min), 0.0, g)  # x = -inf: the limit
   else:
-    g = _monotone_floor(name, y64, x64)
+    g = _monotone_floor(name, y64, x64, np.asarray(y_stored).dtype)
   return g.astype(compute_dtype).astype(np.float64)
 
 
-def _monotone_floor(name, y, x):
+def _monotone_floor(name, y, x, storage_dtype):
+  entry = _registry.get(name)
   with np.errstate(all="ignore"):
-    return _registry.get(name).grad64(y, x)
+    if entry.bit_sees_storage:  # its bit: jax.nn's roundings in the storage dtype
+      return entry.grad64(y, x, dtype=storage_dtype)
+    return entry.grad64(y, x)
 
 
 def audit(name: str, dtype, *, approx: Callable | None = None,

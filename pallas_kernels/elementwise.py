@@ -111,13 +111,13 @@ class ApproxOps:
     return _ptx_f32("div.approx.ftz.f32 $0, $1, $2;", a, b)
 
 
-def _fwd_kernel(f, bit_fn, compute_dtype, n, n8, x_ref, *out_refs):
+def _fwd_kernel(f, bit_fn, n, n8, x_ref, *out_refs):
   x = x_ref[...]
   y_ref = out_refs[0]
   y_ref[...] = f(x).astype(y_ref.dtype)
   if bit_fn is not None:
     m_ref = out_refs[1]
-    bits = bit_fn(x.astype(compute_dtype)).astype(jnp.int32)
+    bits = bit_fn(x).astype(jnp.int32)
     shifts = jax.lax.broadcasted_iota(jnp.int32, bits.shape, 1)
     if n != n8:  # a ragged last axis was padded: padding bits are 0, as in the XLA layout
       rows = pl.program_id(0) * bits.shape[0] + jax.lax.broadcasted_iota(jnp.int32, bits.shape, 0)
@@ -126,9 +126,10 @@ def _fwd_kernel(f, bit_fn, compute_dtype, n, n8, x_ref, *out_refs):
     m_ref[...] = jnp.sum(jnp.left_shift(bits, shifts), axis=1).astype(jnp.uint8)
 
 
-def forward(f: TileFn, bit_fn: TileFn | None, x: jax.Array, *, compute_dtype=jnp.float32,
-            block_rows: int | None = None, interpret: bool = False, num_warps: int = 4):
-  """``(f(x), packed bit_fn(x))`` in one pass (the mask is None when ``bit_fn`` is None)."""
+def forward(f: TileFn, bit_fn: TileFn | None, x: jax.Array, *, block_rows: int | None = None,
+            interpret: bool = False, num_warps: int = 4):
+  """``(f(x), packed bit_fn(x))`` in one pass (the mask is None when ``bit_fn`` is None); both
+  get the tile in x's dtype."""
   rows, shape, n8 = _as_rows(x)
   m = rows.shape[0]
   if isinstance(m, int) and m == 0:
@@ -143,7 +144,7 @@ def forward(f: TileFn, bit_fn: TileFn | None, x: jax.Array, *, compute_dtype=jnp
     out_shape.append(out_struct((m_pad,), jnp.uint8, rows))
     out_specs.append(pl.BlockSpec((block_rows,), lambda i: (i,)))
   outs = pl.pallas_call(
-      functools.partial(_fwd_kernel, f, bit_fn, compute_dtype,
+      functools.partial(_fwd_kernel, f, bit_fn,
                         1 if len(shape) == 0 else shape[-1], n8),
       out_shape=out_shape, grid=(steps,),
       in_specs=[pl.BlockSpec((block_rows, 8), lambda i: (i, 0))], out_specs=out_specs,

@@ -55,8 +55,8 @@ def _wide(m: int) -> str:  # element offsets past int32
   return ".to(tl.int64)" if m * 8 >= 2**31 else ""
 
 
-def forward_source(f: Callable, bit_fn: Callable | None, dtype, compute_dtype, *, m: int, n: int,
-                   n8: int) -> tuple[str, str]:
+def forward_source(f: Callable, bit_fn: Callable | None, dtype, *, m: int, n: int, n8: int
+                   ) -> tuple[str, str]:
   """``(kernel name, source)`` of the forward kernel for x of ``dtype`` viewed as ``[m, 8]``."""
   fy = triton_source.tile_function(f, [dtype], names=["x"])
   args = "x_ptr, y_ptr" + (", m_ptr" if bit_fn is not None else "")
@@ -64,9 +64,8 @@ def forward_source(f: Callable, bit_fn: Callable | None, dtype, compute_dtype, *
          "  x = tl.load(x_ptr + offs, mask=inb, other=0)\n", _indent(fy.body),
          f"  tl.store(y_ptr + offs, {triton_source.cast(fy.outputs[0], dtype)}, mask=inb)\n"]
   if bit_fn is not None:
-    fb = triton_source.tile_function(bit_fn, [compute_dtype], names=["xc"])
-    src += [f"  xc = x.to({triton_source.triton_dtype(compute_dtype)})\n", _indent(fb.body),
-            f"  bits = {fb.outputs[0]}.to(tl.int32)\n"]
+    fb = triton_source.tile_function(bit_fn, [dtype], names=["x"])
+    src += [_indent(fb.body), f"  bits = {fb.outputs[0]}.to(tl.int32)\n"]
     if n != n8:  # a ragged last axis was padded: padding bits are 0, as in the XLA layout
       src.append(f"  col = (rows[:, None] % {n8 // 8}) * 8 + cols[None, :]\n"
                  f"  bits = tl.where(col < {n}, bits, 0)\n")
@@ -274,9 +273,10 @@ def _call(name: str, src: str, inputs, out_shapes, *, m: int, block_rows: int, n
                 constexprs={"M": m, "BR": block_rows}, num_warps=num_warps, interpret=interpret)
 
 
-def forward(f: Callable, bit_fn: Callable | None, x: jax.Array, *, compute_dtype=jnp.float32,
-            block_rows: int | None = None, interpret: bool = False, num_warps: int = 4):
-  """``(f(x), packed bit_fn(x))`` in one pass (the mask is None when ``bit_fn`` is None)."""
+def forward(f: Callable, bit_fn: Callable | None, x: jax.Array, *, block_rows: int | None = None,
+            interpret: bool = False, num_warps: int = 4):
+  """``(f(x), packed bit_fn(x))`` in one pass (the mask is None when ``bit_fn`` is None); both
+  get the tile in x's dtype."""
   rows, shape, n8 = elementwise._as_rows(x)  # pylint: disable=protected-access
   m = rows.shape[0]
   if m == 0:
@@ -284,7 +284,7 @@ def forward(f: Callable, bit_fn: Callable | None, x: jax.Array, *, compute_dtype
     return y, (None if bit_fn is None else
                jnp.zeros(elementwise._mask_shape(shape, n8), jnp.uint8))  # pylint: disable=protected-access
   n = 1 if len(shape) == 0 else shape[-1]
-  name, src = forward_source(f, bit_fn, x.dtype, compute_dtype, m=m, n=n, n8=n8)
+  name, src = forward_source(f, bit_fn, x.dtype, m=m, n=n, n8=n8)
   out_shapes = [jax.ShapeDtypeStruct((m, 8), x.dtype)]
   if bit_fn is not None:
     out_shapes.append(jax.ShapeDtypeStruct((m,), jnp.uint8))

@@ -29,8 +29,9 @@ __all__ = ["gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "selu
            "elu_reference", "hard_tanh_reference", "leaky_relu_reference", "hard_silu_reference",
            "hard_swish_reference",
            "hard_sigmoid_reference", "relu6_reference", "relu_reference",
-           "soft_sign", "squareplus", "sparse_plus",
-           "soft_sign_reference", "squareplus_reference", "sparse_plus_reference"]
+           "soft_sign", "squareplus", "sparse_plus", "sparse_sigmoid",
+           "soft_sign_reference", "squareplus_reference", "sparse_plus_reference",
+           "sparse_sigmoid_reference"]
 
 #: How the activations can run: name -> implementation (kernel options set by ``resolve``).
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
@@ -399,6 +400,20 @@ def sparse_plus(x: Array, *, implementation: ImplementationLike = None) -> Array
   return _run("sparse_plus", x, implementation)
 
 
+def sparse_sigmoid(x: Array, *, implementation: ImplementationLike = None) -> Array:
+  """Sparse sigmoid (0 below -1, ``(x + 1) / 2`` between, 1 above 1) keeping only its output
+  and a bit: f' = 1/2 for 0 < y < 1, and ``jax.nn``'s 1/4 where ``x + 1`` rounds to 0 or 2.
+
+  Args:
+    x: floating-point array.
+    implementation: None (XLA), "xla", "pallas", "triton" or an :class:`invact_jax.Implementation`.
+
+  Returns:
+    ``jax.nn.sparse_sigmoid(x)``.
+  """
+  return _run("sparse_sigmoid", x, implementation)
+
+
 # ---------------------------------------------------------------- the references
 def gelu_reference(x: Array, approximate: bool = True) -> Array:
   """``jax.nn.gelu`` with JAX's own autodiff (keeps x): the baseline of :func:`gelu`.
@@ -643,6 +658,18 @@ def sparse_plus_reference(x: Array) -> Array:
     ``jax.nn.sparse_plus`` of ``x``, differentiated by JAX.
   """
   return _reference("sparse_plus", x)
+
+
+def sparse_sigmoid_reference(x: Array) -> Array:
+  """``jax.nn.sparse_sigmoid`` with JAX's own autodiff: the baseline of :func:`sparse_sigmoid`.
+
+  Args:
+    x: floating-point array.
+
+  Returns:
+    ``jax.nn.sparse_sigmoid`` of ``x``, differentiated by JAX.
+  """
+  return _reference("sparse_sigmoid", x)
 
 
 #: public name -> (the op, its reference); a test checks its names against :data:`registry.PUBLIC`.

@@ -63,11 +63,15 @@ class Op:
     return f(x)
 
   def bit(self, x):
-    """The branch bit of ``x`` (already in the compute dtype, so the comparison is exact)."""
+    """The branch bit of ``x`` in its storage dtype: compared in the compute dtype (exact),
+    or, for an activation whose bit depends on jax.nn's roundings, in the storage dtype."""
     a = self.activation
+    if a.bit_sees_storage:
+      return a.bit(x, **self.kwargs)
+    xc = x.astype(_common.compute_dtype(x.dtype))
     if a.nonmonotone:
-      return x < jnp.asarray(a.threshold(x.dtype), x.dtype)
-    return a.bit(x, **self.kwargs)
+      return xc < jnp.asarray(a.threshold(xc.dtype), xc.dtype)
+    return a.bit(xc, **self.kwargs)
 
   def derivative(self, y, bits, *, approx_ops=None):
     """f'(x) in the compute dtype from the stored output and the unpacked bits.
@@ -85,7 +89,7 @@ def packed_bits(op: Op, x):
   """The branch bits of ``x`` packed 8 per byte, or None where ``op`` keeps none."""
   if not op.has_bit:
     return None
-  return bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
+  return bitpack.pack_bits(op.bit(x))
 
 
 def derivative_from_packed(op: Op, y, packed):

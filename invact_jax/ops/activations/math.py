@@ -179,6 +179,23 @@ def sparse_plus_grad(y, bit):
   return jnp.where(r > 1, jnp.ones_like(r), r)
 
 
+def sparse_sigmoid_bit(x):
+  # jax.nn: 0.5 * clip(x + 1, 0, 2) with x + 1 rounded in x's own dtype; where the sum is 0
+  # or 2, max's or min's tie gives f' = 1/4, and y = 0 or 1 as beyond the ends (f' = 0).
+  # In bfloat16 that is x = 1 - 2^-8, 1 and 1 + 2^-7, not only x = +-1.  The sum is taken
+  # wide (exact for 16-bit x near the ends) and rounded once to x's dtype.
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  s = (x.astype(wide) + 1).astype(x.dtype).astype(wide)
+  return (s == 0) | (s == 2)
+
+
+def sparse_sigmoid_grad(y, bit):
+  # y is the rounded x + 1 halved (exactly), so 0 < y < 1 where 0 < x + 1 < 2: f' = 1/2;
+  # the bit marks the ties (f' = 1/4).  Selects keep f' = 0 for NaN, as jax.nn.
+  inner = jnp.where((y > 0) & (y < 1), jnp.full_like(y, 0.5), jnp.zeros_like(y))
+  return jnp.where(bit, jnp.full_like(y, 0.25), inner)
+
+
 def hard_tanh_grad(y, bit):
   # The bit (= -1 <= x <= 1, or NaN) is the whole derivative: y = 1 comes from x = 1
   # (jax.nn: f' = 1) as from x > 1 (f' = 0), so the output alone cannot tell.
@@ -270,6 +287,12 @@ def relu6_kernel_forward(x):
 def hard_sigmoid_kernel_forward(x):
   """hard_sigmoid on a kernel tile, with :func:`relu6_kernel_forward`."""
   return relu6_kernel_forward(x + 3) / 6
+
+
+def sparse_sigmoid_kernel_forward(x):
+  """sparse_sigmoid on a kernel tile: 0.5 * clip(x + 1, 0, 2) by selects that keep NaN."""
+  c = x + 1
+  return 0.5 * jnp.where(c < 0, jnp.zeros_like(c), jnp.where(c > 2, jnp.full_like(c, 2), c))
 
 
 def hard_silu_kernel_forward(x):

@@ -195,6 +195,15 @@ def sparse_plus_derivative(x):
   return np.where(x <= -1, 0.0, np.where(x >= 1, 1.0, (x + 1.0) / 2.0))
 
 
+def sparse_sigmoid_forward(x):
+  return np.clip(x + 1.0, 0.0, 2.0) / 2.0
+
+
+def sparse_sigmoid_derivative(x):
+  # f' = 1/4 at x = +-1 (jax.nn's: max's and min's ties count half)
+  return np.where(np.abs(x) < 1, 0.5, np.where(np.abs(x) == 1, 0.25, 0.0))
+
+
 def relu_derivative(x):
   return np.where(x > 0, 1.0, 0.0)
 
@@ -265,6 +274,13 @@ def squareplus_grad_from_output(y, x, b=4.0):
 def sparse_plus_grad_from_output(y, x):
   del x
   return np.minimum(np.sqrt(y), 1.0)
+
+
+def sparse_sigmoid_grad_from_output(y, x, dtype=np.float64):
+  # From y and the bit, x + 1 rounded to the storage dtype ``dtype`` as jax.nn rounds it: a
+  # sum of 0 or 2 is a tie (1/4), where the true derivative at x's other than +-1 is 1/2 or 0.
+  s = (x + 1.0).astype(dtype).astype(np.float64)
+  return np.where((s == 0) | (s == 2), 0.25, np.where((y > 0) & (y < 1), 0.5, 0.0))
 
 
 def leaky_relu_grad_from_output(y, x, negative_slope=1e-2):

@@ -39,11 +39,9 @@ class PallasActivation(_implementation.ImplementationBase):
   def _forward_tile(self, op, x):
     if _partition.run_tile_math_directly(self, x):
       y = op.kernel_forward(x)
-      return y, (bitpack.pack_bits(op.bit(x.astype(_common.compute_dtype(x.dtype))))
-                 if op.has_bit else None)
+      return y, bitpack.pack_bits(op.bit(x)) if op.has_bit else None
     bit = op.bit if op.has_bit else None
-    return self.kernels().forward(op.kernel_forward, bit, x,
-                                  compute_dtype=_common.compute_dtype(x.dtype), **self._kw())
+    return self.kernels().forward(op.kernel_forward, bit, x, **self._kw())
 
   def _backward_tile(self, op, y, packed, dy):
     if _partition.run_tile_math_directly(self, y):

@@ -32,7 +32,7 @@ __all__ = ["Activation", "ACTIVATIONS", "PUBLIC", "get", "by_public", "nonmonoto
 _NN = {name: getattr(jax.nn, name) for name in (
     "gelu", "silu", "mish", "sigmoid", "tanh", "softplus", "selu", "celu", "elu", "hard_tanh",
     "leaky_relu", "hard_silu", "hard_sigmoid", "relu6", "relu", "soft_sign", "squareplus",
-    "sparse_plus")}
+    "sparse_plus", "sparse_sigmoid")}
 
 
 def _always(**params) -> bool:
@@ -56,7 +56,9 @@ class Activation:
     nonmonotone: the bit is ``x < x_min`` and ``grad`` evaluates a generated fit.
     bit: where the output alone cannot tell f' (a monotone function's branch for some
       parameters, hard_tanh's ends, hard_silu's branch: closed forms, no fit),
-      ``bit(x, **params)``, kept when ``bit_when(**params)``.
+      ``bit(x, **params)`` of x in the compute dtype, kept when ``bit_when(**params)``; with
+      ``bit_sees_storage=True``, ``bit(x, **params)`` of x in its storage dtype (the dtype
+      jax.nn rounds in: sparse_sigmoid's ties depend on the rounding of ``x + 1``).
     kernel_forward: forward on a kernel tile where ``original`` does not lower (None: original).
     aliases: further public names (``swish``).
     piecewise_linear: f' is piecewise constant, so the backward from the output is exact to
@@ -78,6 +80,7 @@ class Activation:
   nonmonotone: bool = False
   bit: Callable[..., Any] | None = None
   bit_when: Callable[..., bool] = _always
+  bit_sees_storage: bool = False
   grad64: Callable[..., Any] | None = None
   kernel_forward: Callable[..., Any] | None = None
   aliases: tuple[str, ...] = ()
@@ -196,6 +199,14 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
         _oracles.sparse_plus_forward, _oracles.sparse_plus_derivative,
         "Sparse plus; f' = min(sqrt(y), 1)",
         grad64=_oracles.sparse_plus_grad_from_output),
+    Activation(
+        "sparse_sigmoid", "sparse_sigmoid", _NN["sparse_sigmoid"], _math.sparse_sigmoid_grad,
+        _oracles.sparse_sigmoid_forward, _oracles.sparse_sigmoid_derivative,
+        "Sparse sigmoid, clip(x + 1, 0, 2) / 2; f' = 1/2 for 0 < y < 1; bit: x + 1 rounds "
+        "to 0 or 2 (f' = 1/4 there, as jax.nn, where y = 0 or 1 also comes from beyond)",
+        bit=_math.sparse_sigmoid_bit, bit_sees_storage=True, piecewise_linear=True,
+        kernel_forward=_math.sparse_sigmoid_kernel_forward,
+        grad64=_oracles.sparse_sigmoid_grad_from_output),
 )}
 
 

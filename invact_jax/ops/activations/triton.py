@@ -40,7 +40,7 @@ def kernel_sources(op, dtype, *, rows: int = 4096, cols: int = 1024) -> dict:
   cdt = _common.compute_dtype(dt)
   m = rows * (-(-cols // 8))
   bit = op.bit if op.has_bit else None
-  fwd = te.forward_source(op.kernel_forward, bit, dt, cdt, m=m, n=cols, n8=-(-cols // 8) * 8)
+  fwd = te.forward_source(op.kernel_forward, bit, dt, m=m, n=cols, n8=-(-cols // 8) * 8)
 
   def g(y, b=None):
     return op.derivative(y, b, approx_ops=elementwise.ApproxOps)

@@ -38,7 +38,7 @@ class TritonActivationInterpretTest(TritonActivationTest):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["gelu_tanh", "gelu_erf", "silu", "mish", "softplus", "relu",
-                                  "elu_with_bit"])
+                                  "elu_with_bit", "sparse_sigmoid"])
 def test_kernels_compile_for_sm90_without_spills(name, dtype, monkeypatch, tmp_path):
   """triton.compile for GPUTarget("cuda", 90, 32) on any machine: no register spills (local
   memory), and the fitted backwards predicted at >= 85 % of H100 bandwidth by
