@@ -532,10 +532,22 @@ def _count_layer_flops(loop: _Loop, keep: Sequence[str], fixed: str | None,
   return memory.jaxpr_flops(jax.make_jaxpr(f)(*structs))
 
 
-def _temp(fn: Callable, args, grad, keep, offload=(), fixed=None) -> int:
+def _temp(fn: Callable, args, grad, keep, budget: int, offload=(), fixed=None) -> int:
   """Compiled temp of ``jit(grad(fn planned with keep/offload))`` (``grad``: the program's
-  ``jax.value_and_grad`` with its ``argnums`` and ``has_aux``)."""
-  return memory.analysed(grad(_apply(fn, keep, offload, fixed)), *args).temp
+  ``jax.value_and_grad`` with its ``argnums`` and ``has_aux``): see :func:`_measured`."""
+  return _measured(grad(_apply(fn, keep, offload, fixed)), args, budget)
+
+
+def _measured(gradient: Callable, args, budget: int) -> int:
+  """``gradient``'s compiled temp at ``args`` as compared with ``budget``: measured at
+  :func:`memory.analysis_options`, never below the default compile's figure, so what fits by
+  it fits; where it lies above ``budget`` by no more than it can be above the default
+  compile's (:func:`memory.analysis_excess`), the default compile's figure (measured again
+  at :func:`memory.exact_analysis_options`)."""
+  temp = memory.analysed(gradient, *args).temp
+  if budget < temp <= budget + memory.analysis_excess(temp):
+    temp = memory.analysed(gradient, *args, exact=True).temp
+  return temp
 
 
 def _has_pinned_host() -> bool:
@@ -675,7 +687,7 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
       # peak lies outside its layers, keeping adds little or nothing).
       tried.add("all")
       if every not in known:
-        known[every] = _temp(fn, args, grad, profile.tags)
+        known[every] = _temp(fn, args, grad, profile.tags, budget)
       measured = _scale(loop, profile.tags, profile.base_bytes, known[every])
       if measured is not None and measured < scale * 0.98:
         scale = measured
@@ -686,7 +698,7 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
       everything = (profile.tags,) * profile.depth
       return profile, profile.tags, (), profile.peak(everything), known[every], rounds, scale
     compiled = (known[frozenset(keep)] if not off and frozenset(keep) in known
-                else _temp(fn, args, grad, keep, off))
+                else _temp(fn, args, grad, keep, budget, off))
     if not off:
       known[frozenset(keep)] = compiled
     measured = _scale(loop, keep, profile.base_bytes, compiled)
@@ -721,7 +733,7 @@ def _written(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep, b
   if "as written" not in known:
     if profile.peak((profile.tags,) * profile.depth) > budget:
       return None
-    known["as written"] = memory.analysed(grad(fn), *args).temp
+    known["as written"] = _measured(grad(fn), args, budget)
   return known["as written"]
 
 
@@ -741,14 +753,14 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
     # (without a remat of its own the layer under "everything" is the program as written;
     # compiled where predicted within 50 % of the budget: a layer's residuals list values XLA
     # fuses away, and the bytes per kept byte are calibrated on the names kept)
-    temp = _temp(fn, args, grad, (), (), "everything")
+    temp = _temp(fn, args, grad, (), budget, (), "everything")
     if temp <= budget:
       return False, "everything", temp, unremated
   cheaper = sorted((f, name) for name in FIXED_POLICIES
                    if (f := _layer_flops(loop, (), name)) < flops * (1 - 1e-6))
   for f, name in cheaper:
     if _may_fit(loop, profile, budget, name, scale):
-      temp = _temp(fn, args, grad, (), (), name)
+      temp = _temp(fn, args, grad, (), budget, (), name)
       if temp <= budget:
         return False, name, temp, f
   return None
@@ -769,7 +781,7 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
     raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
                      "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
                      "value" + "".join(f"; {why}" for why in skipped))
-  low = _temp(fn, args, grad, ())
+  low = _temp(fn, args, grad, (), budget)
   if budget < low:
     raise planner.InfeasibleBudget(budget, low)
   profile, known, rounds = _profile(loop, low, rate), {frozenset(): low}, 1

@@ -13,6 +13,7 @@ Models whose package is not installed are skipped with a line saying so (keras-h
   python scripts/invert_models.py                     # size "table" (the default)
   python scripts/invert_models.py --size zoo --models keras_vit penzai_gemma2 --json out.json
   python scripts/invert_models.py --size zoo --fallback temp   # temp never above the original
+  python scripts/invert_models.py --under-remat full --dtype bfloat16   # the project's models
 """
 import sys
 
@@ -31,6 +32,10 @@ def main(argv=None) -> int:
   p.add_argument("--compile-tries", type=cli.nonnegative_int, default=3,
                  help="time the gradient's compile unconverted and through invert (median "
                       "of this many tries each; 0: not timed)")
+  p.add_argument("--under-remat", choices=("full", "dots", "dots_no_batch"),
+                 help="instead: the project's GPT-2 and ViT-B/16 (batch 8, 256 tokens / 224 px) "
+                      "with their scanned layers under this jax.checkpoint policy, as written "
+                      "and through invert (its remat check included)")
   p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
   return invert_models.run(a)

@@ -310,8 +310,8 @@ def test_the_inverted_variant_converts_remat_bodies_without_compiling_them(monke
 
   def loss(params, x):
     return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)
-  measured, real = [], _fallback.gradient_temp
-  monkeypatch.setattr(_fallback, "gradient_temp",
+  measured, real = [], _fallback._compiled_temp  # pylint: disable=protected-access
+  monkeypatch.setattr(_fallback, "_compiled_temp",
                       lambda *a, **k: measured.append(1) or real(*a, **k))
   jax.make_jaxpr(invact_jax.invert(loss))(*ARGS)
   assert measured

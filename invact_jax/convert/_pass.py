@@ -291,6 +291,11 @@ _MEASURED: dict = {}
 _MEASURED_SIZE = 64
 
 
+def forget_measurements() -> None:
+  """Drop the remat check's kept figures (benchmarks timing a first conversion)."""
+  _MEASURED.clear()
+
+
 def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
   """A ``jax.checkpoint`` call converted (a closed jaxpr holding the re-wrapped call), or None
   to run it as written.
@@ -320,9 +325,7 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
     if key not in _MEASURED:
       if len(_MEASURED) >= _MEASURED_SIZE:
         _MEASURED.clear()
-      _MEASURED[key] = tuple(
-          _fallback.gradient_temp(c, _graph.flatten(c), structs, positions, None)
-          for c in (converted, original))
+      _MEASURED[key] = _fallback.gradient_temps((converted, original), structs, positions)
     ours, theirs = _MEASURED[key]
     if ours >= theirs:
       why = (f"inside jax.checkpoint its policy decides what is kept: converting the body "

@@ -15,3 +15,18 @@ def test_the_table_shows_the_compile_times_where_the_rows_have_them():
                                 "compile_s_invert": 2.5}]).splitlines()
   assert timed[0].endswith("| compile unconverted | `invert` |")
   assert timed[1].count("---") == 12 and timed[2] == plain[2] + " 2.00 s | 1.25× |"
+
+
+def test_under_remat_rows_time_the_conversion_with_its_check_and_tabulate():
+  """``--under-remat``: the project's model with its layers under full remat, converted (the
+  body's norms, softmax and activation, after the remat check's two compiles), both temps
+  and both times; the table shows them."""
+  rows = invert_models.remat_rows(
+      ["gpt2"], "full", "float32", 1, batch=2, seq_len=32,
+      overrides=dict(vocab=128, max_len=32, hidden=32, depth=2, heads=4, mlp_dim=64))
+  (r,) = rows
+  assert (r["model"], r["policy"], r["layers"]) == ("gpt2", "full", 2)
+  assert r["converted"] and r["temp_invert"] < r["temp_unconverted"]
+  assert r["compile_s_unconverted"] > 0 and r["compile_s_invert"] > 0
+  line = invert_models.remat_table(rows).splitlines()[2]
+  assert line.startswith("| gpt2 | full | ") and line.endswith("× |")

@@ -45,8 +45,7 @@ def test_compile_seconds_time_a_new_conversion_each_try_without_the_persistent_c
     made.append(invact_jax.invert(loss))
     return made[-1]
   before = jax.config.jax_enable_compilation_cache
-  plain_s, invert_s = third_party._compile_seconds(  # pylint: disable=protected-access
-      loss, converted, jnp.ones((8, 8)), 2)
+  plain_s, invert_s = third_party.compile_seconds(loss, converted, (jnp.ones((8, 8)),), 2)
   assert plain_s > 0 and invert_s > 0
   assert len(made) == 2 and made[0] is not made[1] and all(m.last_report for m in made)
   assert caches == [False, False] and jax.config.jax_enable_compilation_cache == before
