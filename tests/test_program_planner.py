@@ -517,3 +517,19 @@ def test_auxiliary_outputs_and_other_argnums(bounds):
   assert float(value) == float(aux["loss"]) == float(jax.jit(loss)(*args)[0])
   _assert_within_the_originals_error(lambda p, x: loss(x, p)[0],
                                      lambda p, x: planned(x, p)[0], ARGS[0], ARGS[1])
+
+
+def test_a_figure_just_above_the_budget_is_measured_again_exactly(monkeypatch):
+  """The measuring compile's figure is never below the default compile's; one above the
+  budget by no more than ``memory.analysis_excess`` is measured again at the default's
+  emitters, so that a budget equal to a compiled temp is judged as the default has it."""
+  grad = jax.value_and_grad(_loss())
+  temp = memory.analysed(grad, *ARGS).temp
+  calls, real = [], memory.analysed
+  monkeypatch.setattr(memory, "analysed",
+                      lambda *a, exact=False: calls.append(exact) or real(*a, exact=exact))
+  monkeypatch.setattr(memory, "analysis_excess", lambda t: 1024)
+  assert pp._measured(grad, ARGS, temp) == temp  # pylint: disable=protected-access
+  assert pp._measured(grad, ARGS, temp - 1024) == temp  # pylint: disable=protected-access
+  assert pp._measured(grad, ARGS, temp - 1025) == temp  # pylint: disable=protected-access
+  assert calls == [False, False, True, False]

@@ -328,6 +328,30 @@ def test_a_checkpoint_body_is_measured_once_for_every_trace(monkeypatch):
   assert reports[0] == reports[1] and reports[0][0] == {} and reports[2][1] == []
 
 
+def test_a_checkpoint_bodys_close_figures_are_measured_again_exactly(monkeypatch):
+  """Two figures closer than what the measuring compile's can be above the default
+  compile's (``memory.analysis_excess``) are measured again at the default's emitters; the
+  decision is the one those give."""
+  from invact_jax import memory  # pylint: disable=import-outside-toplevel
+  from invact_jax.convert import _fallback, _pass  # pylint: disable=import-outside-toplevel
+  ws = 1 + 0.1 * _x((34, 32))
+
+  def loss(ws, x):
+    return jnp.sum(jnp.sin(jax.checkpoint(lambda h: _block(h, ws))(x)))
+  measured, real = [], _fallback._compiled_temp  # pylint: disable=protected-access
+  monkeypatch.setattr(_fallback, "_compiled_temp",
+                      lambda lowered, exact: measured.append(exact) or real(lowered, exact))
+  reports = []
+  for excess in (0, 1 << 40):
+    monkeypatch.setattr(_pass, "_MEASURED", {})
+    monkeypatch.setattr(memory, "analysis_excess", lambda temp, e=excess: e)
+    inv = invact_jax.invert(loss)
+    jax.make_jaxpr(jax.grad(inv))(ws, _x((64, 32)))
+    reports.append(inv.last_report.replaced)
+  assert measured == [False, False, False, False, True, True]
+  assert reports[0] == reports[1]
+
+
 # ------------------------------------------------------------------- left alone
 def test_a_match_whose_intermediate_is_used_elsewhere_is_left_alone_and_said():
   def loss(x):
