@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -211,6 +212,7 @@ def compiled(fn: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
   return _memory_of(fn, args, kwargs, None)
 
 
+@functools.cache
 def _has_fusion_emitter_switch() -> bool:
   """Whether this jaxlib's XLA:CPU takes ``xla_cpu_use_fusion_emitters`` (0.10, 0.11; 0.12
   removed it and always uses the fusion emitters)."""
@@ -252,6 +254,13 @@ def analysis_excess(temp: int) -> int:
                    os.environ.get("XLA_FLAGS", ""), re.IGNORECASE)):
     return 0
   return 64 * 1024 + temp // 1000
+
+
+def undecided(a: int, b: int) -> bool:
+  """Whether two temps measured at :func:`analysis_options` lie too close for their order to
+  be the default compile's (within :func:`analysis_excess`): measure them again at
+  :func:`exact_analysis_options` before comparing (``b`` may be a budget)."""
+  return abs(a - b) <= analysis_excess(max(a, b))
 
 
 def analysed(fn: Callable[..., Any], *args, exact: bool = False) -> CompiledMemory:

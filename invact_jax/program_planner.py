@@ -545,7 +545,7 @@ def _measured(gradient: Callable, args, budget: int) -> int:
   compile's (:func:`memory.analysis_excess`), the default compile's figure (measured again
   at :func:`memory.exact_analysis_options`)."""
   temp = memory.analysed(gradient, *args).temp
-  if budget < temp <= budget + memory.analysis_excess(temp):
+  if budget < temp and memory.undecided(temp, budget):
     temp = memory.analysed(gradient, *args, exact=True).temp
   return temp
 

@@ -28,28 +28,20 @@ class Choice:
 def gradient_temps(programs, structs: list, positions) -> tuple[int, ...]:
   """:func:`gradient_temp` of each closed jaxpr in ``programs`` (as they are), the figures
   of the default compile's buffers: measured at :func:`memory.analysis_options`, and again at
-  :func:`memory.exact_analysis_options` where two lie closer than what those can be above
-  the default compile's (:func:`memory.analysis_excess`), so that their order is its order.
+  :func:`memory.exact_analysis_options` where two are :func:`memory.undecided`, so that
+  their order is the default compile's.
 
   Each program is compiled in a thread of its own while the next one is traced (XLA's compile
   releases the GIL; the tracing, which reads thread-local settings, stays in this thread):
   on a GPT-2 layer, half of a measurement is tracing its gradient."""
-  lowered = []
-
-  def measure(exact: bool) -> tuple[int, ...]:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(programs)) as pool:
-      if not lowered:
-        futures = []
-        for c in programs:
-          lowered.append(_lowered_gradient(c, _graph.flatten(c), structs, positions, None))
-          futures.append(pool.submit(_compiled_temp, lowered[-1], exact))
-      else:
-        futures = [pool.submit(_compiled_temp, low, exact) for low in lowered]
-      return tuple(f.result() for f in futures)
-  temps = measure(False)
-  if any(abs(a - b) <= memory.analysis_excess(max(a, b))
-         for i, a in enumerate(temps) for b in temps[i + 1:]):
-    temps = measure(True)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=len(programs)) as pool:
+    lowered, pending = [], []
+    for c in programs:
+      lowered.append(_lowered_gradient(c, None, structs, positions, None))
+      pending.append(pool.submit(_compiled_temp, lowered[-1], False))
+    temps = tuple(f.result() for f in pending)
+    if any(memory.undecided(a, b) for i, a in enumerate(temps) for b in temps[i + 1:]):
+      temps = tuple(pool.map(lambda low: _compiled_temp(low, True), lowered))
   return temps
 
 
@@ -62,9 +54,10 @@ def gradient_temp(closed, graph: _graph.Graph, structs: list, positions,
   return _compiled_temp(_lowered_gradient(closed, graph, structs, positions, opts), exact)
 
 
-def _lowered_gradient(closed, graph: _graph.Graph, structs: list, positions,
+def _lowered_gradient(closed, graph: _graph.Graph | None, structs: list, positions,
                       opts: _pass.Options | None):
-  """The lowered pullback :func:`gradient_temp` measures."""
+  """The lowered pullback :func:`gradient_temp` measures (``graph`` read only with
+  ``opts``)."""
   def f(a, *d):
     full = list(a)
     for i, v in zip(positions, d):
@@ -113,7 +106,7 @@ def choose(closed, positions, make_opts: Callable[[Choice], _pass.Options]) -> C
     """Whether ``choice``'s temp is at most the original's, as the default compile has them
     (measured again exactly where the two lie within :func:`memory.analysis_excess`)."""
     t = temp(choice, opts)
-    if abs(t - original) > memory.analysis_excess(max(t, original)):
+    if not memory.undecided(t, original):
       return t <= original
     if not exact_original:
       exact_original.append(temp(None, exact=True))

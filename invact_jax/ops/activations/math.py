@@ -278,10 +278,15 @@ def relu_kernel_forward(x):
   return jnp.where(x < 0, jnp.zeros_like(x), x)
 
 
+def _clip_keeping_nan(x, hi):
+  """``clip(x, 0, hi)`` on a kernel tile: selects that keep NaN, where min/max lower to
+  Triton's minnumf/maxnumf (which drop it)."""
+  return jnp.where(x < 0, jnp.zeros_like(x), jnp.where(x > hi, jnp.full_like(x, hi), x))
+
+
 def relu6_kernel_forward(x):
-  """relu6 on a kernel tile: selects that keep NaN, where min/max lower to Triton's
-  minnumf/maxnumf (which drop it)."""
-  return jnp.where(x < 0, jnp.zeros_like(x), jnp.where(x > 6, jnp.full_like(x, 6), x))
+  """relu6 on a kernel tile (:func:`_clip_keeping_nan`)."""
+  return _clip_keeping_nan(x, 6)
 
 
 def hard_sigmoid_kernel_forward(x):
@@ -290,9 +295,8 @@ def hard_sigmoid_kernel_forward(x):
 
 
 def sparse_sigmoid_kernel_forward(x):
-  """sparse_sigmoid on a kernel tile: 0.5 * clip(x + 1, 0, 2) by selects that keep NaN."""
-  c = x + 1
-  return 0.5 * jnp.where(c < 0, jnp.zeros_like(c), jnp.where(c > 2, jnp.full_like(c, 2), c))
+  """sparse_sigmoid on a kernel tile: 0.5 * clip(x + 1, 0, 2) (:func:`_clip_keeping_nan`)."""
+  return 0.5 * _clip_keeping_nan(x + 1, 2)
 
 
 def hard_silu_kernel_forward(x):
