@@ -13,8 +13,11 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
    its matmuls, convolutions and custom-derivative calls (``invert``'s converted sites),
    named ``matmul_0``, ``matmul_1``, ... in program order, each with its source line; and the
    matmuls' operands the layer computes elementwise (a norm's output, the probabilities:
-   ``matmul_3_lhs``).  Other elementwise values are always recomputed from them.  A ``jax.checkpoint``
-   the layer already has is replaced by the plan's.
+   ``matmul_3_lhs``); a custom-derivative call's residuals that its forward computes go by
+   the call's name (a flash attention's output and row log-sum-exp: without both kept,
+   ``jax.checkpoint`` re-runs its forward), named inside the call
+   (:mod:`invact_jax._vjp_residuals`).  Other elementwise values are always recomputed from
+   them.  A ``jax.checkpoint`` the layer already has is replaced by the plan's.
 3. Their costs from the program: bytes exactly from shape and dtype (per layer); the recompute
    FLOPs each saves counted on one layer's traced linearization (which holds the recompute a
    policy asks for) with XLA's cost-analysis conventions (:func:`invact_jax.memory.jaxpr_flops`:
@@ -48,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax import memory, planner
+from invact_jax import _vjp_residuals, memory, planner
 from invact_jax.convert import _graph
 
 __all__ = ["plan", "Planned", "PlanReport", "Tensor", "parse_budget", "FIXED_POLICIES"]
@@ -68,7 +71,7 @@ _ROUNDS = 5
 # A compiled plan further than this from its prediction recalibrates the bytes per tensor.
 _TOLERANCE = 0.05
 #: JAX's policies that save every matmul's output (those inside a custom derivative's forward
-#: too, which no name reaches): a plan takes one where it fits and recomputes less.
+#: too): a plan takes one where it fits and recomputes less.
 FIXED_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
                   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -193,6 +196,8 @@ class _Loop:
   remat: bool = False            # whether the body has a jax.checkpoint of its own
   # The shard_maps it sits in, outermost first: (node, its body's graph) each.
   within: tuple = ()
+  # custom_vjp calls whose residuals are named inside: node index -> {residual: name}.
+  calls: dict = dataclasses.field(default_factory=dict)
 
   @property
   def where(self) -> str:
@@ -241,8 +246,10 @@ def _nbytes(aval) -> int:
   return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
 
-def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
-  """The candidate tensors of a layer body's graph, and ``{ref: name}`` of the values to tag."""
+def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict, dict]:
+  """The candidate tensors of a layer body's graph, ``{ref: name}`` of the values to tag, and
+  ``{node index: {residual: name}}`` of the custom_vjp calls whose residuals are tagged
+  inside (:func:`_call_residuals`)."""
   outputs = {r for r in graph.outvars if not isinstance(r, _graph.Lit)}
   named, auto, counts = {}, {}, {}
   for n in graph.nodes:
@@ -264,6 +271,7 @@ def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
       auto[ref] = (f"{kind}_{k}", n.where)
   _operands(graph, named, auto, outputs)
   tensors, names = [], {}
+  calls, inside = _call_residuals(graph, auto)
   for name, refs in named.items():
     avals = [graph.avals[r] for r, _ in refs]
     tensors.append(Tensor(name, tuple(avals[0].shape), str(avals[0].dtype),
@@ -271,8 +279,29 @@ def _candidates(graph: _graph.Graph) -> tuple[tuple[Tensor, ...], dict]:
   for ref, (name, where) in auto.items():
     a = graph.avals[ref]
     tensors.append(Tensor(name, tuple(a.shape), str(a.dtype), _nbytes(a), where, "invact_jax"))
-    names[ref] = name
-  return tuple(tensors), names
+    if ref not in inside:
+      names[ref] = name
+  return tuple(tensors), names, calls
+
+
+def _call_residuals(graph: _graph.Graph, auto: dict) -> tuple[dict, set]:
+  """The custom_vjp calls whose residuals are candidates: ``({node index: {residual: name}},
+  the output refs named inside their call)``.  Every residual the call's forward computes
+  goes by the name of the call's output (``custom_vjp_0``: a flash attention's output and
+  its row log-sum-exp), one candidate: keeping all of them spares re-running the call's
+  forward in the backward, keeping some spares nothing (:mod:`invact_jax._vjp_residuals`)."""
+  calls, inside = {}, set()
+  for i, n in enumerate(graph.nodes):
+    if _AUTO.get(n.prim.name) != "custom_vjp" or not n.outs or n.outs[0] not in auto:
+      continue
+    found = _vjp_residuals.residuals(n)
+    if not found:
+      continue
+    base = auto[n.outs[0]][0]
+    names = {r.index: base for r in found}
+    inside.update(n.outs[r.output] for r in found if r.output is not None)
+    calls[i] = names
+  return calls, inside
 
 
 def _operands(graph: _graph.Graph, named: dict, auto: dict, outputs: set) -> None:
@@ -327,9 +356,9 @@ def _as_loop(node: _graph.Node, within: tuple = ()) -> _Loop | None:
       return None
     raise
   graph = _graph.flatten(inlined)
-  tensors, names = _candidates(graph)
+  tensors, names, calls = _candidates(graph)
   remat = any(e.primitive.name in _REMAT for e in _eqns(body.jaxpr))
-  return _Loop(node, inlined, graph, tensors, names, remat, within)
+  return _Loop(node, inlined, graph, tensors, names, remat, within, calls)
 
 
 def _read_by_the_backward(loop: _Loop) -> _Loop | None:
@@ -428,9 +457,12 @@ def _tagged(loop: _Loop) -> Callable[..., list]:
   def run(*args):
     env = dict(zip(graph.invars, args))
     value = lambda r: r.val if isinstance(r, _graph.Lit) else env[r]  # noqa: E731
-    for n in graph.nodes:
+    for i, n in enumerate(graph.nodes):
       ins = [value(r) for r in n.ins]
-      for ref, out in zip(n.outs, _graph.bind(n, _as_varying(ins) if loop.within else ins)):
+      ins = _as_varying(ins) if loop.within else ins
+      outs = (_vjp_residuals.bind_named(n, ins, loop.calls[i], _graph.bind) if i in loop.calls
+              else _graph.bind(n, ins))
+      for ref, out in zip(n.outs, outs):
         env[ref] = jax.ad_checkpoint.checkpoint_name(out, loop.names[ref]) if ref in loop.names else out
     return [value(r) for r in graph.outvars]
   return run
@@ -741,8 +773,8 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
              flops: float, budget: int, scale: float, unremated: float, known: dict):
   """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
   less than the solved plan (``flops`` per layer; ``unremated``: the layer's without remat)
-  and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (a custom
-  derivative's own residuals are no candidate), the program as written, or the layer without
+  and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (the
+  residuals of a custom derivative it cannot name are no candidate), the program as written, or the layer without
   its own ``jax.checkpoint`` (``"everything"``); else JAX's policy that recomputes least;
   None if neither.  A JAX policy is compiled only where predicted to fit."""
   written = _written(fn, args, grad, loop, profile, keep, budget, known)

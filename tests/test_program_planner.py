@@ -1,6 +1,7 @@
 """``invact_jax.plan``: the planner on a program it has never seen — its layer loop, its tensors
 (the program's names or automatic ones), the plan's bytes and recompute against every choice
 compiled, bad budgets, programs without or with nested loops, gradients unchanged."""
+import functools
 import itertools
 import math
 
@@ -533,3 +534,38 @@ def test_a_figure_just_above_the_budget_is_measured_again_exactly(monkeypatch):
   assert pp._measured(grad, ARGS, temp - 1024) == temp  # pylint: disable=protected-access
   assert pp._measured(grad, ARGS, temp - 1025) == temp  # pylint: disable=protected-access
   assert calls == [False, False, True, False]
+
+
+def _flash_loss(params, x):
+  """The Llama-style stack with its attention a flash-style ``custom_vjp`` (the frontier's,
+  cuDNN's form): q, k, v and o with the row log-sum-exp its backward reads."""
+  from models import reference_layers  # pylint: disable=import-outside-toplevel
+
+  def layer(h, p):
+    x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * p["norm"]
+    q, k, v = (jnp.reshape(x @ p[n], (*h.shape[:2], H, W // H)) for n in "qkv")
+    h = h + reference_layers.flash_attention(q, k, v, True).reshape(h.shape) @ p["o"]
+    return h + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"], None
+  return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)
+
+
+def test_a_custom_vjps_residuals_are_one_candidate_that_spares_its_forward():
+  """The attention's output and its log-sum-exp, computed inside the custom_vjp's forward,
+  are one candidate under the output's name (the bytes JAX saves of both); keeping it, the
+  forward is not re-run in the backward (as without it, and under JAX's dots_no_batch);
+  the planned gradients are the program's bit for bit."""
+  loop = _loop(jax.make_jaxpr(_flash_loss)(*ARGS))
+  attention = next(t for t in loop.tensors if t.name == "custom_vjp_0")
+  assert attention.bytes == B * T * W * 4 + B * H * T * 4  # o and the float32 row lse
+  every = [t.name for t in loop.tensors]
+  without = [n for n in every if n != "custom_vjp_0"]
+  flops = functools.partial(pp._layer_flops, loop)  # pylint: disable=protected-access
+  # the forward's two matmuls (2 B T T W FLOPs each): re-run without it and under JAX's
+  # dots_no_batch; with it only elementwise work (the norm's, SiLU's) is, less than one
+  matmul = 2 * B * T * T * W
+  assert flops(every) - flops((), "everything") < matmul
+  assert min(flops(without), flops((), "dots_no_batch")) - flops(every) >= 2 * matmul
+  planned = pp._apply(_flash_loss, every, ())  # pylint: disable=protected-access
+  for a, b in zip(jax.tree.leaves(_grads(planned, *ARGS)),
+                  jax.tree.leaves(_grads(_flash_loss, *ARGS))):
+    np.testing.assert_array_equal(a, b)
