@@ -5,9 +5,9 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
 
 1. Trace ``fn`` and find its layer loop: a ``lax.scan`` over stacked inputs (parameters),
    through nested ``jit`` calls and inside ``shard_map``s (profiled from one device's shapes
-   and re-made where it stands; not where its layer holds a collective, which traces only
-   with the mesh); of several, the one whose tensors weigh most (the report names the
-   others).
+   and re-made where it stands; not where its layer names the mesh's axes: a collective, or
+   a custom derivative traced with them, traces only with the mesh); of several, the one
+   whose tensors weigh most (the report names the others).
 2. The candidate tensors of one layer: the values the program names with
    ``checkpoint_name`` (MaxText, keras-hub, the project's models), and otherwise the outputs of
    its matmuls, convolutions and custom-derivative calls (``invert``'s converted sites),
@@ -440,9 +440,10 @@ def _loops(closed) -> tuple[_graph.Graph, list[_Loop], list[str]]:
       elif (loop := _as_loop(n, within)) is not None:
         out.append(loop)
       elif within and n.prim.name == "scan":
-        skipped.append(f"{n.where or 'lax.scan'} inside a shard_map: its layer holds a "
-                       "collective, so it traces only with the mesh, not on its own as the "
-                       "planner profiles a layer")
+        skipped.append(f"{n.where or 'lax.scan'} inside a shard_map: its layer names the "
+                       "mesh's axes (a collective, or a custom derivative traced with them), "
+                       "so it traces only with the mesh, not on its own as the planner "
+                       "profiles a layer")
     return out
   loops = find(graph, ())
   loops.sort(key=lambda l: -l.length * sum(t.bytes for t in l.tensors))

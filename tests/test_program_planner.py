@@ -364,8 +364,8 @@ def test_a_layer_loop_inside_shard_map():
     def local(p, x):
       return jax.lax.pmean(jnp.mean(jax.lax.scan(reduced_layer, x, p)[0] ** 2), "data")
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(params, x)
-  with pytest.raises(ValueError, match="no layer loop .* inside a shard_map: its layer holds a "
-                     "collective"):
+  with pytest.raises(ValueError, match="no layer loop .* inside a shard_map: its layer names the "
+                     "mesh's axes \\(a collective"):
     invact_jax.plan(collective, ARGS[0], x, budget=10 ** 9)
 
 
