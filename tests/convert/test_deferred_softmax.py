@@ -1,12 +1,14 @@
 """The deferred-normalization softmax (exp -> value matmul -> divide by the row sum) is
 recognized and left as written, with a reason that holds: its autodiff keeps nothing a
 converted softmax would not."""
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import invact_jax
 from invact_jax import memory
-from invact_jax.convert._rule_deferred_softmax import AT_THE_FLOOR
+from invact_jax.convert._rule_deferred_softmax import AT_THE_FLOOR, MAX_MASK
 
 
 def _attention(q, k, v, stop=True, extra=False):
@@ -23,22 +25,81 @@ def _args():
 
 
 def test_found_and_left_alone_with_its_reason():
-  for stop in (True, False):
+  """At the floor where the max is behind stop_gradient; else its location mask is kept too
+  (the next test measures both)."""
+  for stop, reason in ((True, AT_THE_FLOOR), (False, MAX_MASK)):
     inv = invact_jax.invert(lambda q, k, v, stop=stop: _attention(q, k, v, stop))
     jax.grad(inv, argnums=(0, 1, 2))(*_args())
     reasons = [why for what, _, why in inv.last_report.left_alone if what == "softmax"]
-    assert reasons == [AT_THE_FLOOR], inv.last_report
+    assert reasons == [reason], inv.last_report
     assert not any(what == "exp" for what, _, _ in inv.last_report.left_alone)
 
 
 def test_what_its_autodiff_keeps_is_the_unnormalized_probabilities_a_sum_and_the_output():
-  kept = sorted(r.shape for r in memory.residuals(_attention, *_args()) if not r.is_argument
-                and r.bytes > 4)
-  assert (2, 16, 16) in kept and kept.count((2, 16, 16)) == 1, kept  # p, shared with the matmul
-  assert set(kept) <= {(2, 16, 16), (2, 16, 8), (2, 16, 1), (2, 16)}, kept
+  """p (shared with the matmul), per-row values and the output; a second [q, k] value, the
+  max's location mask, where the max is not behind stop_gradient."""
+  for stop, probabilities in ((True, 1), (False, 2)):
+    kept = sorted(r.shape for r in memory.residuals(functools.partial(_attention, stop=stop),
+                                                    *_args())
+                  if not r.is_argument and r.bytes > 4)
+    assert kept.count((2, 16, 16)) == probabilities, kept
+    assert set(kept) <= {(2, 16, 16), (2, 16, 8), (2, 16, 1), (2, 16)}, kept
 
 
 def test_probabilities_read_elsewhere_are_not_this_form():
   inv = invact_jax.invert(lambda q, k, v: _attention(q, k, v, extra=True))
   jax.grad(inv)(*_args())
   assert AT_THE_FLOOR not in [why for _, _, why in inv.last_report.left_alone]
+
+
+def _online(q, k, v, blocks=2, stop=False, scan=False):
+  """The online (flash) form: key blocks accumulated with a running max, the rescale factors
+  ``exp(m - m_new)``, divided by the running row sum after the last block (a Python loop, or
+  a lax.scan over the blocks)."""
+  kb = k.shape[1] // blocks
+  ks, vs = (a.reshape(a.shape[0], blocks, kb, a.shape[-1]).swapaxes(0, 1) for a in (k, v))
+
+  def block(carry, kv):
+    m, l, acc = carry
+    s = jnp.einsum("bqd,bkd->bqk", q, kv[0]) / 8.0
+    m_new = jnp.maximum(m, jnp.max(s, -1, keepdims=True))
+    m_new = jax.lax.stop_gradient(m_new) if stop else m_new
+    p, c = jnp.exp(s - m_new), jnp.exp(m - m_new)
+    return (m_new, l * c + jnp.sum(p, -1, keepdims=True),
+            acc * c + jnp.einsum("bqk,bkd->bqd", p, kv[1])), None
+  init = (jnp.full(q.shape[:2] + (1,), -jnp.inf), jnp.zeros(q.shape[:2] + (1,)), jnp.zeros(q.shape))
+  if scan:
+    (_, l, acc), _ = jax.lax.scan(block, init, (ks, vs))
+  else:
+    carry = init
+    for i in range(blocks):
+      carry, _ = block(carry, (ks[i], vs[i]))
+    _, l, acc = carry
+  return jnp.sum(jnp.tanh(acc / l))
+
+
+def test_the_online_form_block_by_block_is_found_with_its_factors():
+  """Unrolled or scanned, every exponential (the blocks' probabilities and the rescale
+  factors) is found as this softmax, with the reason that holds for its max; the output is
+  the attention's."""
+  q, k, v = _args()
+  s = jnp.einsum("bqd,bkd->bqk", q, k) / 8.0
+  exact = jnp.sum(jnp.tanh(jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)))
+  for scan in (False, True):
+    for stop, reason in ((True, AT_THE_FLOOR), (False, MAX_MASK)):
+      fn = functools.partial(_online, stop=stop, scan=scan)
+      assert jnp.allclose(fn(q, k, v), exact, rtol=1e-5)
+      inv = invact_jax.invert(fn)
+      jax.grad(inv, argnums=(0, 1, 2))(q, k, v)
+      left = inv.last_report.left_alone
+      assert {why for what, _, why in left} == {reason}, inv.last_report
+      assert len(left) == (2 if scan else 4), left  # (the scanned body holds one block)
+
+
+def test_the_online_forms_max_mask_is_what_the_reason_says():
+  """As written the online form keeps a [q, block] mask per block beside the probabilities
+  unless its max is behind stop_gradient (4 blocks of 4 keys)."""
+  for stop, per_block in ((True, 1), (False, 2)):
+    kept = [r.shape for r in memory.residuals(functools.partial(_online, blocks=4, stop=stop),
+                                              *_args()) if not r.is_argument]
+    assert kept.count((2, 16, 4)) == 4 * per_block, kept
