@@ -5,22 +5,32 @@ rescale factors ``c = exp(m - m_new)``, divided after the last block or carried 
 loop's body), recognized by its algebra and left as it is written, with the reason: its
 autodiff already keeps what a converted softmax would — the unnormalized probabilities, which
 the value matmul keeps anyway, per-row sums and factors, and the unnormalized output — so
-there is nothing to convert; where the row max the exponentials are shifted by is not behind
-``stop_gradient``, its autodiff also keeps the max's location mask, and the reason says so.
+there is nothing to convert.  Where the row max the exponentials are shifted by is not behind
+``stop_gradient``, its autodiff also keeps the max's location mask: in the single-pass form,
+with the max read by the shift alone, the max's gradient (zero: the output does not depend on
+the shift) is stopped; elsewhere the reason says so.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+
 from invact_jax.convert import _graph
+from invact_jax.convert import _match
 from invact_jax.convert import _primitives
 from invact_jax.convert import _rule
 from invact_jax.convert._graph import Lit
 
-__all__ = ["DeferredSoftmaxRule", "AT_THE_FLOOR"]
+__all__ = ["DeferredSoftmaxRule", "AT_THE_FLOOR", "MAX_MASK", "STOPPED"]
 
 _FORM = ("softmax with deferred normalization (exp -> value matmul -> divide by the row sum, "
          "at once or accumulated block by block)")
 AT_THE_FLOOR = (f"{_FORM}: its autodiff keeps the unnormalized probabilities the matmul keeps "
                 "anyway and per-row sums and factors, at the floor as written")
+STOPPED = (f"{_FORM}: converted where its row max is read by the shift alone (its gradient "
+           "stopped, as the output does not depend on it); its autodiff keeps the unnormalized "
+           "probabilities the matmul keeps anyway and per-row sums, at the floor")
 MAX_MASK = (f"{_FORM}: its autodiff keeps the unnormalized probabilities the matmul keeps "
             "anyway and per-row sums and factors, and also the row max's location mask (the "
             "probabilities' size), the max not being behind stop_gradient; left as written")
@@ -118,14 +128,64 @@ def _shift_stopped(g: _graph.Graph, exp_node) -> bool:
   return True
 
 
+@dataclasses.dataclass(frozen=True)
+class ShiftMatch:
+  """The row max a deferred softmax is shifted by, read by that shift alone: its gradient,
+  zero in exact arithmetic, is stopped (so autodiff keeps no location mask)."""
+  nodes: tuple
+  root: int
+  inputs: tuple
+
+  public = "softmax"
+  name = "deferred-normalization softmax (its row max behind stop_gradient)"
+  output_index = 0
+
+
+def _uses(g: _graph.Graph, ref) -> set:
+  """The nodes reading ``ref``, through casts and shape changes."""
+  out = set()
+  for c in g.consumers.get(ref, ()):
+    n = g.nodes[c]
+    if n.prim.name in _primitives.IDENTITY | _primitives.SHAPE and len(n.outs) == 1:
+      out |= _uses(g, n.outs[0])
+    else:
+      out.add(c)
+  return out
+
+
+def _stoppable(g: _graph.Graph, exp_index: int, dots: list, total: int, outvars: set):
+  """The index of the ``reduce_max`` the exponentials ``exp_index`` are shifted by, where its
+  gradient may be stopped: the max of the values it shifts, read by that shift alone, in the
+  single-pass form whose matmul outputs and row sum are read by their division alone (so the
+  program's output does not depend on the shift); else None."""
+  arg = _source(g, g.nodes[exp_index].ins[0])
+  if isinstance(arg, Lit) or arg not in g.producer:
+    return None
+  sub_index = g.producer[arg][0]
+  sub = g.nodes[sub_index]
+  shift = _source(g, sub.ins[1]) if sub.prim.name == "sub" else None
+  if shift is None or isinstance(shift, Lit) or shift not in g.producer or shift in outvars:
+    return None
+  r = g.producer[shift][0]
+  if (g.nodes[r].prim.name != "reduce_max" or _source(g, g.nodes[r].ins[0]) != _source(g, sub.ins[0])
+      or _uses(g, shift) != {sub_index} or _uses(g, sub.outs[0]) != {exp_index}):
+    return None
+  ends = [g.nodes[d].outs[0] for d in dots] + [g.nodes[total].outs[0]]
+  if any(ref in outvars or not all(g.nodes[c].prim.name == "div" for c in _uses(g, ref))
+         for ref in ends):
+    return None
+  return r
+
+
 class DeferredSoftmaxRule(_rule.Rule):
-  """Finds the form and leaves it alone with :data:`AT_THE_FLOOR` or :data:`MAX_MASK` (no
-  matches, no units); an online form's rescale factors go with it."""
+  """Finds the form and leaves it alone with :data:`AT_THE_FLOOR` or :data:`MAX_MASK`, or,
+  where the row max is read by its shift alone, stops the max's gradient (:class:`ShiftMatch`,
+  :data:`STOPPED`); an online form's rescale factors go with it."""
   kind = "deferred_softmax"
   publics = ("softmax",)
 
   def find(self, g, claimed, outvars, opts):
-    left, num, den = [], set(), set()
+    matches, left, num, den = [], [], set(), set()
     for i, n in enumerate(g.nodes):
       if n.prim.name != "exp" or i in claimed or not n.outs:
         continue
@@ -139,10 +199,15 @@ class DeferredSoftmaxRule(_rule.Rule):
         continue
       n_i = _flows(g, [g.nodes[d].outs[0] for d in dots])
       d_i = _flows(g, [g.nodes[sums[0]].outs[0]])
-      if _normalized(g, n_i, d_i, outvars):
-        num |= n_i
-        den |= d_i
-        left.append(([i], "softmax", AT_THE_FLOOR if _shift_stopped(g, n) else MAX_MASK))
+      if not _normalized(g, n_i, d_i, outvars):
+        continue
+      num |= n_i
+      den |= d_i
+      shift = None if _shift_stopped(g, n) else _stoppable(g, i, dots, sums[0], outvars)
+      if shift is not None and shift not in claimed:
+        matches.append(ShiftMatch((shift,), shift, (g.nodes[shift].ins[0],)))
+      left.append(([i], "softmax", AT_THE_FLOOR if _shift_stopped(g, n) else
+                   STOPPED if shift is not None else MAX_MASK))
     found, running = {j for nodes, _, _ in left for j in nodes}, num | den
     for i, n in enumerate(g.nodes):  # the online form's factors c = exp(m - m_new)
       readers = _readers(g, n.outs[0]) if n.prim.name == "exp" and n.outs else []
@@ -150,7 +215,16 @@ class DeferredSoftmaxRule(_rule.Rule):
           and all(g.nodes[c].prim.name == "mul" and _rescales(g, g.nodes[c].outs[0], running)
                   for c, _ in readers)):
         left.append(([i], "softmax", AT_THE_FLOOR if _shift_stopped(g, n) else MAX_MASK))
-    return [], left
+    return matches, left
+
+  def output(self, g, match):
+    return g.nodes[match.root].outs[0]
+
+  def build(self, g, match, opts):
+    region = _match.region_of(g, match.nodes, match.inputs, self.output(g, match))
+    unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [self.output(g, match)],
+                       _rule.single(lambda *v: jax.lax.stop_gradient(region(*v))))
+    return _rule.Built(unit)
 
 
 def _contracts_last(n, ref, last: int) -> bool:

@@ -5,10 +5,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import invact_jax
 from invact_jax import memory
-from invact_jax.convert._rule_deferred_softmax import AT_THE_FLOOR, MAX_MASK
+from invact_jax.convert._rule_deferred_softmax import AT_THE_FLOOR, MAX_MASK, STOPPED
 
 
 def _attention(q, k, v, stop=True, extra=False):
@@ -25,14 +26,44 @@ def _args():
 
 
 def test_found_and_left_alone_with_its_reason():
-  """At the floor where the max is behind stop_gradient; else its location mask is kept too
-  (the next test measures both)."""
-  for stop, reason in ((True, AT_THE_FLOOR), (False, MAX_MASK)):
-    inv = invact_jax.invert(lambda q, k, v, stop=stop: _attention(q, k, v, stop))
+  """At the floor where the max is behind stop_gradient; else the max, read by the shift
+  alone, gets its gradient stopped (converted); where the max is read elsewhere too (a
+  log-sum-exp returned beside the loss) it stays, and its location mask is kept (the next
+  test measures both)."""
+  def with_lse(q, k, v):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) / 8.0
+    m = jnp.max(s, -1, keepdims=True)
+    p = jnp.exp(s - m)
+    o = jnp.einsum("bqk,bkd->bqd", p, v) / jnp.sum(p, -1, keepdims=True)
+    return jnp.sum(jnp.tanh(o)) + jnp.sum(m)
+  for fn, reason, converted in ((functools.partial(_attention, stop=True), AT_THE_FLOOR, 0),
+                                (functools.partial(_attention, stop=False), STOPPED, 1),
+                                (with_lse, MAX_MASK, 0)):
+    inv = invact_jax.invert(fn)
     jax.grad(inv, argnums=(0, 1, 2))(*_args())
     reasons = [why for what, _, why in inv.last_report.left_alone if what == "softmax"]
     assert reasons == [reason], inv.last_report
+    assert sum(what == "softmax" for what, _, _ in inv.last_report.converted) == converted
     assert not any(what == "exp" for what, _, _ in inv.last_report.left_alone)
+
+
+def test_a_stopped_max_keeps_no_mask_same_forward_and_the_gradient_of_its_exact_math():
+  """Converted (the max's gradient stopped): the [q, k] residuals are the probabilities alone;
+  the forward is bit for bit the program's; the gradient is as close to float64's as the
+  program's own (whose max's gradient is zero only up to rounding)."""
+  args = _args()
+  fn = functools.partial(_attention, stop=False)
+  inv = invact_jax.invert(fn)
+  kept = [r.shape for r in memory.residuals(inv, *args) if not r.is_argument]
+  assert kept.count((2, 16, 16)) == 1, kept
+  assert jax.jit(inv)(*args) == jax.jit(fn)(*args)
+  with jax.enable_x64(True):
+    exact = [np.asarray(g) for g in
+             jax.grad(fn, argnums=(0, 1, 2))(*[np.asarray(a, np.float64) for a in args])]
+  err = lambda g: max(float(np.max(np.abs(np.asarray(a, np.float64) - b)))  # noqa: E731
+                      for a, b in zip(g, exact))
+  assert err(jax.grad(inv, argnums=(0, 1, 2))(*args)) <= 2 * err(
+      jax.grad(fn, argnums=(0, 1, 2))(*args))
 
 
 def test_what_its_autodiff_keeps_is_the_unnormalized_probabilities_a_sum_and_the_output():
