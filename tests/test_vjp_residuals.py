@@ -49,7 +49,8 @@ def test_same_values_and_gradients_bit_for_bit():
   layer = _named_layer({0: "out", 1: "lse"})
   original = lambda q, k, v: jnp.sin(ref.flash_attention(jnp.sin(q), k, v, True))  # noqa: E731
   np.testing.assert_array_equal(jax.jit(layer)(Q, K, V), jax.jit(original)(Q, K, V))
-  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))  # noqa: E731
+  def grad(f):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))
   for a, b in zip(grad(layer)(Q, K, V), grad(original)(Q, K, V)):
     np.testing.assert_array_equal(a, b)
 
@@ -62,7 +63,8 @@ def test_keeping_the_names_spares_the_forward_in_the_backward():
 
   def flops(policy):
     step = jax.checkpoint(lambda c: layer(c, K, V), policy=policy)
-    loss = lambda q: jnp.sum(jax.lax.scan(lambda c, _: (step(c), None), q, None, length=3)[0])  # noqa: E731
+    def loss(q):
+      return jnp.sum(jax.lax.scan(lambda c, _: (step(c), None), q, None, length=3)[0])
     return memory.jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(Q), per_iteration=True)
   everything = flops(jax.checkpoint_policies.everything_saveable)
   nothing = flops(jax.checkpoint_policies.nothing_saveable)

@@ -94,7 +94,23 @@ def _normalized(g: _graph.Graph, num: set, den: set, outvars: set) -> bool:
     if n.prim.name == "div" and n.ins[0] in num and _source(g, n.ins[1]) in den | {
         n.ins[1]}:
       return True
+    if n.prim.name == "mul" and any(a in num and _reciprocal_of(g, b) in den
+                                    for a, b in (n.ins, n.ins[::-1])):
+      return True
   return bool(num & outvars) and bool(den & outvars)
+
+
+def _reciprocal_of(g: _graph.Graph, ref):
+  """``d`` where ``ref`` is ``1 / d`` or ``d ** -1`` (spread back), else None."""
+  ref = _source(g, ref)
+  if isinstance(ref, Lit) or ref not in g.producer:
+    return None
+  n = g.nodes[g.producer[ref][0]]
+  if n.prim.name == "div" and isinstance(n.ins[0], Lit) and float(n.ins[0].val) == 1.0:
+    return _source(g, n.ins[1])
+  if n.prim.name == "integer_pow" and n.params.get("y") == -1:
+    return _source(g, n.ins[0])
+  return None
 
 
 def _rescales(g: _graph.Graph, ref, running: set) -> bool:
@@ -167,7 +183,8 @@ def _stoppable(g: _graph.Graph, exp_index: int, dots: list, total: int, outvars:
   if shift is None or isinstance(shift, Lit) or shift not in g.producer or shift in outvars:
     return None
   r = g.producer[shift][0]
-  if (g.nodes[r].prim.name != "reduce_max" or _source(g, g.nodes[r].ins[0]) != _source(g, sub.ins[0])
+  if (g.nodes[r].prim.name != "reduce_max"
+      or _source(g, g.nodes[r].ins[0]) != _source(g, sub.ins[0])
       or _uses(g, shift) != {sub_index} or _uses(g, sub.outs[0]) != {exp_index}):
     return None
   ends = [g.nodes[d].outs[0] for d in dots] + [g.nodes[total].outs[0]]

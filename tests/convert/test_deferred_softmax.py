@@ -77,6 +77,19 @@ def test_what_its_autodiff_keeps_is_the_unnormalized_probabilities_a_sum_and_the
     assert set(kept) <= {(2, 16, 16), (2, 16, 8), (2, 16, 1), (2, 16)}, kept
 
 
+def test_normalized_by_a_reciprocal_too():
+  """``o * (1 / l)`` and ``o * l ** -1`` divide as ``o / l`` does."""
+  for recip in (lambda l: 1.0 / l, lambda l: l ** -1):
+    def fn(q, k, v, recip=recip):
+      s = jnp.einsum("bqd,bkd->bqk", q, k) / 8.0
+      p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True)))
+      o = jnp.einsum("bqk,bkd->bqd", p, v)
+      return jnp.sum(jnp.tanh(o * recip(jnp.sum(p, -1, keepdims=True))))
+    inv = invact_jax.invert(fn)
+    jax.grad(inv)(*_args())
+    assert [why for what, _, why in inv.last_report.left_alone] == [AT_THE_FLOOR], inv.last_report
+
+
 def test_probabilities_read_elsewhere_are_not_this_form():
   inv = invact_jax.invert(lambda q, k, v: _attention(q, k, v, extra=True))
   jax.grad(inv)(*_args())
