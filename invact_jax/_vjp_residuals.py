@@ -17,6 +17,7 @@ describe as expected is left as it is (:func:`residuals` gives None).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -55,8 +56,11 @@ def _forward(node) -> tuple[Any, Any, list, int]:
 def residuals(node) -> list[Residual] | None:
   """The residuals the ``custom_vjp`` call ``node`` (a :class:`~invact_jax.convert._graph.Node`)
   computes, or None where it cannot be named (closed-over constants, symbolic zeros, a
-  non-float input, or parameters of another form)."""
+  non-float input, parameters of another form, or a JAX whose internals :func:`bind_named`
+  reads differ: :func:`_works`)."""
   p = node.params
+  if not _works():
+    return None
   try:
     if (p.get("num_consts", 1) or p.get("symbolic_zeros", True)
         or not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in _in_avals(node))):
@@ -105,3 +109,28 @@ def bind_named(node, invals: list, names: dict[int, str], bind) -> list:
 
   call.defvjp(fwd, bwd)
   return list(call(tuple(invals)))
+
+
+@functools.cache
+def _works() -> bool:
+  """Whether :func:`bind_named` gives a small ``custom_vjp``'s value and gradient on this JAX
+  (it reads equation parameters that are JAX's internals): checked once per process."""
+  from invact_jax.convert import _graph  # pylint: disable=import-outside-toplevel
+
+  @jax.custom_vjp
+  def f(x, y):
+    return x * jnp.sin(y)
+  f.defvjp(lambda x, y: (x * jnp.sin(y), (jnp.sin(y), x * jnp.cos(y))),
+           lambda res, g: (g * res[0], g * res[1]))
+  x, y = jnp.arange(1.0, 4.0), jnp.arange(2.0, 5.0)
+  try:
+    graph = _graph.flatten(jax.make_jaxpr(f)(x, y))
+    node = next(n for n in graph.nodes if n.prim.name.startswith("custom_vjp"))
+
+    def named(x, y):
+      return bind_named(node, [x, y], {0: "a", 1: "b"}, _graph.bind)[0]
+    got = jax.grad(lambda x, y: jnp.sum(jnp.tanh(named(x, y))), argnums=(0, 1))(x, y)
+    want = jax.grad(lambda x, y: jnp.sum(jnp.tanh(f(x, y))), argnums=(0, 1))(x, y)
+    return all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want))
+  except Exception:  # pylint: disable=broad-except  (any failure: leave calls as they are)
+    return False
