@@ -569,3 +569,18 @@ def test_a_custom_vjps_residuals_are_one_candidate_that_spares_its_forward():
   for a, b in zip(jax.tree.leaves(_grads(planned, *ARGS)),
                   jax.tree.leaves(_grads(_flash_loss, *ARGS))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_custom_vjp_traced_inside_a_shard_map_is_named_as_why_its_loop_is_not_planned():
+  """A layer whose custom_vjp was traced with the mesh's axes traces only with the mesh: the
+  planner says so (it is no collective of the program's)."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+  x = jax.device_put(jnp.tile(ARGS[1], (8, 1, 1)), jax.NamedSharding(mesh, P("data")))
+
+  def loss(params, x):
+    return jax.shard_map(lambda p, x: jax.lax.pmean(_flash_loss(p, x), "data"), mesh=mesh,
+                         in_specs=(P(), P("data")), out_specs=P())(params, x)
+  with pytest.raises(ValueError, match="inside a shard_map: its layer names the mesh's axes "
+                     r"\(a collective, or a custom derivative traced with them\)"):
+    invact_jax.plan(loss, ARGS[0], x, budget=10 ** 9)
