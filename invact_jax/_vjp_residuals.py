@@ -114,7 +114,16 @@ def bind_named(node, invals: list, names: dict[int, str], bind) -> list:
 @functools.cache
 def _works() -> bool:
   """Whether :func:`bind_named` gives a small ``custom_vjp``'s value and gradient on this JAX
-  (it reads equation parameters that are JAX's internals): checked once per process."""
+  (it reads equation parameters that are JAX's internals): checked once per process, on
+  concrete values even where first asked inside a trace."""
+  try:
+    with jax.ensure_compile_time_eval():
+      return _named_gradient_is_the_calls()
+  except Exception:  # pylint: disable=broad-except  (any failure: leave calls as they are)
+    return False
+
+
+def _named_gradient_is_the_calls() -> bool:
   from invact_jax.convert import _graph  # pylint: disable=import-outside-toplevel
 
   @jax.custom_vjp
@@ -123,14 +132,11 @@ def _works() -> bool:
   f.defvjp(lambda x, y: (x * jnp.sin(y), (jnp.sin(y), x * jnp.cos(y))),
            lambda res, g: (g * res[0], g * res[1]))
   x, y = jnp.arange(1.0, 4.0), jnp.arange(2.0, 5.0)
-  try:
-    graph = _graph.flatten(jax.make_jaxpr(f)(x, y))
-    node = next(n for n in graph.nodes if n.prim.name.startswith("custom_vjp"))
+  graph = _graph.flatten(jax.make_jaxpr(f)(x, y))
+  node = next(n for n in graph.nodes if n.prim.name.startswith("custom_vjp"))
 
-    def named(x, y):
-      return bind_named(node, [x, y], {0: "a", 1: "b"}, _graph.bind)[0]
-    got = jax.grad(lambda x, y: jnp.sum(jnp.tanh(named(x, y))), argnums=(0, 1))(x, y)
-    want = jax.grad(lambda x, y: jnp.sum(jnp.tanh(f(x, y))), argnums=(0, 1))(x, y)
-    return all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want))
-  except Exception:  # pylint: disable=broad-except  (any failure: leave calls as they are)
-    return False
+  def named(x, y):
+    return bind_named(node, [x, y], {0: "a", 1: "b"}, _graph.bind)[0]
+  got = jax.grad(lambda x, y: jnp.sum(jnp.tanh(named(x, y))), argnums=(0, 1))(x, y)
+  want = jax.grad(lambda x, y: jnp.sum(jnp.tanh(f(x, y))), argnums=(0, 1))(x, y)
+  return all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want))

@@ -102,8 +102,11 @@ def test_calls_it_cannot_name_are_left_as_they_are(case):
 
 
 def test_this_jax_passes_the_check_that_guards_the_internals_it_reads(monkeypatch):
-  """The once-per-process check of JAX's internals passes here; where it fails, calls are
-  left as they are (no candidates named inside)."""
+  """The once-per-process check of JAX's internals passes here, also where first asked inside
+  a trace; where it fails, calls are left as they are (no candidates named inside)."""
+  _vjp_residuals._works.cache_clear()  # pylint: disable=protected-access
+  # asked first inside a trace (the planner asks while tracing), it checks concrete values
+  jax.jit(lambda x: x + _vjp_residuals._works())(1.0)  # pylint: disable=protected-access
   assert _vjp_residuals._works()  # pylint: disable=protected-access
   _, node = _call_node(lambda q, k, v: ref.flash_attention(q, k, v, True), Q, K, V)
   monkeypatch.setattr(_vjp_residuals, "_works", lambda: False)

@@ -174,27 +174,47 @@ def inline(graph: Graph, at) -> tuple[Graph, dict]:
 #: The primitives :func:`merge_duplicates` merges: a form's inputs a program may compute twice
 #: (statistics are not merged: two norms of one input would share them and neither be whole).
 MERGED = frozenset({"exp", "dot_general"})
+#: Calls whose derivative rules are functions the comparison of parameters cannot see.
+_OPAQUE = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"})
+
+
+def _pure(n: Node) -> bool:
+  """A pure equation of one output whose parameters :func:`params_equal` compares whole."""
+  return (n.eqn is not None and not n.eqn.effects and len(n.outs) == 1
+          and n.prim.name not in _OPAQUE
+          and not any((callable(v) and not isinstance(v, type)) or hasattr(v, "call_wrapped")
+                      for v in n.params.values()))
 
 
 def merge_duplicates(graph: Graph) -> Graph:
   """``graph`` with each matmul or exponential that repeats an earlier one (the same
-  parameters and inputs: ``jnp.exp(x) / jnp.sum(jnp.exp(x))``, ``x @ w`` written twice) read
-  from the earlier one instead — what XLA's common-subexpression elimination does to the
-  compiled program — so that a form is found whole; ``graph`` itself where none repeats."""
-  seen: dict = {}    # (primitive, inputs) -> the nodes kept
+  parameters, and inputs that are the same values or computed alike by pure equations:
+  ``jnp.exp(x) / jnp.sum(jnp.exp(x))``, ``jnp.exp(x - x.max()) / jnp.sum(jnp.exp(x -
+  x.max()))``, ``x @ w`` written twice) read from the earlier one instead — what XLA's
+  common-subexpression elimination does to the compiled program — so that a form is found
+  whole; ``graph`` itself where none repeats.  Other repeats stay as they are (the value
+  they compute is only recognized as the same)."""
+  seen: dict = {}    # (primitive, canonical inputs) -> the nodes kept
+  alike: dict = {}   # a value -> the earlier value computed alike
   rename: dict = {}  # a repeat's output -> the earlier node's
   nodes = []
   new = lambda r: r if isinstance(r, Lit) else rename.get(r, r)  # noqa: E731
+  canon = lambda r: r if isinstance(r, Lit) else alike.get(r, r)  # noqa: E731
   for n in graph.nodes:
     n = dataclasses.replace(n, ins=[new(r) for r in n.ins])
-    if n.prim.name in MERGED and n.eqn is not None and not n.eqn.effects:
-      key = (n.prim, tuple(("lit", np.shape(r.val)) if isinstance(r, Lit) else r for r in n.ins))
-      earlier = next((m for m in seen.get(key, ()) if params_equal(m.params, n.params) and all(
-          a.same(b) if isinstance(a, Lit) else a == b for a, b in zip(m.ins, n.ins))), None)
+    if _pure(n):
+      ins = [canon(r) for r in n.ins]
+      key = (n.prim, tuple(("lit", np.shape(r.val)) if isinstance(r, Lit) else r for r in ins))
+      earlier = next((m for m, m_ins in seen.get(key, ()) if params_equal(m.params, n.params)
+                      and all(a.same(b) if isinstance(a, Lit) else a == b
+                              for a, b in zip(m_ins, ins))), None)
       if earlier is not None:
-        rename[n.outs[0]] = earlier.outs[0]
-        continue
-      seen.setdefault(key, []).append(n)
+        alike[n.outs[0]] = canon(earlier.outs[0])
+        if n.prim.name in MERGED:
+          rename[n.outs[0]] = earlier.outs[0]
+          continue
+      else:
+        seen.setdefault(key, []).append((n, ins))
     nodes.append(n)
   if not rename:
     return graph

@@ -285,6 +285,9 @@ SOFTMAXES = {
     "masked": lambda q, k, v: jax.nn.softmax(jnp.where(k > 0, q, -1e9), axis=-1) * v,
     # unshifted, its exponentials written twice (one computation, as XLA merges them)
     "exp_written_twice": lambda q, k, v: jnp.exp(q) / jnp.sum(jnp.exp(q), -1, keepdims=True) * v,
+    # ... and shifted, the shift written twice too (the exponentials of values computed alike)
+    "shifted_written_twice": lambda q, k, v: jnp.exp(q - q.max(-1, keepdims=True)) / jnp.sum(
+        jnp.exp(q - q.max(-1, keepdims=True)), -1, keepdims=True) * v,
     # jax.nn.softmax(where=): the masked entries 0, and their gradient
     "where": lambda q, k, v: jax.nn.softmax(q, axis=-1, where=k > 0) * v,
     "where_axis_1": lambda q, k, v: jax.nn.softmax(q, axis=1, where=k > -0.5) * v,
