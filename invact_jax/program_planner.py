@@ -775,9 +775,9 @@ def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
   """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
   less than the solved plan (``flops`` per layer; ``unremated``: the layer's without remat)
   and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (the
-  residuals of a custom derivative it cannot name are no candidate), the program as written, or the layer without
-  its own ``jax.checkpoint`` (``"everything"``); else JAX's policy that recomputes least;
-  None if neither.  A JAX policy is compiled only where predicted to fit."""
+  residuals of a custom derivative it cannot name are no candidate), the program as
+  written, or the layer without its own ``jax.checkpoint`` (``"everything"``); else JAX's
+  policy that recomputes least; None if neither.  A JAX policy is compiled only where predicted to fit."""
   written = _written(fn, args, grad, loop, profile, keep, budget, known)
   if written is not None and written <= budget:
     return True, None, written, unremated

@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from invact_jax.convert import _primitives
+
 __all__ = ["Lit", "Node", "Graph", "Unit", "flatten", "inline", "substitute", "params_equal", "where", "bind", "schedule", "varies_over_mesh",
            "evaluate", "region", "ancestors", "scan_counts", "shape_structs"]
 
@@ -174,14 +176,10 @@ def inline(graph: Graph, at) -> tuple[Graph, dict]:
 #: The primitives :func:`merge_duplicates` merges: a form's inputs a program may compute twice
 #: (statistics are not merged: two norms of one input would share them and neither be whole).
 MERGED = frozenset({"exp", "dot_general"})
-#: Calls whose derivative rules are functions the comparison of parameters cannot see.
-_OPAQUE = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call"})
-
-
 def _pure(n: Node) -> bool:
   """A pure equation of one output whose parameters :func:`params_equal` compares whole."""
   return (n.eqn is not None and not n.eqn.effects and len(n.outs) == 1
-          and n.prim.name not in _OPAQUE
+          and n.prim.name not in _primitives.CUSTOM_CALLS  # (rules params_equal cannot see)
           and not any((callable(v) and not isinstance(v, type)) or hasattr(v, "call_wrapped")
                       for v in n.params.values()))
 

@@ -36,13 +36,14 @@ MAX_MASK = (f"{_FORM}: its autodiff keeps the unnormalized probabilities the mat
             "probabilities' size), the max not being behind stop_gradient; left as written")
 
 
-def _readers(g: _graph.Graph, ref) -> list:
-  """The nodes reading ``ref``, through casts (``(node index, the value it reads)``)."""
+def _readers(g: _graph.Graph, ref, through=_primitives.IDENTITY) -> list:
+  """The nodes reading ``ref``, through casts (or the primitives ``through``): ``(node
+  index, the value it reads)``."""
   out = []
   for c in g.consumers.get(ref, ()):
     n = g.nodes[c]
-    if n.prim.name in _primitives.IDENTITY and len(n.outs) == 1:
-      out += _readers(g, n.outs[0])
+    if n.prim.name in through and len(n.outs) == 1:
+      out += _readers(g, n.outs[0], through)
     else:
       out.append((c, ref))
   return out
@@ -159,14 +160,7 @@ class ShiftMatch:
 
 def _uses(g: _graph.Graph, ref) -> set:
   """The nodes reading ``ref``, through casts and shape changes."""
-  out = set()
-  for c in g.consumers.get(ref, ()):
-    n = g.nodes[c]
-    if n.prim.name in _primitives.IDENTITY | _primitives.SHAPE and len(n.outs) == 1:
-      out |= _uses(g, n.outs[0])
-    else:
-      out.add(c)
-  return out
+  return {c for c, _ in _readers(g, ref, _primitives.IDENTITY | _primitives.SHAPE)}
 
 
 def _stoppable(g: _graph.Graph, exp_index: int, dots: list, total: int, outvars: set):
@@ -220,10 +214,11 @@ class DeferredSoftmaxRule(_rule.Rule):
         continue
       num |= n_i
       den |= d_i
-      shift = None if _shift_stopped(g, n) else _stoppable(g, i, dots, sums[0], outvars)
+      stopped = _shift_stopped(g, n)
+      shift = None if stopped else _stoppable(g, i, dots, sums[0], outvars)
       if shift is not None and shift not in claimed:
         matches.append(ShiftMatch((shift,), shift, (g.nodes[shift].ins[0],)))
-      left.append(([i], "softmax", AT_THE_FLOOR if _shift_stopped(g, n) else
+      left.append(([i], "softmax", AT_THE_FLOOR if stopped else
                    STOPPED if shift is not None else MAX_MASK))
     found, running = {j for nodes, _, _ in left for j in nodes}, num | den
     for i, n in enumerate(g.nodes):  # the online form's factors c = exp(m - m_new)
