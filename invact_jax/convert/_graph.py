@@ -176,6 +176,8 @@ def inline(graph: Graph, at) -> tuple[Graph, dict]:
 #: The primitives :func:`merge_duplicates` merges: a form's inputs a program may compute twice
 #: (statistics are not merged: two norms of one input would share them and neither be whole).
 MERGED = frozenset({"exp", "dot_general"})
+
+
 def _pure(n: Node) -> bool:
   """A pure equation of one output whose parameters :func:`params_equal` compares whole."""
   return (n.eqn is not None and not n.eqn.effects and len(n.outs) == 1

@@ -122,16 +122,23 @@ def _rescales(g: _graph.Graph, ref, running: set) -> bool:
                                for c, _ in _readers(g, ref))
 
 
+def _shift(g: _graph.Graph, exp_node) -> int | None:
+  """The index of the subtraction ``s - shift`` whose result (spread back) ``exp_node``
+  exponentiates, or None where it exponentiates something else."""
+  arg = _source(g, exp_node.ins[0])
+  if isinstance(arg, Lit) or arg not in g.producer:
+    return None
+  sub = g.producer[arg][0]
+  return sub if g.nodes[sub].prim.name == "sub" else None
+
+
 def _shift_stopped(g: _graph.Graph, exp_node) -> bool:
   """Whether the value ``exp_node`` exponentiates is shifted only by values behind
   ``stop_gradient`` (or not shifted)."""
-  arg = _source(g, exp_node.ins[0])
-  if isinstance(arg, Lit) or arg not in g.producer:
+  sub = _shift(g, exp_node)
+  if sub is None:
     return True
-  sub = g.nodes[g.producer[arg][0]]
-  if sub.prim.name != "sub":
-    return True
-  todo, seen = [sub.ins[1]], set()
+  todo, seen = [g.nodes[sub].ins[1]], set()
   while todo:
     ref = _source(g, todo.pop())
     if isinstance(ref, Lit) or ref not in g.producer or ref in seen:
@@ -168,13 +175,12 @@ def _stoppable(g: _graph.Graph, exp_index: int, dots: list, total: int, outvars:
   gradient may be stopped: the max of the values it shifts, read by that shift alone, in the
   single-pass form whose matmul outputs and row sum are read by their division alone (so the
   program's output does not depend on the shift); else None."""
-  arg = _source(g, g.nodes[exp_index].ins[0])
-  if isinstance(arg, Lit) or arg not in g.producer:
+  sub_index = _shift(g, g.nodes[exp_index])
+  if sub_index is None:
     return None
-  sub_index = g.producer[arg][0]
   sub = g.nodes[sub_index]
-  shift = _source(g, sub.ins[1]) if sub.prim.name == "sub" else None
-  if shift is None or isinstance(shift, Lit) or shift not in g.producer or shift in outvars:
+  shift = _source(g, sub.ins[1])
+  if isinstance(shift, Lit) or shift not in g.producer or shift in outvars:
     return None
   r = g.producer[shift][0]
   if (g.nodes[r].prim.name != "reduce_max"
