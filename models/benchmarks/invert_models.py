@@ -54,7 +54,6 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
-
 #: The project's models :func:`remat_rows` converts (bfloat16 or float32, batch 8, GPT-2 at
 #: 256 tokens, ViT-B/16 at 224 px: docs/planner.md's programs).
 REMAT_MODELS = ("gpt2", "vit-b16")
