@@ -6,6 +6,7 @@ process, the steps timed interleaved.
   python scripts/bench_lm_head.py --tokens 256 --vocab 4096 --repeats 2     # seconds
   python scripts/bench_lm_head.py --tokens 8192 --d 4096 --vocab 128256 --dtypes bfloat16  # GPU
   python scripts/bench_lm_head.py ... --tiles 128x2048 512x128256 backward:1024x1024  # a sweep
+  python scripts/bench_lm_head.py ... --profile 8   # where each head's time goes
 
 Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
 (on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
                  help="also invact_jax with these tiles: gradients in the forward (TOKENS per "
                       "chunk, VOCAB per weight-gradient update) or, after backward:, the "
                       "recomputing backward's tiles")
+  p.add_argument("--profile", type=cli.positive_int, default=0, metavar="K",
+                 help="also each JAX head's K largest XLA operations per step (jax.profiler)")
   p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
   return lm_head.run(a, argv)

@@ -10,7 +10,8 @@ through :mod:`.child`.
   the project's models and on third-party programs;
 * :mod:`.lm_head`, :mod:`.lm_head_torch`: the LM head benchmark and its PyTorch rows;
 * :mod:`.frontier`, :mod:`.frontier_torch`: the full-model memory-time frontier;
-* :mod:`.gpu_report`: the GPU report's sections; :mod:`.headline`: the README's table.
+* :mod:`.gpu_report`: the GPU report's sections; :mod:`.headline`: the README's table;
+* :mod:`.profile`: where a step's time goes, per XLA operation (``jax.profiler``).
 """
 import os
 import platform

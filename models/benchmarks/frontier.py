@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
 import invact_jax
 from invact_jax import memory, planner
 from models.benchmarks import child
+from models.benchmarks import profile as op_profile
 from models import reference_layers
 
 __all__ = ["STACKS", "POLICIES", "PLAN_BUDGETS", "FIT", "HEADS", "JaxRow", "PlanRow",
@@ -104,6 +106,13 @@ STACKS = {
 #: Stacks sized on a GPU to what fits the JAX default step (:func:`layers_that_fit`): as
 #: many layers, or the largest batch; elsewhere they keep their shape.
 FIT = {"llama-7b": "layers", "llama3-8b": "layers", "llama3-1b": "batch"}
+
+#: A JAX row's process takes the allocator's whole pool at start (one region).  Growing it
+#: on demand leaves the regions that compiling (autotuning) took behind, never returned to
+#: the device: on an H100 (2026-11-27) JAX default's 48.65 GiB temp of llama3-1b at batch 2
+#: found no room beside them, though its compiled temp plus the parameters and gradients
+#: fitted 85 % of the pool.
+ROW_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
 #: The planner's budgets, as fractions of JAX default's activation bytes of the stack.
 PLAN_BUDGETS = (0.25, 0.5, 0.75)
@@ -332,7 +341,11 @@ def head_tiles(s: Shape, platform: str) -> dict:
 
 def measure(spec: dict) -> dict:
   """One row: ``spec`` = {stack, policy, invact, dtype, repeats[, layers][, batch][, head]
-  [, runs, configuration]}."""
+  [, runs, configuration][, profile]}; with ``profile`` (K), the row's ``profile``: the step's
+  K largest XLA operations (:func:`models.benchmarks.profile.op_times`).  One row with its
+  profile, as a later GPU session asks for it: ``python -m models.benchmarks.frontier
+  '{"stack": "llama3-1b", "policy": "none", "invact": true, "dtype": "bfloat16",
+  "repeats": 3, "batch": 2, "profile": 15}'``."""
   s = _shape(spec)
   planned = None
   if "program_budget" in spec:  # invact_jax.plan of the model as written (no remat, plain head)
@@ -372,6 +385,8 @@ def measure(spec: dict) -> dict:
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t0)
   row["step_ms"] = 1e3 * statistics.median(times)
+  if spec.get("profile"):
+    row["profile"] = op_profile.op_times(compiled, *args, steps=1, top=spec["profile"])
   return row
 
 
@@ -685,7 +700,8 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
   def one(spec):
     row = (child_row(spec) if in_process else
            {**_key(spec), **child.run_child("models.benchmarks.frontier", spec,
-                                          deadline - time.time())})
+                                          deadline - time.time(),
+                                          env={**os.environ, **ROW_ENV})})
     return {**row, "date": date} if date else row
 
   def torch_row(name, configuration, fields):
@@ -737,8 +753,12 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
     fit = FIT.get(name)
     fields = {"layers": STACKS[name].layers, "batch": STACKS[name].batch}
     if fit:
-      progress(f"frontier {name}: the {fit} that fits")
-      fields[fit], why = fitted(name, fit)
+      fields[fit], why = _carried_fit(done, name, fit), None
+      if fields[fit] is not None:
+        progress(f"frontier {name}: the {fit} that fits, {fields[fit]}, carried over")
+      else:
+        progress(f"frontier {name}: the {fit} that fits")
+        fields[fit], why = fitted(name, fit)
       if why is not None:
         out.append({"model": name, "framework": "jax", "configuration": "default",
                     "invact": False, "head": "plain" if STACKS[name].vocab else "",
@@ -829,6 +849,13 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     out.append(torch_row(name, item.configuration, fields) if key["framework"] == "torch"
                else one(spec))
   return True
+
+
+def _carried_fit(done: list[dict], name: str, field: str) -> int | None:
+  """The ``field`` (layers or batch) an earlier run fitted to the device for stack ``name``:
+  the one value its measured rows share (None where none was measured or they differ)."""
+  values = {r.get(field) for r in done if r.get("model") == name and "error" not in r}
+  return values.pop() if len(values) == 1 and None not in values else None
 
 
 def _infeasible_before(done: list[dict], out: list[dict], name: str, percent: int,
@@ -940,7 +967,7 @@ def newest_per_model(paths) -> list:
 def headline_rows(data: dict, path: str) -> list[str]:
   """The README headline's rows from a frontier JSON (``path`` as linked): per model, the
   fastest JAX-only configuration and the fastest with invact whose activations fit 25 % and
-  50 % of JAX default's and (where measured) PyTorch + Liger's."""
+  50 % of JAX default's and PyTorch + Liger's, each where that row was measured."""
   ok = [r for r in data["rows"] if "error" not in r]
   source = f"[{path.rsplit('/', 1)[-1]}]({path}) · [docs](docs/gpu-report.md)"
   where = f"{data['device']}, JAX {data.get('versions', {}).get('jax', '?')}, {data['date']}"
@@ -948,9 +975,8 @@ def headline_rows(data: dict, path: str) -> list[str]:
   for model in sorted({r["model"] for r in ok}):
     mine = [r for r in ok if r["model"] == model]
     default = _jax_row(mine, model, "default", False)
-    if default is None:
-      continue
-    budgets = [(f"{f:.0%} of JAX default's", f * default["activation_bytes"]) for f in (0.25, 0.5)]
+    budgets = [] if default is None else [
+        (f"{f:.0%} of JAX default's", f * default["activation_bytes"]) for f in (0.25, 0.5)]
     liger = next((r for r in mine if r["framework"] == "torch" and r["configuration"] == "liger"),
                  None)
     if liger is not None:

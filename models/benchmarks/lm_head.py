@@ -37,6 +37,7 @@ import optax
 
 import invact_jax
 from models import benchmarks
+from models.benchmarks import profile as op_profile
 
 __all__ = ["Head", "HEADS", "make_head", "compile_step", "rows", "torch_rows",
            "tile_heads", "parse_tile", "too_large", "device_bytes"]
@@ -260,12 +261,14 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
 
 
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
-         names=None, torch: bool = True, tiles=()) -> list[dict]:
+         names=None, torch: bool = True, tiles=(), profile: int = 0) -> list[dict]:
   """Every head in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
   ``tiles`` (:func:`tile_heads`) on one head per dtype, timed interleaved; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
   ``time_vs_plain`` are against the plain head of the same framework and dtype
-  (:data:`DTYPES`; PyTorch's rows for one-dtype heads only)."""
+  (:data:`DTYPES`; PyTorch's rows for one-dtype heads only).  With ``profile``, each JAX row's
+  ``profile``: its ``profile`` largest XLA operations per step
+  (:func:`models.benchmarks.profile.op_times`, after the timing)."""
   out = []
   for dtype in dtypes:
     x_dtype, w_dtype = split_dtype(dtype)
@@ -285,6 +288,9 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     for row in measured:
       if row["head"] in seconds:
         row["time_s"] = seconds[row["head"]]
+        if profile:
+          row["profile"] = op_profile.op_times(steps[row["head"]], head.x, head.w, head.labels,
+                                               steps=2, top=profile)
       out.append({"dtype": dtype, "tokens": tokens, "d": d, "vocab": vocab,
                   "framework": "jax", **row})
     del steps
@@ -410,8 +416,13 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
         f"d={a.d} V={a.vocab}, median of {a.repeats}, {meta['date']}")
   measured = []
   for i, dtype in enumerate(a.dtypes):  # each dtype's rows written as they are done: a run
-    measured += rows(a.tokens, a.d, a.vocab, (dtype,), a.repeats, tiles=a.tiles)  # cut short
-    print(table([r for r in measured if r["dtype"] == dtype]), flush=True)  # keeps them
+    measured += rows(a.tokens, a.d, a.vocab, (dtype,), a.repeats, tiles=a.tiles,  # cut
+                     profile=a.profile)  # short keeps them
+    print(table([r for r in measured if r["dtype"] == dtype]), flush=True)
+    for r in measured:
+      if r["dtype"] == dtype and r.get("profile"):
+        print(f"\n{dtype}, {r['head']}: {r['time_s'] * 1e3:.1f} ms a step\n"
+              + op_profile.table(r["profile"]), flush=True)
     if a.json:
       unfinished = {"unfinished": list(a.dtypes[i + 1:])} if i + 1 < len(a.dtypes) else {}
       with open(a.json, "w") as f:

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from invact_jax import memory
-from models.benchmarks import frontier
+from models.benchmarks import child, frontier
 
 
 def _temp(stack, policy, invact=False):
@@ -157,6 +157,10 @@ def test_headline_rows_name_the_fastest_within_each_budget(tmp_path):
   # not fit, its save_dot_except_mlp (1.26 GiB) does
   assert "save_dot_except_mlp: 12.0 ms, 1.40 GiB | save_dot_except_mlp: 12.0 ms, 1.26 GiB (1.00×)" in lines[1]
   assert "PyTorch + Liger's (1.50 GiB, 5.0 ms)" in lines[2] and "GPU X, JAX 0.11.2, 2026-11-25" in lines[2]
+  # without JAX default's row (out of memory on the device) only Liger's budget is left
+  no_default = [r for r in rows if (r["configuration"], r["invact"]) != ("default", False)]
+  assert frontier.headline_rows({**data, "rows": no_default},
+                                "bench/frontier_gpu-x_2026-11-25.json") == lines[2:]
 
 
 def test_a_deadline_leaves_error_rows_that_the_front_and_table_skip(monkeypatch):
@@ -336,8 +340,9 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
 
 def test_the_fit_runs_apart_from_the_rows(monkeypatch):
   """A fitted stack's batch comes from :func:`frontier.child_row` (a child process on a GPU,
-  so that compiling for the fit holds no device memory while the rows run); a fit that fails
-  leaves one error row and no rows at a guessed size."""
+  so that compiling for the fit holds no device memory while the rows run), or from the
+  earlier run a run continues (the one batch its measured rows share: the fit is not
+  repeated); a fit that fails leaves one error row and no rows at a guessed size."""
   s = frontier.STACKS["dry-llama3"]
   assert frontier.child_row({"fit": "dry-llama3", "dtype": "float32", "field": "batch"}) == {
       "fit": s.batch}  # CPU: no limit, the stack's own
@@ -349,14 +354,38 @@ def test_the_fit_runs_apart_from_the_rows(monkeypatch):
   done = [{"model": "dry-llama3", "framework": "jax", "invact": False, "configuration": c,
            "head": "plain", "layers": s.layers, "batch": s.batch, "activation_bytes": 1,
            "step_ms": 1.0} for c in ("default", "dots_no_batch")]
+  said = []
   rs = frontier.rows(["dry-llama3"], dtype="float32", policies=["none", "dots_no_batch"],
-                     in_process=True, torch_configurations=(), done=done, deadline=0.0)
-  assert seen == [(("dry-llama3", "float32"), {"field": "batch"})]
-  assert rs[:2] == done
+                     in_process=True, torch_configurations=(), done=done, deadline=0.0,
+                     progress=said.append)
+  assert seen == [] and rs[:2] == done
+  assert said[0] == f"frontier dry-llama3: the batch that fits, {s.batch}, carried over", said
+  # rows of two batches (or none measured) say nothing about today's fit: fitted again
+  mixed = [done[0], {**done[1], "batch": s.batch + 1}]
+  for earlier in (mixed, [{**done[0], "error": "out of memory"}]):
+    seen.clear()
+    frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
+                  torch_configurations=(), done=earlier, deadline=0.0)
+    assert seen == [(("dry-llama3", "float32"), {"field": "batch"})]
   monkeypatch.setattr(frontier, "layers_that_fit", lambda *a, **k: 1 / 0)
   (row,) = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
-                         torch_configurations=(), done=done, deadline=0.0)
+                         torch_configurations=(), done=mixed, deadline=0.0)
   assert row["error"].startswith("the batch that fits: ZeroDivisionError"), row
+
+
+def test_a_jax_row_process_takes_the_allocator_pool_at_start(monkeypatch):
+  """Each JAX row's child preallocates (one allocator region: the regions that compiling
+  took are not left behind for the step's temp to miss), whatever the parent's setting."""
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  calls = []
+  monkeypatch.setattr(frontier.child, "run_child",
+                      lambda module, spec, timeout_s, env=None: calls.append(
+                          (module, spec, env)) or {"error": "not run"})
+  rs = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=False,
+                     torch_configurations=(), plans=False)
+  assert [r["configuration"] for r in rs] == ["default", "default"]  # plain, invert
+  assert len(calls) == 2 and all(m == "models.benchmarks.frontier" for m, _, _ in calls)
+  assert all(env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true" for _, _, env in calls), calls
 
 
 def test_plans_are_calibrated_from_shapes_before_the_presets_are_measured():
@@ -389,3 +418,14 @@ def test_the_largest_batch_that_fits():
     params = sum(a.nbytes for a in jax.tree.leaves(args[0]))
     return memory.compiled(jax.value_and_grad(loss), *args).temp + 2 * params
   assert n >= 1 and need(n) <= 0.85 * 40_000_000 < need(n + 1), (n, need(n), need(n + 1))
+
+
+def test_a_row_asked_for_its_profile_says_where_its_step_goes():
+  """``python -m models.benchmarks.frontier SPEC`` with ``profile``: the row and its step's
+  largest XLA operations (what a GPU session reads beside a missed target)."""
+  spec = {"stack": "dry-llama3", "policy": "none", "invact": True, "dtype": "float32",
+          "repeats": 1, "profile": 4}
+  row = child.run_child("models.benchmarks.frontier", spec, 300.0)
+  assert row["configuration"] == "default" and row["step_ms"] > 0, row
+  assert 1 <= len(row["profile"]) <= 4 and all(r["ms"] >= 0 for r in row["profile"]), row
+  assert "profile" not in frontier.measure({**spec, "profile": 0})

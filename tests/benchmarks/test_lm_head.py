@@ -110,14 +110,14 @@ def test_each_dtypes_rows_are_written_as_they_are_done(monkeypatch, tmp_path):
   which it did not."""
   import argparse  # pylint: disable=import-outside-toplevel
 
-  def rows(tokens, d, vocab, dtypes, repeats, tiles=()):
+  def rows(tokens, d, vocab, dtypes, repeats, tiles=(), profile=0):
     if dtypes == ("bfloat16",):
       raise TimeoutError("cut short")
     return [{"dtype": dtypes[0], "head": "plain", "framework": "jax", "time_s": 1.0}]
   monkeypatch.setattr(lm_head, "rows", rows)
   out = tmp_path / "lm_head.json"
   a = argparse.Namespace(tokens=64, d=16, vocab=256, dtypes=["float32", "bfloat16"], repeats=1,
-                         tiles=[], json=str(out))
+                         tiles=[], json=str(out), profile=0)
   with pytest.raises(TimeoutError):
     lm_head.run(a, ["--dtypes", "float32", "bfloat16"])
   saved = json.loads(out.read_text())
