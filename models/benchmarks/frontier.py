@@ -107,11 +107,10 @@ STACKS = {
 #: many layers, or the largest batch; elsewhere they keep their shape.
 FIT = {"llama-7b": "layers", "llama3-8b": "layers", "llama3-1b": "batch"}
 
-#: A JAX row's process takes the allocator's whole pool at start (one region).  Growing it
-#: on demand leaves the regions that compiling (autotuning) took behind, never returned to
-#: the device: on an H100 (2026-11-27) JAX default's 48.65 GiB temp of llama3-1b at batch 2
-#: found no room beside them, though its compiled temp plus the parameters and gradients
-#: fitted 85 % of the pool.
+#: A JAX row's process takes the allocator's whole pool at start (one region).  Grown on
+#: demand, XLA's BFC allocator keeps every region it took (no garbage collection), those of
+#: compiling's autotuning too, and a step's one large temp allocation can then find no room
+#: beside them though it fits the pool (llama3-1b's JAX default, [GPU report](gpu-report.md)).
 ROW_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
 #: The planner's budgets, as fractions of JAX default's activation bytes of the stack.
