@@ -110,7 +110,7 @@ FIT = {"llama-7b": "layers", "llama3-8b": "layers", "llama3-1b": "batch"}
 #: A JAX row's process takes the allocator's whole pool at start (one region).  Grown on
 #: demand, XLA's BFC allocator keeps every region it took (no garbage collection), those of
 #: compiling's autotuning too, and a step's one large temp allocation can then find no room
-#: beside them though it fits the pool (llama3-1b's JAX default, [GPU report](gpu-report.md)).
+#: beside them though it fits the pool (llama3-1b's JAX default, docs/gpu-report.md).
 ROW_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
 #: The planner's budgets, as fractions of JAX default's activation bytes of the stack.
