@@ -30,12 +30,17 @@ def ops_from_trace(events: Iterable[dict], steps: int, top: int | None = None) -
     steps: how many steps the trace holds (the figures are per step).
     top: keep the ``top`` largest (None: all).
 
+  Raises:
+    ValueError: ``steps`` below 1.
+
   Returns:
     ``[{"op", "module", "ms", "calls", "share", "kernel"}]``, largest ``ms`` (per step)
     first; ``share`` of all the operations' time; ``kernel`` the event's own name where it is
     not the op's (a GPU kernel's).  Events on a
     ``/device:`` process are taken where there are any (a GPU), else every tagged event.
   """
+  if steps < 1:
+    raise ValueError(f"steps must be at least 1, got {steps}")
   events = list(events)
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -80,8 +85,11 @@ def op_times(step: Callable[..., Any], *args, steps: int = 3, top: int | None = 
     :func:`ops_from_trace`'s rows.
 
   Raises:
+    ValueError: ``steps`` below 1.
     RuntimeError: the profiler wrote no trace.
   """
+  if steps < 1:
+    raise ValueError(f"steps must be at least 1, got {steps}")
   jax.block_until_ready(step(*args))
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from models.benchmarks import lm_head, profile
 
@@ -30,6 +31,8 @@ def test_only_innermost_events_count_and_a_device_is_preferred():
   assert row == {"op": "dot.2", "module": "jit_step", "ms": 0.3, "calls": 1.0, "share": 1.0,
                  "kernel": "sm90_gemm"}
   assert [r["op"] for r in profile.ops_from_trace(host, steps=1, top=1)] == ["dot.2"]
+  with pytest.raises(ValueError, match="steps must be at least 1, got 0"):
+    profile.ops_from_trace(host, steps=0)
 
 
 def test_op_times_of_a_compiled_step_names_its_operations():
