@@ -21,9 +21,11 @@ import jax
 import jax.extend.core
 import numpy as np
 
+from invact_jax import targets
+
 __all__ = ["jaxpr_flops", "Residual", "residuals", "residual_table", "FloorAudit", "floor_audit",
-           "CompiledMemory", "compiled", "analysed", "analysis_options", "flops", "reports_peak",
-           "device_peak"]
+           "CompiledMemory", "compiled", "compiled_for", "analysed", "analysis_options", "flops",
+           "reports_peak", "device_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,11 @@ def residuals(fn: Callable[..., Any], *args, **kwargs) -> list[Residual]:
   """The residuals JAX saves when differentiating ``fn`` (scalar output) w.r.t. ``args``.
 
   Constants (literals) are left out; arguments are included and marked.
+
+  Raises:
+    TypeError: ``fn`` is not callable.
   """
+  _callable("residuals", fn)
   out = []
   for aval, source in _saved_residuals()(fn, *args, **kwargs):
     if source.startswith("from a literal") or source.startswith("from a constant"):
@@ -60,6 +66,12 @@ def residuals(fn: Callable[..., Any], *args, **kwargs) -> list[Residual]:
     itemsize, name = _itemsize(aval.dtype)
     out.append(Residual(shape, name, math.prod(shape) * itemsize, source))
   return out
+
+
+def _callable(where: str, fn) -> None:
+  if not callable(fn):
+    raise TypeError(f"invact_jax.memory.{where}: argument `fn` must be callable, got "
+                    f"{type(fn).__name__}")
 
 
 def _itemsize(dtype) -> tuple[int, str]:
@@ -141,7 +153,8 @@ class FloorAudit:
     return "\n".join(lines)
 
 
-def floor_audit(fn: Callable[..., Any], *args, **kwargs) -> FloorAudit:
+def floor_audit(fn: Callable[..., Any], *args, device: str | targets.Target | None = None,
+                **kwargs) -> FloorAudit:
   """Every array autodiff keeps for ``fn``'s backward against the floor.
 
   The floor is the least a backward must keep without recomputing a matmul: every matmul
@@ -156,6 +169,9 @@ def floor_audit(fn: Callable[..., Any], *args, **kwargs) -> FloorAudit:
     fn: a function with a scalar output, differentiated w.r.t. its floating-point array
       arguments (as :func:`residuals` does).
     *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+    device: the target ``fn`` is traced for (:func:`invact_jax.targets.resolve`; default
+      the current one): its implementation choices (cuDNN's attention on a GPU) and the
+      compiles a converted ``fn`` measures with are that device's.
 
   Returns:
     A :class:`FloorAudit`: each kept array with its role, the floor's arrays, the ratio.
@@ -171,6 +187,12 @@ def floor_audit(fn: Callable[..., Any], *args, **kwargs) -> FloorAudit:
     >>> round(memory.floor_audit(invact_jax.invert(mlp), *args).ratio, 2)  # GELU's y and bits
     1.0
   """
+  _callable("floor_audit", fn)
+  with targets.compiling_for(device):
+    return _floor_audit(fn, args, kwargs)
+
+
+def _floor_audit(fn, args, kwargs) -> FloorAudit:
   from invact_jax.convert import _floor  # pylint: disable=import-outside-toplevel
   reference = getattr(fn, "invact_jax_original", fn)
   floor = tuple(_floor.items(reference, args, kwargs))
@@ -204,35 +226,80 @@ class CompiledMemory:
 
 
 def compiled(fn: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
-  """Compile ``fn`` with ``jax.jit`` for ``args`` and report its memory analysis.
+  """Compile ``fn`` with ``jax.jit`` for ``args`` and report its memory analysis, for the
+  current target (:func:`invact_jax.targets.current`: this machine unless inside
+  :func:`invact_jax.targets.compiling_for`; :func:`compiled_for` names one).
 
   ``fn`` may already be jitted.  On CPU, unrolled layers are fused and reordered
   freely, so temp figures follow residuals most faithfully with ``lax.scan``.
   """
+  _callable("compiled", fn)
   return _memory_of(fn, args, kwargs, None)
+
+
+def compiled_for(device: str | targets.Target, fn: Callable[..., Any], *args,
+                 **kwargs) -> CompiledMemory:
+  """:func:`compiled` for ``device``: its compiler's memory analysis on any machine.
+
+  Args:
+    device: what to compile for (:func:`invact_jax.targets.resolve`): ``"h100"``,
+      ``"h200"``, ``"h100x8"`` (per-device figures of a program sharded over eight), a
+      ``GpuTargetConfigProto`` file, ``"v5e:2x2"``, or ``"cpu"``.  A GPU or TPU is compiled
+      for without one (deviceless; docs/deviceless.md).
+    fn: the function (``jax.jit`` applied where it is not jitted).
+    *args, **kwargs: its arguments: arrays or ``jax.ShapeDtypeStruct`` s; a sharding over a
+      mesh of as many devices as the target has is carried over to the target's devices,
+      other arguments are replicated.
+
+  Returns:
+    The :class:`CompiledMemory` XLA reports for one device of the target.  Inside, the
+    current target is ``device``: code choosing implementations by
+    :func:`invact_jax.targets.platform` (cuDNN's attention, the LM head's tiles) and
+    ``invact_jax.invert``'s measuring compiles choose for it.
+
+  Raises:
+    ValueError: ``device`` names no target.
+    RuntimeError: its compiler is not installed here (the message says what to install).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from invact_jax import memory
+    >>> x = jnp.ones((256, 256))
+    >>> memory.compiled_for("cpu", lambda a: (a @ a).sum(), x).argument
+    262144
+  """
+  _callable("compiled_for", fn)
+  with targets.compiling_for(device):
+    return _memory_of(fn, args, kwargs, None)
 
 
 @functools.cache
 def _has_fusion_emitter_switch() -> bool:
-  """Whether this jaxlib's XLA:CPU takes ``xla_cpu_use_fusion_emitters`` (0.10, 0.11; 0.12
-  removed it and always uses the fusion emitters)."""
-  from jaxlib import version  # pylint: disable=import-outside-toplevel
-  return (0, 10) <= tuple(int(p) for p in version.__version__.split(".")[:2]) < (0, 12)
+  """Whether this jaxlib's XLA:CPU takes ``xla_cpu_use_fusion_emitters`` (0.10 does; 0.11.2
+  and 0.12 removed it and always use the fusion emitters): a compile of the identity on the
+  CPU with it, once."""
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  lowered = jax.jit(lambda x: x).lower(jax.ShapeDtypeStruct((), np.float32, sharding=cpu))
+  try:
+    lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": False})
+  except Exception:  # pylint: disable=broad-except  # "No such compile option"
+    return False
+  return True
 
 
 def exact_analysis_options() -> dict[str, Any]:
   """XLA compile options under which the memory analysis is exactly the default compile's,
   reached sooner: the buffers are assigned before the backend generates code, so on CPU
-  LLVM runs at -O0 and in one piece (``tests/test_memory.py``).  Empty elsewhere (not
-  measured on a GPU)."""
-  if jax.default_backend() != "cpu":
+  LLVM runs at -O0 and in one piece (``tests/test_memory.py``).  Empty for other targets (a
+  GPU's compile is measured as it is)."""
+  if targets.platform() != "cpu":
     return {}
   return {"xla_backend_optimization_level": 0, "xla_cpu_parallel_codegen_split_count": 1}
 
 
 def analysis_options() -> dict[str, Any]:
   """The options of the measuring compiles (planner, ``invert``'s checks): those of
-  :func:`exact_analysis_options` and, where jaxlib has the switch (0.10, 0.11), XLA:CPU's
+  :func:`exact_analysis_options` and, where jaxlib has the switch (0.10), XLA:CPU's
   elemental emitters instead of its fusion emitters, 2-3x faster to compile.  They fuse a few
   small ops differently: the temp is never below the default compile's and at most
   :func:`analysis_excess` above it (``tests/test_memory.py``: 256 bytes on a small inverted
@@ -271,33 +338,100 @@ def analysed(fn: Callable[..., Any], *args, exact: bool = False) -> CompiledMemo
 
 
 def _memory_of(fn, args, kwargs, options) -> CompiledMemory:
-  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  lowered = jitted.lower(*args, **kwargs)
-  m = lowered.compile(compiler_options=options or None).memory_analysis()
+  target = targets.current()
+  m = target.compile(target.lower(fn, *args, **kwargs), options).memory_analysis()
   if m is None:
-    raise RuntimeError(f"XLA's memory_analysis() is not available on backend {jax.default_backend()!r}")
+    raise RuntimeError(f"XLA's memory_analysis() is not available for target {target.name!r}")
   return CompiledMemory(temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes),
                         output=int(m.output_size_in_bytes), alias=int(m.alias_size_in_bytes),
                         generated_code=int(m.generated_code_size_in_bytes))
 
 
 def flops(fn: Callable[..., Any], *args, **kwargs) -> float:
-  """XLA's FLOP count of ``jax.jit(fn)`` for ``args``: the lowered module's cost analysis
-  where the platform gives one (CPU: no compile), else the compiled module's (GPU).  XLA
-  counts a loop's body once, whatever its trip count.
+  """XLA's FLOP count of ``jax.jit(fn)`` for ``args`` on the current target: the lowered
+  module's cost analysis where the platform gives one (CPU: no compile), else the compiled
+  module's (a GPU; compiled deviceless, XLA's HLO cost analysis of the optimized module,
+  which counts a custom call's FLOPs only where XLA knows its kind: cuBLAS's matmuls, not
+  cuDNN's attention).  XLA counts a loop's body once, whatever its trip count.
 
   Raises:
     RuntimeError: the platform reports no FLOP count.
   """
-  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  lowered = jitted.lower(*args, **kwargs)
-  for analysis in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
-    got = analysis()
+  target = targets.current()
+  lowered = target.lower(fn, *args, **kwargs)
+  for analysis in (lowered.cost_analysis, lambda: _compiled_cost(target.compile(lowered))):
+    try:
+      got = analysis()
+    except Exception:  # pylint: disable=broad-except  # (JAX 0.12 raises deviceless: none)
+      got = None
     if isinstance(got, (list, tuple)):
       got = got[0] if got else None
     if got:
       return float(got.get("flops", 0.0))  # (none where it has only moves or transcendentals)
-  raise RuntimeError(f"XLA reports no FLOP count on {jax.default_backend()}")
+  raise RuntimeError(f"XLA reports no FLOP count for target {target.name!r}")
+
+
+def _compiled_cost(compiled) -> dict | None:
+  """The compiled module's cost analysis; compiled deviceless (which has none of its own),
+  XLA's HLO cost analysis of its optimized module, run by this machine's client, plus the
+  FLOPs of the library calls it cannot see into (:func:`custom_call_flops`)."""
+  try:
+    got = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # (JAX 0.12 raises deviceless: none)
+    got = None
+  if isinstance(got, (list, tuple)):
+    got = got[0] if got else None
+  if got:
+    return got
+  try:
+    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+    module = compiled.runtime_executable().hlo_modules()[0]
+    got = dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+  except Exception:  # pylint: disable=broad-except  # (private API of this jaxlib)
+    return None
+  got["flops"] = float(got.get("flops", 0.0)) + custom_call_flops(compiled.as_text())
+  return got
+
+
+_HLO_VALUE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?\s*(\w+)\[([\d,]*)\]", re.M)
+_CALL = re.compile(r'custom-call\(([^)]*)\).*?custom_call_target="([^"]+)"(.*)$', re.M)
+
+
+def _dims(text: str) -> list[int]:
+  return [int(d) for d in text.split(",") if d]
+
+
+def custom_call_flops(hlo: str) -> float:
+  """FLOPs of the library calls in an optimized HLO module (``hlo``, its text) that XLA's
+  cost analysis counts none of: cuBLAS's matmuls 2·M·N·K from their shapes and contracting
+  dimensions; cuDNN's fused attention 4·B·H·Tq·Tk·D forward and 10·B·H·Tq·Tk·D backward
+  (its five matmuls: the probabilities recomputed).  Each call once, as XLA counts a loop's
+  body once."""
+  shapes = {name: _dims(dims) for name, _, dims in _HLO_VALUE.findall(hlo)}
+  total = 0.0
+  for line in hlo.splitlines():
+    m = _CALL.search(line)
+    head = _HLO_VALUE.match(line)
+    if m is None or head is None:
+      continue
+    operands, target, rest = m.groups()
+    out = _dims(head.group(3))
+    if target.startswith("__cublas$"):
+      names = [o.strip().lstrip("%").split(" ")[-1].lstrip("%") for o in operands.split(",")]
+      contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+      lhs = shapes.get(names[0]) if names else None
+      if lhs is None or contracting is None:
+        continue
+      k = math.prod(lhs[int(c.strip('" '))] for c in contracting.group(1).split(",") if c)
+      total += 2.0 * math.prod(out) * k
+    elif target.startswith("__cudnn$fmha"):
+      inter = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]', rest)
+      if inter is None or not out:
+        continue
+      b_h_tq_tk = [int(d.strip('" ')) for d in inter.group(1).split(",") if d.strip()]
+      per = math.prod(b_h_tq_tk) * out[-1]
+      total += (10.0 if "Backward" in target else 4.0) * per
+  return total
 
 
 # Primitives XLA's cost analysis counts as transcendentals (no FLOPs), and those that only
@@ -344,6 +478,9 @@ def jaxpr_flops(jaxpr, *, per_iteration: bool = False) -> float:
     a gradient's seed).
   """
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  if not all(hasattr(jaxpr, a) for a in ("eqns", "invars", "outvars")):
+    raise TypeError(f"invact_jax.memory.jaxpr_flops: argument `jaxpr` must be a jaxpr "
+                    f"(jax.make_jaxpr(f)(*args)), got {type(jaxpr).__name__}")
   return _counted(jaxpr, [True] * len(jaxpr.outvars), [False] * len(jaxpr.invars),
                   per_iteration)
 

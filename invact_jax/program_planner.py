@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax import _vjp_residuals, memory, planner
+from invact_jax import _vjp_residuals, memory, planner, targets
 from invact_jax.convert import _graph
 
 __all__ = ["plan", "Planned", "PlanReport", "Tensor", "parse_budget", "FIXED_POLICIES"]
@@ -166,23 +166,33 @@ class PlanReport:
 
 
 def parse_budget(budget: int | float | str) -> int:
-  """Bytes from a number or a string such as ``"300MiB"``, ``"1.5GB"``, ``"123456"``.
+  """Bytes from a number or a string such as ``"300MiB"``, ``"1.5GB"``, ``"123456"``
+  (fractions of a byte rounded down; any size of integer taken exactly).
 
   Raises:
-    ValueError: not a positive finite number of bytes (the message names ``budget``).
+    ValueError: not a finite number of at least one byte (the message names ``budget``).
+    TypeError: not a number or a string.
   """
   value = budget
   if isinstance(budget, str):
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
     if not m or m.group(2).lower() not in _UNITS:
       raise ValueError(f"argument `budget`: not a byte count: {budget!r} (e.g. 300MiB, 2GB, 123456)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    number, unit = m.group(1), _UNITS[m.group(2).lower()]
+    value = (int(number) * unit if re.fullmatch(r"[0-9]+", number)
+             else float(number) * unit)
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
     raise TypeError(f"argument `budget` must be a number of bytes or a string such as '300MiB', "
                     f"got {budget!r}")
-  if not math.isfinite(float(value)) or value <= 0:
-    raise ValueError(f"argument `budget` must be a positive finite number of bytes, got {budget!r}")
-  return int(value)
+  if isinstance(value, (int, np.integer)):
+    nbytes = int(value)
+  elif not math.isfinite(float(value)):
+    raise ValueError(f"argument `budget` must be a finite number of bytes, got {budget!r}")
+  else:
+    nbytes = math.floor(float(value))
+  if nbytes < 1:
+    raise ValueError(f"argument `budget` must be at least one byte, got {budget!r}")
+  return nbytes
 
 
 # --------------------------------------------------------------------------- the layer loop
@@ -450,6 +460,34 @@ def _loops(closed) -> tuple[_graph.Graph, list[_Loop], list[str]]:
   return graph, loops, skipped
 
 
+def _enclosed_loops(closed) -> list[str]:
+  """The scans over stacked inputs the planner does not reach, and what encloses them: a
+  ``lax.cond`` branch, a ``while`` loop, another scan's body, a custom derivative (the
+  planner plans a loop of the program's top level, through jit calls and shard_maps)."""
+  out = []
+
+  def walk(jaxpr, within):
+    for e in jaxpr.eqns:
+      name = e.primitive.name
+      if within and name == "scan" and int(e.params.get("length", 0)) >= 2:
+        out.append(f"a lax.scan of {e.params['length']} iterations at "
+                   f"{_graph.where(e) or 'an unknown line'} lies inside {within}, where the "
+                   "planner does not plan a loop (plan a function whose top level holds it)")
+        continue
+      if name in ("pjit", "jit", "closed_call", "core_call", "shard_map"):
+        inner = within
+      else:
+        inner = {"cond": "a lax.cond branch", "while": "a while loop",
+                 "scan": "a lax.scan's body"}.get(name, within or f"{name}'s body")
+      for v in e.params.values():
+        for j in (v if isinstance(v, (tuple, list)) else (v,)):
+          j = getattr(j, "jaxpr", j)
+          if hasattr(j, "eqns"):
+            walk(j, inner)
+  walk(getattr(closed, "jaxpr", closed), "")
+  return out
+
+
 # ------------------------------------------------------------------------ applying a plan
 def _tagged(loop: _Loop) -> Callable[..., list]:
   """The layer body with its automatic candidates named (``checkpoint_name``)."""
@@ -513,10 +551,15 @@ def _run(closed, args_flat, keep, offload, fixed=None) -> list:
 
 def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
   """``fn`` with the plan (or the JAX policy ``fixed``) applied to its heaviest layer loop
-  (traced again per call)."""
-  def planned(*args):
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    outs = _run(closed, jax.tree.leaves(args), keep, offload, fixed)
+  (traced again per call; positional and keyword arguments as ``fn`` takes them)."""
+  def planned(*args, **kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+
+    def flat(*vals):
+      a, k = jax.tree.unflatten(tree, vals)
+      return fn(*a, **k)
+    closed, shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    outs = _run(closed, leaves, keep, offload, fixed)
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
   return planned
 
@@ -584,9 +627,14 @@ def _measured(gradient: Callable, args, budget: int) -> int:
 
 
 def _has_pinned_host() -> bool:
-  """Whether the device has host memory to offload to (XLA:CPU's host memory is its own)."""
-  if jax.default_backend() == "cpu":
+  """Whether the current target's device has host memory to offload to (XLA:CPU's host
+  memory is its own; a GPU compiled for without one has, but its transfer rates are not
+  measured here: :func:`_offload_rate`)."""
+  target = targets.current()
+  if target.platform == "cpu":
     return False
+  if target.deviceless:
+    return target.platform == "gpu"
   try:
     kinds = jax.devices()[0].addressable_memories()
   except Exception:  # pylint: disable=broad-except
@@ -640,12 +688,19 @@ def _profile(loop: _Loop, low: int, offload_rate: float | None,
 
 def _offload_rate(offload: bool | None, host_bandwidth: float | None,
                   flop_rate: float | None) -> float | None:
-  """FLOPs per offloaded byte (out and back), or None where offloading is not a choice."""
-  if offload is False or (offload is None and not _has_pinned_host()):
+  """FLOPs per offloaded byte (out and back), or None where offloading is not a choice
+  (compiling for a device without it: only where asked for, with both rates given)."""
+  target = targets.current()
+  if offload is False or (offload is None and (not _has_pinned_host() or target.deviceless)):
     return None
   if offload and not _has_pinned_host():
-    raise ValueError(f"argument `offload`: the device ({jax.devices()[0].device_kind}) has no "
+    raise ValueError(f"argument `offload`: the device ({target.device_kind}) has no "
                      "pinned_host memory to offload to")
+  if target.deviceless and (host_bandwidth is None or flop_rate is None):
+    raise ValueError(f"argument `{'host_bandwidth' if host_bandwidth is None else 'flop_rate'}`"
+                     f": offloading on {target.name}, compiled for without the device, needs "
+                     "the host's bandwidth and the device's FLOP rate given (they are measured "
+                     "on the device only)")
   if host_bandwidth is None or flop_rate is None:
     measured = _measured_rates()
     host_bandwidth = measured[0] if host_bandwidth is None else host_bandwidth
@@ -669,8 +724,23 @@ class Planned:
     self.__name__ = getattr(fn, "__name__", "planned")
     self.__doc__ = getattr(fn, "__doc__", None)
 
-  def __call__(self, *args):
-    return self._fn(*args)
+  def __call__(self, *args, **kwargs):
+    return self._fn(*args, **kwargs)
+
+
+def _check_options(has_aux, convert, offload, host_bandwidth, flop_rate) -> None:
+  """One line naming the first of :func:`plan`'s options that is not of its kind."""
+  for name, value in (("has_aux", has_aux), ("convert", convert)):
+    if not isinstance(value, bool):
+      raise TypeError(f"argument `{name}` must be a bool, got {value!r}")
+  if offload is not None and not isinstance(offload, bool):
+    raise TypeError(f"argument `offload` must be a bool or None, got {offload!r}")
+  for name, value in (("host_bandwidth", host_bandwidth), ("flop_rate", flop_rate)):
+    if value is None:
+      continue
+    if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+        or not math.isfinite(float(value)) or not value > 0):
+      raise ValueError(f"argument `{name}` must be a positive finite number, got {value!r}")
 
 
 def _check(fn, args, argnums) -> tuple[int, ...]:
@@ -808,12 +878,13 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
     ValueError: ``fn`` has no layer loop.
     planner.InfeasibleBudget: ``budget`` is below its compiled temp keeping nothing.
   """
-  _, loops, skipped = _loops(jax.make_jaxpr(fn)(*args))
+  closed = jax.make_jaxpr(fn)(*args)
+  _, loops, skipped = _loops(closed)
   loop = _read_by_the_backward(loops[0]) if loops else None
   if loop is None:
     raise ValueError("plan(): no layer loop in `fn`: it has no lax.scan over stacked inputs "
                      "(parameters) whose backward reads a matmul's or a checkpoint_name'd "
-                     "value" + "".join(f"; {why}" for why in skipped))
+                     "value" + "".join(f"; {why}" for why in skipped + _enclosed_loops(closed)))
   low = _temp(fn, args, grad, (), budget)
   if budget < low:
     raise planner.InfeasibleBudget(budget, low)
@@ -859,7 +930,8 @@ def _least_step_flops(fn, args, grad) -> float:
 def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
          argnums: int | Sequence[int] = 0, has_aux: bool = False, convert: bool = False,
          offload: bool | None = None,
-         host_bandwidth: float | None = None, flop_rate: float | None = None) -> Planned:
+         host_bandwidth: float | None = None, flop_rate: float | None = None,
+         device: str | targets.Target | None = None) -> Planned:
   """``fn`` whose gradient's compiled temp fits ``budget``: the planner chooses what its layer
   loop keeps, recomputes or offloads (see the module doc).
 
@@ -879,6 +951,12 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
     host_bandwidth: bytes/s between device and host, to cost offloading (None: measured).
     flop_rate: the device's FLOP/s, to weigh offloading against recomputing (None:
       measured).
+    device: the target to plan for (:func:`invact_jax.targets.resolve`: ``"h100"``, ...;
+      default: the current target, this machine unless inside
+      :func:`invact_jax.targets.compiling_for`): ``fn`` is traced as for it and every
+      profile and check is its compiler's (a GPU compiled for without one:
+      docs/deviceless.md), so that the plan fits that device.  Offloading is off on such a
+      device unless asked for with both rates.
 
   Returns:
     A :class:`Planned` function with ``fn``'s signature; ``.report`` holds the choice, the
@@ -890,7 +968,16 @@ def plan(fn: Callable[..., Any], *example_args: Any, budget: int | float | str,
     planner.InfeasibleBudget: below the compiled temp of keeping nothing (the minimum, named).
   """
   nums = _check(fn, example_args, argnums)
+  _check_options(has_aux, convert, offload, host_bandwidth, flop_rate)
   budget = parse_budget(budget)
+  with targets.compiling_for(device):
+    return _plan(fn, example_args, budget, nums, argnums, has_aux, convert, offload,
+                 host_bandwidth, flop_rate)
+
+
+def _plan(fn, example_args, budget: int, nums, argnums, has_aux: bool, convert: bool,
+          offload, host_bandwidth, flop_rate) -> Planned:
+  """:func:`plan` for the current target, its arguments checked."""
   grad = functools.partial(jax.value_and_grad, argnums=nums[0] if isinstance(argnums, int)
                            else nums, has_aux=has_aux)
   rate = _offload_rate(offload, host_bandwidth, flop_rate)

@@ -23,7 +23,9 @@ import typing
 from typing import Any, Callable, Sequence
 
 __all__ = ["ArgumentParser", "parser", "option", "flag", "add_arguments", "from_args", "check",
-           "positive_int", "nonnegative_int", "positive_float", "output_file", "comma_list"]
+           "positive_int", "nonnegative_int", "positive_float", "output_file", "output_prefix",
+           "comma_list",
+           "stop_on_signals", "say_on_stop"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -180,6 +182,24 @@ def output_file(text: str) -> pathlib.Path:
   return path
 
 
+def output_prefix(text: str) -> pathlib.Path:
+  """An argparse ``type``: the prefix of files a script writes (``PREFIX.json``, ``.md``, ...)
+  in a directory it creates if need be: the prefix is no directory and the nearest existing
+  directory above it is writable — checked before any work."""
+  path = pathlib.Path(text)
+  if path.is_dir():
+    raise argparse.ArgumentTypeError(f"{text!r} is a directory (a prefix such as "
+                                     f"{str(path / 'results')!r} is wanted)")
+  folder = path.parent if str(path.parent) else pathlib.Path(".")
+  while not folder.exists() and folder != folder.parent:
+    folder = folder.parent
+  if not folder.is_dir():
+    raise argparse.ArgumentTypeError(f"{str(folder)!r} is not a directory")
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise argparse.ArgumentTypeError(f"{str(folder)!r} is not writable")
+  return path
+
+
 def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
   """An argparse ``type``: a comma-separated list of some of ``choices``.
 
@@ -197,3 +217,37 @@ def comma_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
                                        f"got {text!r}")
     return items
   return parse
+
+
+# ------------------------------------------------------------------------------- signals
+_SAYS = {"after": ""}
+
+
+def stop_on_signals(after_the_name: str = "") -> None:
+  """From now on SIGINT and SIGTERM end the script at once, in one line (``error: stopped by
+  SIGINT`` and ``after_the_name``) with exit code 128 + the signal's number.  A script calls
+  this first thing when run as a script (not imported), so that a signal while it imports JAX
+  or loads its data is one line too; a job that must stop gracefully (the training loop,
+  :func:`models.training.errors.stop_on_signals`) takes the signals over while it runs and
+  puts this back after.  Called again, only the words change.
+
+  The handler exits rather than raising: a signal lands anywhere, and an exception raised in a
+  garbage collector's callback or a ``__del__`` is ignored (the job would go on)."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  _SAYS["after"] = after_the_name
+
+  def handler(signum, frame):
+    del frame
+    sys.stderr.write(f"error: stopped by {signal.Signals(signum).name}{_SAYS['after']}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)  # pylint: disable=protected-access
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    if signal.getsignal(sig) is not handler:
+      signal.signal(sig, handler)
+
+
+def say_on_stop(after_the_name: str) -> None:
+  """Change the words :func:`stop_on_signals`'s handler ends the script with (nothing where it
+  was not installed: a job run from Python, not as a script)."""
+  _SAYS["after"] = after_the_name

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import invact_jax
+from invact_jax import targets
 from invact_jax.ops.activations import registry
 from models.options import REMAT_POLICIES
 from models.options import TAGS  # noqa: F401  (re-exported: the planner's tag list)
@@ -93,9 +94,10 @@ def norm_dense(norm, x, linears, implementation=None):
 
 
 def cudnn_attention_runs(dtype, head_dim: int = 64) -> bool:
-  """Whether ``attention="auto"`` takes cuDNN's flash attention: a GPU, a 16-bit dtype and
-  a head size cuDNN takes (a multiple of 8, at most 128)."""
-  return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  """Whether ``attention="auto"`` takes cuDNN's flash attention: compiling for a GPU
+  (:func:`invact_jax.targets.platform`: the local one, or one compiled for without it), a
+  16-bit dtype and a head size cuDNN takes (a multiple of 8, at most 128)."""
+  return (targets.platform() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
           and head_dim % 8 == 0 and head_dim <= 128)
 
 

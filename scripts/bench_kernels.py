@@ -15,8 +15,13 @@ nothing) and is left out unless named.  Prints a markdown table and writes JSON
 import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import op_speed
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import op_speed  # noqa: E402
 
 
 def main(argv=None) -> int:

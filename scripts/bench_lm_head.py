@@ -7,16 +7,23 @@ process, the steps timed interleaved.
   python scripts/bench_lm_head.py --tokens 8192 --d 4096 --vocab 128256 --dtypes bfloat16  # GPU
   python scripts/bench_lm_head.py ... --tiles 128x2048 512x128256 backward:1024x1024  # a sweep
   python scripts/bench_lm_head.py ... --profile 8   # where each head's time goes
+  python scripts/bench_lm_head.py ... --device h100  # the temp columns for an H100, on any machine
 
 Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
 (on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
 
 See models/benchmarks/lm_head.py.
 """
+import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import lm_head
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import lm_head  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -36,8 +43,17 @@ def main(argv=None) -> int:
                       "recomputing backward's tiles")
   p.add_argument("--profile", type=cli.positive_int, default=0, metavar="K",
                  help="also each JAX head's K largest XLA operations per step (jax.profiler)")
+  p.add_argument("--device", default=None,
+                 help="predict the memory columns for this device without it (h100, h200, a "
+                      "GpuTargetConfigProto file; docs/deviceless.md): compile only, no timing")
   p.add_argument("--json", type=cli.output_file, help="also write the rows here")
   a = p.parse_args(argv)
+  if a.device:
+    from invact_jax import targets  # pylint: disable=import-outside-toplevel
+    try:
+      targets.resolve(a.device)
+    except (ValueError, TypeError, RuntimeError) as e:
+      p.error(str(e))
   return lm_head.run(a, argv)
 
 

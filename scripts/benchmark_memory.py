@@ -11,8 +11,14 @@ for unrolled layers, which XLA:CPU fuses and reorders, so those can mislead on C
 import pathlib
 import sys
 
-from models import cli, options
-from models.benchmarks import model_memory
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models import options  # noqa: E402
+from models.benchmarks import model_memory  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,17 @@ models/benchmarks/floor.py.
   python scripts/floor_audit.py --json bench/floor_cpu_2026-11-25.json
   python scripts/floor_audit.py --size test --dtypes float32      # seconds
 """
+import pathlib
 import sys
 
-from models import cli, third_party
-from models.benchmarks import floor
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models import third_party  # noqa: E402
+from models.benchmarks import floor  # noqa: E402
 
 
 def main(argv=None) -> int:

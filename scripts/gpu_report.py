@@ -17,8 +17,13 @@ Long sections print progress; each is bounded by the time budget.
 import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import gpu_report
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import gpu_report  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,17 @@ Models whose package is not installed are skipped with a line saying so (keras-h
   python scripts/invert_models.py --size zoo --fallback temp   # temp never above the original
   python scripts/invert_models.py --under-remat full --dtype bfloat16   # the project's models
 """
+import pathlib
 import sys
 
-from models import cli, third_party
-from models.benchmarks import invert_models
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models import third_party  # noqa: E402
+from models.benchmarks import invert_models  # noqa: E402
 
 
 def main(argv=None) -> int:

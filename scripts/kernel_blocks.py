@@ -17,8 +17,13 @@ an H100): compare configurations with each other, and take bandwidth figures fro
 import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import kernel_blocks
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import kernel_blocks  # noqa: E402
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -13,8 +13,13 @@ an interrupted one from its last checkpoint.
 import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import parity
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import parity  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,7 +36,7 @@ def main(argv=None) -> int:
                  help="2 seeds, 8 steps, 64 held-out examples (tests the script)")
   p.add_argument("--no-gradients", action="store_true",
                  help="skip the gradient-at-initialisation comparison")
-  p.add_argument("--out", type=pathlib.Path, default=None,
+  p.add_argument("--out", type=cli.output_prefix, default=None,
                  help="output prefix (default: bench/parity, or runs/parity-quick/parity)")
   p.add_argument("--workdir", type=pathlib.Path, default=None,
                  help="run directories (default: runs/parity, or runs/parity-quick)")

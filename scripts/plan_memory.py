@@ -15,10 +15,16 @@ without) at each budget, compiled.  Writes JSON, a markdown table and a PNG (def
 bench/plan_memory.*); models/benchmarks/plan_memory.py and plan_program.py say what each
 column is.  CPU figures are XLA's compiled temp_size_in_bytes.
 """
+import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import plan_memory
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import plan_memory  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -5,10 +5,16 @@ MaxText's fixed remat policies (models/benchmarks/plan_program.py says what each
   python scripts/plan_program.py --out bench/plan_program_cpu.json
   python scripts/plan_program.py --programs llama --layers 32   # the planning time
 """
+import pathlib
 import sys
 
-from models import cli
-from models.benchmarks import plan_program
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: models/
+from models import cli  # noqa: E402  (the standard library only)
+
+if __name__ == "__main__":
+  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+
+from models.benchmarks import plan_program  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -39,3 +39,11 @@ def test_lm_head_tables_are_generated_from_the_committed_benchmarks():
   page = (ROOT / "docs" / "lm-head.md").read_text()
   assert len(lm_head.DOCS_BLOCK.findall(page)) >= 2
   assert page == lm_head.render_docs(page, ROOT), "python -m models.benchmarks.lm_head"
+
+
+def test_deviceless_tables_are_generated_from_the_committed_predictions():
+  from models.benchmarks import frontier_deviceless  # pylint: disable=import-outside-toplevel
+  page = (ROOT / "docs" / "deviceless.md").read_text()
+  assert len(frontier_deviceless.DOCS_BLOCK.findall(page)) >= 4
+  assert page == frontier_deviceless.render_docs(page, ROOT), (
+      "python scripts/frontier_deviceless.py --docs")

@@ -34,8 +34,10 @@ def test_the_wheel_adds_only_the_library_and_its_kernels(tmp_path):
   subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                   str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
   (wheel,) = (tmp_path / "dist").glob("*.whl")
-  top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+  names = zipfile.ZipFile(wheel).namelist()
+  top = {name.split("/")[0] for name in names}
   assert {t for t in top if not t.endswith(".dist-info")} == {"invact_jax", "pallas_kernels"}
+  assert {"invact_jax/targets/h100.txtpb", "invact_jax/targets/h200.txtpb"} <= set(names)
 
 
 def _imports(path):

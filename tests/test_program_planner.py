@@ -222,8 +222,9 @@ def test_gradients_are_the_originals_bit_for_bit(bounds, generous):
 
 
 @pytest.mark.parametrize("budget, message", [
-    (0, "must be a positive finite number of bytes"), (-5, "positive finite"),
-    (float("nan"), "positive finite"), (float("inf"), "positive finite"),
+    (0, "must be at least one byte"), (-5, "at least one byte"), (0.5, "at least one byte"),
+    ("0.5", "at least one byte"), (float("nan"), "a finite number of bytes"),
+    (float("inf"), "a finite number of bytes"), ("1e400", "a finite number of bytes"),
     ("300 parsecs", "not a byte count: '300 parsecs'"), ("", "not a byte count")])
 def test_degenerate_budgets_are_one_line_errors(budget, message):
   with pytest.raises(ValueError, match=message) as e:
@@ -231,6 +232,47 @@ def test_degenerate_budgets_are_one_line_errors(budget, message):
   assert "argument `budget`" in str(e.value) and "\n" not in str(e.value)
   with pytest.raises(TypeError, match="argument `budget`"):
     invact_jax.plan(_loss(), *ARGS, budget=True)
+
+
+def test_any_size_of_integer_budget_is_taken_exactly():
+  """A budget of 10**400 bytes (no float holds it) plans as any budget above every need:
+  the program as written."""
+  assert pp.parse_budget(10**400) == 10**400
+  assert pp.parse_budget("3KiB") == 3072 and pp.parse_budget(2.7) == 2
+  assert invact_jax.plan(_loss(), *ARGS, budget=10**400).report.as_written
+
+
+def test_the_planned_function_takes_keywords_and_every_option_is_checked():
+  def loss(ws, x, scale=1.0):
+    return _loss()(ws, x) * scale
+  planned = invact_jax.plan(loss, *ARGS, budget=10**9)
+  assert float(planned(*ARGS, scale=2.0)) == float(loss(*ARGS, scale=2.0))
+  for a, b in zip(jax.tree.leaves(jax.grad(planned)(*ARGS, scale=2.0)),
+                  jax.tree.leaves(jax.grad(loss)(*ARGS, scale=2.0))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  for kwargs, error, name in ((dict(host_bandwidth=-1), ValueError, "host_bandwidth"),
+                              (dict(flop_rate=float("nan")), ValueError, "flop_rate"),
+                              (dict(convert="no"), TypeError, "convert"),
+                              (dict(has_aux=1), TypeError, "has_aux"),
+                              (dict(offload="yes"), TypeError, "offload")):
+    with pytest.raises(error, match=f"argument `{name}`"):
+      invact_jax.plan(loss, *ARGS, budget=10**9, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["cond", "scan"])
+def test_a_loop_the_planner_cannot_reach_is_named(where):
+  """A layer loop inside a lax.cond branch or another scan's body: the error says where it
+  lies, not only that there is no layer loop."""
+  inner = _loss()
+  if where == "cond":
+    def loss(ws, x):
+      return jax.lax.cond(x.reshape(-1)[0] > 0, lambda: inner(ws, x), lambda: 0.0)
+  else:
+    def loss(ws, x):
+      return jax.lax.scan(lambda c, _: (c + inner(ws, x), None), 0.0, None, length=1)[0]
+  with pytest.raises(ValueError, match="lies inside a lax." + ("cond branch" if where == "cond"
+                                                               else "scan's body")):
+    invact_jax.plan(loss, *ARGS, budget=10**9)
 
 
 def test_a_budget_below_keeping_nothing_names_the_minimum_and_above_runs_as_written(

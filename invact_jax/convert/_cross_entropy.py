@@ -91,9 +91,17 @@ class HeadMatch:
     outside_lse: a token's loss where its label lies outside ``[0, V)``, as the program reads
       the label's logit: through a one-hot (a row of zeros), that share of its log-sum-exp
       (``linear_cross_entropy``'s ``Options.outside_lse``); through a gather, None (NaN).
-    clamp_labels: the program's one-hot is a row of an identity picked by the labels
-      (``jnp.eye(V)[labels]``), which XLA's gather takes at the nearest row for a label
-      outside ``[0, V)``: the head reads the labels clamped to ``[0, V - 1]`` likewise.
+    clamp_labels: the program reads the label's logit (or its one-hot row, ``jnp.eye(V)
+      [labels]``) through a gather that takes the nearest entry, and its gradient there,
+      for a label outside ``[0, V)`` (``clip``; ``promise_in_bounds`` for the one-hot): the
+      head reads the labels clamped to ``[0, V - 1]`` likewise.
+    pick_nearest: the program picks the label's logit through a gather that reads the
+      nearest entry for a label outside ``[0, V)`` and drops its gradient (jnp indexing's
+      ``promise_in_bounds`` on XLA): ``Options.outside_nearest``.
+    outside_gradient: for a label outside ``[0, V)`` the program's gradient keeps the
+      softmax (its log-sum-exp read apart from the pick), or none (False: the picked value
+      carries the log-sum-exp, a log-softmax's pick, whose gradient the gather drops whole):
+      ``Options.outside_gradient``.
   """
   nodes: list
   root: int
@@ -116,6 +124,8 @@ class HeadMatch:
   temperature: tuple | None = None
   vocab_sharding: object = None
   clamp_labels: bool = False
+  pick_nearest: bool = False
+  outside_gradient: bool = True
 
   public = "linear_cross_entropy"
 
@@ -195,6 +205,8 @@ class _Head:
     self.helpers: set = set()        # nodes of [..., V] predicates and constants it selects by
     self.picks: set = set()          # how the label's logit is read: "one_hot", "gather"
     self.clamp_labels = False        # the one-hot is jnp.eye(V)[labels]
+    self.pick_outside = None         # a gather pick's label outside [0, V): _gather_outside
+    self.pick_carries_row = False    # the picked value holds the log-sum-exp too
     self.scale = None                # the logits' factor where the log-sum-exp reads them
     self.temperature = None          # (traced scalar, "mul" or "div") applied to the logits
     self.vocab_sharded = False       # ... to shards of the vocabulary the head cannot run on
@@ -580,9 +592,18 @@ class _Head:
                        else self._flat_index(n, rows, idx) or (None, []))
       if labels is None or (self.labels is not None and self.labels != labels):
         return
+      outside = _gather_outside(n)
+      if outside is None or self.pick_outside not in (None, outside):
+        return
       self.labels = labels
       self.label_nodes.update(nodes)
       self.picks.add("gather")
+      self.pick_outside = outside
+      # What the gather drops for a label outside [0, V) besides the one-hot: where the
+      # picked value carries the row's log-sum-exp (a log-softmax's, a probability's), the
+      # token's whole gradient (the log-sum-exp's share of it comes through the pick)
+      self.pick_carries_row = self.pick_carries_row or src in self.probs or any(
+          k != "z" for k in self.elem.get(src, {}))
       self.rows[o] = ({"prob:" + self.probs[src]: 1.0} if src in self.probs else
                       {("pick" if k == "z" else k): c for k, c in self.elem[src].items()})
     elif not isinstance(src, Lit) and src in self.rows and all(
@@ -796,6 +817,21 @@ _STEPS = {
     **{p: _Head._shift_step for p in ("stop_gradient", "reduce_max", "max", "is_finite")},
     "select_n": _Head._select, "dot_general": _Head._dot,
 }
+
+
+def _gather_outside(n: _graph.Node) -> str | None:
+  """What the gather ``n`` that picks a label's logit gives for a label outside ``[0, V)``,
+  and its gradient: ``"clip"`` (``mode="clip"``: the nearest entry, its gradient there too),
+  ``"nearest"`` (``promise_in_bounds``, jnp indexing's default: XLA's gather reads the
+  nearest entry and the scatter of its transpose drops the gradient), ``"nan"`` (``fill``
+  with NaN: the head's own value), None (a fill of another value: no head reads it)."""
+  mode = str(n.params.get("mode", "")).rsplit(".", 1)[-1].upper()
+  if "CLIP" in mode:
+    return "clip"
+  if "FILL" not in mode:
+    return "nearest"
+  fill = n.params.get("fill_value")
+  return "nan" if fill is None or (isinstance(fill, float) and math.isnan(fill)) else None
 
 
 def _position_along(g: _graph.Graph, ref, axis: int) -> list | None:
@@ -1304,5 +1340,7 @@ def _head_at(g: _graph.Graph, di: int, dot: tuple, compares: list, taken: set, o
                      _rounded_to(g, g.nodes[di]), res[2], mask,
                      res[3] if h.picks == {"one_hot"} else None, h.scale or 1.0,
                      reads, h.temperature, h.vocab_split and h.vocab_split[0],
-                     h.clamp_labels), ""
+                     h.clamp_labels or h.pick_outside == "clip",
+                     h.pick_outside == "nearest",
+                     not (h.pick_outside in ("nearest", "nan") and h.pick_carries_row)), ""
   return None, (_USED_ELSEWHERE if escaped else "" if found else _NOT_READ)

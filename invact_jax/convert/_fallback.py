@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from invact_jax import memory
+from invact_jax import targets
 from invact_jax.convert import _graph
 from invact_jax.convert import _pass
 
@@ -75,16 +76,21 @@ def _lowered_gradient(closed, graph: _graph.Graph | None, structs: list, positio
   def step(a, cts):
     _, pull = jax.vjp(lambda *d: f(a, *d), *[a[i] for i in positions])
     return pull(cts)  # the gradients alone, as jax.grad's
-  # Measured as one device's program, outside the mesh the caller may be tracing under
-  # (explicit shardings): the shardings are not part of the structs, and the equations
-  # re-derive them from their inputs.
+  # Measured as one device's program of the current target, outside the mesh the caller may
+  # be tracing under (explicit shardings): the shardings are not part of the structs, and the
+  # equations re-derive them from their inputs.
+  target = targets.current().one()
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return jax.jit(step).lower(list(structs), cotangents)
+    return target, target.lower(step, list(structs), cotangents)
 
 
 def _compiled_temp(lowered, exact: bool) -> int:
-  options = memory.exact_analysis_options() if exact else memory.analysis_options()
-  analysis = lowered.compile(compiler_options=options or None).memory_analysis()
+  """The compiled temp of ``lowered`` (a ``(target, lowered)`` pair of
+  :func:`_lowered_gradient`)."""
+  target, lowered = lowered
+  with targets.compiling_for(target):
+    options = memory.exact_analysis_options() if exact else memory.analysis_options()
+  analysis = target.compile(lowered, options).memory_analysis()
   return int(analysis.temp_size_in_bytes) if analysis is not None else 0
 
 

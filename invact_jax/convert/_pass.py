@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from invact_jax import targets
 from invact_jax.convert import _fusion
 from invact_jax.convert import _graph
 from invact_jax.convert import _report
@@ -284,7 +285,7 @@ def _body_graph(closed, known: dict) -> _graph.Graph:
   return graph
 
 
-# The remat check's measurements by (converted body, original body, backend): a program
+# The remat check's measurements by (converted body, original body, target): a program
 # traced again (a training step and an evaluation of the same loss, a retrace) compiles the
 # bodies once.
 _MEASURED: dict = {}
@@ -321,7 +322,7 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
     original = jax.make_jaxpr(remat(lambda *a: jax.core.eval_jaxpr(jaxpr, consts, *a)))(*structs)
     from invact_jax.convert import _fallback  # pylint: disable=import-outside-toplevel  # (a cycle)
     positions = [i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact)]
-    key = (str(converted), str(original), jax.default_backend())
+    key = (str(converted), str(original), targets.current().key)
     if key not in _MEASURED:
       if len(_MEASURED) >= _MEASURED_SIZE:
         _MEASURED.clear()

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from invact_jax import targets
 from invact_jax.convert import _fallback
 from invact_jax.convert import _graph
 from invact_jax.convert import _pass
@@ -109,9 +110,10 @@ class _Conversion:
   signature."""
 
   def __init__(self, fn, names, implementation, floor, fallback, argnums,
-               measure_remat=True):
+               measure_remat=True, device=None):
     self.fn, self.names, self.floor, self.fallback, self.argnums = (
         fn, names, floor, fallback, argnums)
+    self.device = device
     self.measure_remat = measure_remat
     self.impls = [_implementation.resolve(implementation, op="invert", implementations=table)
                   for table in (_act_api.IMPLEMENTATIONS, _norm_api.IMPLEMENTATIONS)]
@@ -144,7 +146,12 @@ class _Conversion:
     return self.cache[key]
 
   def __call__(self, args, kwargs) -> tuple:
-    """``(fn's output converted, the report)``."""
+    """``(fn's output converted, the report)``, traced and measured for ``device`` (None: the
+    current target)."""
+    with targets.compiling_for(self.device):
+      return self._converted(args, kwargs)
+
+  def _converted(self, args, kwargs) -> tuple:
     closed, vals, leaves, dyn, out = _trace(self.fn, args, kwargs)
     report = ConversionReport()
     choice = self.choose(closed, args, leaves, dyn, report)
@@ -155,7 +162,8 @@ class _Conversion:
 def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: bool = True,
            implementation: _implementation.ImplementationLike = None, floor: bool = True,
            fallback: str | None = None,
-           argnums: int | tuple[int, ...] = 0) -> Callable[..., Any]:
+           argnums: int | tuple[int, ...] = 0,
+           device: str | targets.Target | None = None) -> Callable[..., Any]:
   """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.
 
   The recommended way to apply invact_jax to code you did not write (see also
@@ -196,6 +204,13 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
       apply ``invert`` outside the ``shard_map`` there.
     argnums: the positional arguments the gradient is taken with respect to (their floating
       leaves), for ``fallback="temp"``.
+    device: the target the converted program is for (:func:`invact_jax.targets.resolve`:
+      ``"h100"``, ...; default: the current target, this machine unless the call is inside
+      :func:`invact_jax.targets.compiling_for` or :func:`invact_jax.memory.compiled_for`):
+      the compiles that decide (a ``jax.checkpoint`` body's check, ``fallback="temp"``)
+      are that device's compiler's, and ``fn`` is traced as for it (its implementation
+      choices: cuDNN's attention, the LM head's tiles).  A GPU is compiled for without one
+      (docs/deviceless.md).
 
   Returns:
     The converted function; after each call (or trace) its ``last_report``
@@ -213,8 +228,10 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
   """
   if not callable(fn):
     raise TypeError(f"invact_jax.invert: argument `fn` must be callable, got {type(fn).__name__}")
+  if device is not None:
+    targets.resolve(device)  # (a bad name is an error now, not at the first call)
   return _wrapped(fn, _Conversion(fn, _names(only, norms), implementation, floor, fallback,
-                                  _checked(fallback, argnums)))
+                                  _checked(fallback, argnums), device=device))
 
 
 def inverted_for_plan(fn: Callable[..., Any]) -> Callable[..., Any]:

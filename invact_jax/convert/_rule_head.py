@@ -46,7 +46,8 @@ class _HeadCall:
     self.opts = _ce_base.Options(
         m.vocab_axis, "sum" if m.fold else "none", None, float(m.smoothing), float(m.z_loss),
         m.soft_cap, chunk, vocab_chunk, mode, m.logits_dtype, m.outside_lse,
-        float(m.logit_scale))
+        float(m.logit_scale), outside_nearest=m.pick_nearest,
+        outside_gradient=m.outside_gradient)
     self.labels_at = 2 + (m.bias is not None)
     self.temperature_at = self.labels_at + 1 + (m.mask is not None)
     self.reads_at = self.temperature_at + (m.temperature is not None)
@@ -59,7 +60,7 @@ class _HeadCall:
     """The tokens' labels; a token the mask drops reads label 0 (its loss is zero whatever
     its label: an out-of-range one must not make it NaN)."""
     labels = vals[self.labels_at].reshape(self.n)
-    if self.m.clamp_labels:  # jnp.eye(V)[labels]: XLA's gather takes the nearest row
+    if self.m.clamp_labels:  # XLA's gather (and its gradient) at the nearest entry
       labels = jnp.clip(labels, 0, self.vocab - 1)
     return labels if self.m.mask is None else jnp.where(self.kept(vals), labels, 0)
 
@@ -119,7 +120,7 @@ class _HeadCall:
     if m.mask is not None:
       weights = jnp.where(self.kept(vals), weights, 0.0)
     (total,) = self.run(
-        lambda x, w, b, temperature, labels, weights, opts: (_ce_in_forward.weighted_sum(
+        lambda x, w, b, temperature, labels, weights, opts: (_ce_in_forward.weighted(
             x, w, b, labels, weights, opts, temperature)[0],), ("total",), x, w, b,
         temperature, self.labels(vals), weights)
     return (total.reshape(out_aval.shape).astype(out_aval.dtype),)

@@ -22,7 +22,7 @@ import functools
 import importlib.util
 from typing import ClassVar, Mapping, Union
 
-import jax
+from invact_jax import targets
 
 __all__ = ["Implementation", "ImplementationBase", "ImplementationLike", "Xla", "XLA", "NAMES",
            "resolve", "available"]
@@ -96,28 +96,39 @@ XLA = Xla()
 
 
 def _platform() -> str:
-  return jax.default_backend()
+  return targets.platform()
 
 
-@functools.lru_cache(maxsize=None)
 def available(name: str) -> tuple[bool, str]:
-  """Whether implementation ``name`` runs compiled on this platform, and if not, why.
+  """Whether implementation ``name`` runs compiled on the current target
+  (:func:`invact_jax.targets.current`: this machine unless compiling for another), and if
+  not, why.
 
   Example:
     >>> import invact_jax
     >>> invact_jax.available("xla")
     (True, '')
   """
+  target = targets.current()
+  return _available(name, target.platform, target.deviceless)
+
+
+@functools.lru_cache(maxsize=None)
+def _available(name: str, platform: str, deviceless: bool) -> tuple[bool, str]:
   if name == "xla":
     return True, ""
   if name == "pallas":
     if importlib.util.find_spec("pallas_kernels") is None:
       return False, "the pallas_kernels package is not installed"
-    return True, "" if _platform() == "gpu" else "interpret mode (no GPU)"
+    return True, "" if platform == "gpu" else "interpret mode (no GPU)"
   if name == "triton":
-    if _platform() != "gpu":
-      return False, (f"Triton kernels need a CUDA GPU (this platform is {_platform()}); use "
+    if platform != "gpu":
+      return False, (f"Triton kernels need a CUDA GPU (this platform is {platform}); use "
                      "implementation='xla', or 'pallas' (interpret mode without a GPU)")
+    if deviceless:
+      return False, ("jax-triton compiles its kernels for the GPU attached (none here, "
+                     "compiling for a GPU without one); use implementation='pallas', which "
+                     "XLA:GPU compiles")
     for mod in ("triton", "jax_triton"):
       if importlib.util.find_spec(mod) is None:
         return False, (f"the {mod!r} package is not installed (pip install "

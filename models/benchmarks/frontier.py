@@ -46,7 +46,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
 
 import invact_jax
-from invact_jax import memory, planner
+from invact_jax import memory, planner, targets
 from models.benchmarks import child
 from models.benchmarks import profile as op_profile
 from models import reference_layers
@@ -143,7 +143,10 @@ POLICIES: dict[str, Any] = {
 
 
 def has_memory_kinds() -> bool:
-  """Whether the device can offload to ``pinned_host`` (a GPU; not XLA:CPU)."""
+  """Whether the device can offload to ``pinned_host`` (a GPU; not XLA:CPU; compiling for a
+  GPU without one, its figures are the compiler's: yes)."""
+  if targets.current().deviceless:
+    return targets.platform() == "gpu"
   try:
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
   except Exception:  # pylint: disable=broad-except
@@ -153,10 +156,11 @@ def has_memory_kinds() -> bool:
 
 # ------------------------------------------------------------------------ the layers
 def _attention(q, k, v, causal: bool):
-  """cuDNN's flash attention on a GPU in 16 bits (grouped-query: fewer key/value heads);
-  elsewhere the flash-style custom_vjp of :mod:`models.reference_layers` (the same
-  residuals: q, k, v, o, a row log-sum-exp), the key/value heads repeated."""
-  if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+  """cuDNN's flash attention compiling for a GPU (:func:`invact_jax.targets.platform`) in 16
+  bits (grouped-query: fewer key/value heads); elsewhere the flash-style custom_vjp of
+  :mod:`models.reference_layers` (the same residuals: q, k, v, o, a row log-sum-exp), the
+  key/value heads repeated."""
+  if targets.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
   if k.shape[2] != q.shape[2]:
     k, v = (jnp.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
@@ -367,7 +371,7 @@ def measure(spec: dict) -> dict:
                 "plan_recompute_flops": rep.predicted_recompute_flops,
                 "planning_s": round(planning_s, 2)})
   if spec["invact"] and s.vocab:
-    row["head_tiles"] = head_tiles(s, jax.default_backend())
+    row["head_tiles"] = head_tiles(s, targets.platform())
   if memory.reports_peak():
     peak = memory.device_peak(step, *args)
     # activations: the step's peak increase minus what it returns (the gradients: params'
@@ -581,20 +585,30 @@ def program_plan_prediction(row: dict, rs: list[dict]) -> dict:
   return out
 
 
+#: The fraction of a device's memory JAX's allocator takes by default: a deviceless target's
+#: limit, as :func:`layers_that_fit` reads the allocator's on the device.
+ALLOCATOR_FRACTION = 0.75
+
+
 def layers_that_fit(stack: str, dtype: str, *, limit_bytes: int | None = None,
                     fraction: float = 0.85, most: int = 32, field: str = "layers") -> int:
   """As many layers of ``stack`` (``field="batch"``: the largest batch) as JAX default's step
   fits in ``fraction`` of the device's memory (``limit_bytes``, default: the allocator's
-  ``bytes_limit``), at most ``most``: the step's compiled temp at 2 and 4 extrapolated (a
-  scanned stack's temp is linear in its depth and its batch), plus the parameters and their
-  gradients.  Compiles only (nothing is allocated on the device).  Without ``limit_bytes``
-  on a device that reports none (a CPU), the stack's own ``field``."""
+  ``bytes_limit``; compiling for a device without it, :data:`ALLOCATOR_FRACTION` of its
+  memory), at most ``most``: the step's compiled temp at 2 and 4 extrapolated (a scanned
+  stack's temp is linear in its depth and its batch), plus the parameters and their
+  gradients.  Compiles only (nothing is allocated on the device), for the current target.
+  Without ``limit_bytes`` on a device that reports none (a CPU), the stack's own ``field``."""
   s = STACKS[stack]
   if limit_bytes is None:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-      return getattr(s, field)
-    limit_bytes = int(stats["bytes_limit"])
+    target = targets.current()
+    if target.deviceless and target.memory_bytes:
+      limit_bytes = int(ALLOCATOR_FRACTION * target.memory_bytes)
+    else:
+      stats = jax.local_devices()[0].memory_stats() or {}
+      if "bytes_limit" not in stats:
+        return getattr(s, field)
+      limit_bytes = int(stats["bytes_limit"])
 
   def temp_and_params(n: int) -> tuple[int, int]:
     box = {}
@@ -604,9 +618,9 @@ def layers_that_fit(stack: str, dtype: str, *, limit_bytes: int | None = None,
                                 jnp.dtype(dtype))
       return args
     args = jax.eval_shape(make)
-    compiled = jax.jit(jax.value_and_grad(box["loss"])).lower(*args).compile()
+    temp = memory.compiled(jax.value_and_grad(box["loss"]), *args).temp
     params = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(args[0]))
-    return int(compiled.memory_analysis().temp_size_in_bytes), params
+    return temp, params
   (t2, p2), (t4, p4) = temp_and_params(2), temp_and_params(4)
   per_unit = (t4 - t2) / 2 + 2 * (p4 - p2) / 2
   fixed = t2 + 2 * p2 - 2 * per_unit
@@ -954,7 +968,7 @@ def newest_per_model(paths) -> list:
     taken: set = set()
     for p in reversed(by_device[device]):
       data = json.loads(p.read_text())
-      if data.get("dry"):
+      if data.get("dry") or data.get("deviceless"):
         continue
       models = {r["model"] for r in data["rows"] if "error" not in r} - taken
       if models:

@@ -39,7 +39,7 @@ import invact_jax
 from models import benchmarks
 from models.benchmarks import profile as op_profile
 
-__all__ = ["Head", "HEADS", "make_head", "compile_step", "rows", "torch_rows",
+__all__ = ["Head", "HEADS", "make_head", "compile_step", "rows", "predicted_rows", "torch_rows",
            "tile_heads", "parse_tile", "too_large", "device_bytes"]
 
 
@@ -202,8 +202,43 @@ def compile_step(name: str, loss: Callable, head: Head, g64=None) -> tuple[dict,
   if g64 is not None:
     num = sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for a, b in zip(grads, g64))
     den = sum(float(np.sum(b ** 2)) for b in g64)
-    row["grad_error"] = (num / den) ** 0.5
+    # (relative; where the reference gradient is zero, as a one-entry vocabulary's is: 0 if
+    # this one is too, else infinite)
+    row["grad_error"] = (num / den) ** 0.5 if den else (0.0 if num == 0 else float("inf"))
   return row, compiled
+
+
+def predicted_rows(tokens: int, d: int, vocab: int, dtypes=("float32",), names=None, tiles=(),
+                   device: str = "h100") -> list[dict]:
+  """:func:`rows`' memory columns predicted for ``device`` without it (deviceless,
+  :mod:`invact_jax.targets`): per dtype and head (``names``; None: all) and tile, the
+  compiled temp of the head's step and whether it holds an [N, V] buffer; no time, no
+  gradient error (nothing runs).  ``temp_vs_plain`` as in :func:`rows`."""
+  from invact_jax import targets  # pylint: disable=import-outside-toplevel
+  target = targets.resolve(device)
+  out = []
+  for dtype in dtypes:
+    x_dtype, w_dtype = split_dtype(dtype)
+    structs = (jax.ShapeDtypeStruct((tokens, d), x_dtype), jax.ShapeDtypeStruct((d, vocab), w_dtype),
+               jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    losses = {k: f for k, f in heads().items() if names is None or k in names}
+    for name, loss in {**losses, **tile_heads(tiles)}.items():
+      row = {"dtype": dtype, "tokens": tokens, "d": d, "vocab": vocab, "framework": "jax",
+             "head": name}
+      try:
+        compiled = target.compile(target.lower(jax.value_and_grad(loss, argnums=(0, 1)),
+                                               *structs))
+      except Exception as e:  # pylint: disable=broad-except  (a head that does not lower)
+        out.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+        continue
+      out.append({**row, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                  "logits_buffer": _has_logits_buffer(compiled.as_text(), tokens, vocab)})
+  for r in out:
+    base = next((b for b in out if b["dtype"] == r["dtype"] and b["head"] == "plain"
+                 and "error" not in b), None)
+    if base is not None and "temp_bytes" in r:
+      r["temp_vs_plain"] = r["temp_bytes"] / base["temp_bytes"]
+  return out
 
 
 def _time_interleaved(steps: dict, head: Head, repeats: int) -> dict[str, float]:
@@ -317,9 +352,10 @@ def table(rs: list[dict]) -> str:
       continue
     temp = (f"{r['temp_bytes'] / 2**20:.1f} | {100 * r.get('temp_vs_plain', nan):.1f} % | "
             f"{'yes' if r['logits_buffer'] else 'no'}" if "temp_bytes" in r else "— | — | —")
-    lines.append(
-        f"| {r['dtype']} | {r['head']} | {temp} | {r['time_s']:.3f} | "
-        f"{r.get('time_vs_plain', nan):.2f} | {r.get('grad_error', nan):.1e} |")
+    time_cells = (f"{r['time_s']:.3f} | {r.get('time_vs_plain', nan):.2f}" if "time_s" in r
+                  else "— | —")
+    lines.append(f"| {r['dtype']} | {r['head']} | {temp} | {time_cells} | "
+                 f"{r.get('grad_error', nan):.1e} |")
   return "\n".join(lines)
 
 
@@ -350,11 +386,14 @@ def render_docs(text: str, root) -> str:
 
 
 def _newest_per_device(paths) -> list:
-  """Of ``lm_head_*.json`` files, per device the newest (by date, then JAX version)."""
+  """Of ``lm_head_*.json`` files, per device the newest measured run (by date, then JAX
+  version; predictions, ``meta["deviceless"]``, left out)."""
   import json  # pylint: disable=import-outside-toplevel
   best: dict = {}
   for p in sorted(paths):
     meta = json.loads(p.read_text())["meta"]
+    if meta.get("deviceless"):
+      continue
     key = (meta["date"], tuple(int(v) for v in re.findall(r"\d+", meta["jax"])))
     if meta["device"] not in best or key > best[meta["device"]][0]:
       best[meta["device"]] = (key, p, meta)
@@ -402,6 +441,8 @@ def headline_rows(root) -> list[str]:
 def run(a: argparse.Namespace, argv: list[str]) -> int:
   """``scripts/bench_lm_head.py``'s job for its parsed command line ``a`` (from ``argv``,
   recorded in the JSON); the exit code."""
+  if getattr(a, "device", None):
+    return _run_deviceless(a, argv)
   # PyTorch's rows (where torch is importable) run in child processes on the same device.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   why = too_large(a.tokens, a.d, a.vocab)
@@ -427,6 +468,25 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
       unfinished = {"unfinished": list(a.dtypes[i + 1:])} if i + 1 < len(a.dtypes) else {}
       with open(a.json, "w") as f:
         json.dump({"meta": {**meta, **unfinished}, "rows": measured}, f, indent=1)
+  return 0
+
+
+def _run_deviceless(a: argparse.Namespace, argv: list[str]) -> int:
+  """``--device``: :func:`predicted_rows` printed (and written to ``--json``)."""
+  from invact_jax import targets  # pylint: disable=import-outside-toplevel
+  target = targets.resolve(a.device)
+  meta = {"jax": jax.__version__, "host": benchmarks.host(), "device": target.device_kind,
+          "target": target.name, "deviceless": True, "tokens": a.tokens, "d": a.d,
+          "vocab": a.vocab, "date": datetime.date.today().isoformat(),
+          "python": sys.version.split()[0],
+          "command": "python scripts/bench_lm_head.py " + " ".join(argv)}
+  print(f"JAX {meta['jax']}, compiled for {target.name} ({target.device_kind}) without it, "
+        f"N={a.tokens} d={a.d} V={a.vocab}, {meta['date']}")
+  predicted = predicted_rows(a.tokens, a.d, a.vocab, a.dtypes, tiles=a.tiles, device=target)
+  print(table(predicted), flush=True)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"meta": meta, "rows": predicted}, f, indent=1)
   return 0
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from models.training import errors
 
-__all__ = ["SetAside", "manager", "checksums", "record", "prune", "verify", "restore",
+__all__ = ["SetAside", "manager", "checksums", "record", "prune", "verify", "set_aside_name", "restore",
            "latest_step", "CheckpointWriteError", "checkpoint_io"]
 
 CHECKSUMS = "checksums"
@@ -199,6 +199,19 @@ def _load(mgr, workdir: pathlib.Path, step: int, abstract) -> Any:
   return restored
 
 
+def set_aside_name(bad: pathlib.Path) -> pathlib.Path:
+  """Where a checkpoint that does not verify is moved: ``<step>.corrupt``, or where a step of
+  that number was set aside before (damaged again after a re-run), ``<step>.corrupt.<k>`` with
+  the first free ``k``: nothing set aside is overwritten, and recovery is never blocked by a
+  name."""
+  aside = bad.with_name(f"{bad.name}.corrupt")
+  k = 1
+  while aside.exists():
+    aside = bad.with_name(f"{bad.name}.corrupt.{k}")
+    k += 1
+  return aside
+
+
 def restore(mgr, workdir: pathlib.Path, abstract) -> tuple:
   """``(step, state)`` of the newest checkpoint that reads and verifies; each newer one is set
   aside (``<step>.corrupt``) with a warning naming why.
@@ -215,10 +228,11 @@ def restore(mgr, workdir: pathlib.Path, abstract) -> tuple:
                          f"model ({e}); nothing was renamed") from None
     except SetAside as e:
       bad = mgr.directory / str(step)
+      aside = set_aside_name(bad)
       if jax.process_index() == 0:  # every process saw the same files; one sets them aside
-        bad.rename(bad.with_name(f"{step}.corrupt"))
+        bad.rename(aside)
       mgr.reload()
-      warnings.warn(f"checkpoint step {step} does not verify: {e}; moved it to {step}.corrupt "
+      warnings.warn(f"checkpoint step {step} does not verify: {e}; moved it to {aside.name} "
                     "and falling back to the previous checkpoint", stacklevel=3)
   raise errors.ConfigError(f"--resume: no checkpoint in {mgr.directory} reads and verifies")
 

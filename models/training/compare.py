@@ -9,11 +9,14 @@ from typing import Any
 import jax
 
 from invact_jax import memory
+from models.training import checkpoints
 from models.training import data as data_lib
 from models.training import config
+from models.training import errors
 from models.training import loop
 from models.training import run_dir
 from models.training import trainer as trainer_lib
+
 
 def _runs(cfg: config.TrainConfig) -> tuple[config.TrainConfig, config.TrainConfig]:
   """JAX's default ("standard", no implementation or head mode set) and the configured run
@@ -38,14 +41,30 @@ def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib
   workdir = pathlib.Path(workdir)
   pair = _runs(cfg)
   names = [c.run_name for c in pair]
+  # A resumed comparison continues each run from its checkpoints, and starts a run an
+  # interrupted comparison never checkpointed (the second one, or the first stopped before
+  # its first checkpoint): whichever is unfinished.
+  started = {c.run_name: checkpoints.latest_step(workdir / c.run_name) is not None
+             for c in pair}
+  if resume and not any(started.values()):
+    raise errors.ConfigError(f"--resume: no checkpoint of either run in {workdir} (the "
+                             "comparison was stopped before its first): run it again "
+                             "without --resume")
   for c in pair:  # check both run directories before training either
     config.validate(c, dataset, len(jax.devices()))
-    run_dir.prepare_workdir(c, workdir / c.run_name, resume=resume,
+    run_dir.prepare_workdir(c, workdir / c.run_name, resume=resume and started[c.run_name],
                             data=data_lib.fingerprint(dataset))
   runs = {}
   for c in pair:
-    s = loop.train(c, dataset, workdir / c.run_name, resume=resume, progress=progress,
-                   shard_params=shard_params)
+    try:
+      s = loop.train(c, dataset, workdir / c.run_name, resume=resume and started[c.run_name],
+                     progress=progress, shard_params=shard_params)
+    except errors.Interrupted as e:  # resumable where either run has a checkpoint
+      if e.resumable or not any(checkpoints.latest_step(workdir / r) is not None
+                                for r in started):
+        raise
+      raise errors.Interrupted(e.signum, e.step, workdir, resumable=True) from None
+    started[c.run_name] = True
     trainer = s.pop("trainer")
     s["compiled_temp_bytes"] = trainer.compiled_memory().temp
     s["device_peak_bytes"] = _device_peak(trainer)

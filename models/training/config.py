@@ -153,6 +153,9 @@ def validate(cfg: TrainConfig, dataset: data_lib.Dataset, n_devices: int) -> Non
     raise errors.ConfigError("the run has no steps (check --epochs / --steps)")
   if cfg.shift is not None and dataset.modality != "image":
     raise errors.ConfigError("--shift translates images; the data is text")
+  if cfg.head_mode is not None and dataset.modality == "image":
+    raise errors.ConfigError(f"--head-mode {cfg.head_mode} sets a language model's LM head; "
+                             "the data is images (a ViT's classifier has no such head)")
   if cfg.shift is not None and cfg.shift >= min(dataset.x_train.shape[1:3]):
     h, w = dataset.x_train.shape[1:3]
     raise errors.ConfigError(f"--shift {cfg.shift} would move images out of their {h}x{w} frame "

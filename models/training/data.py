@@ -115,7 +115,10 @@ def load_npz(path: str | pathlib.Path) -> Dataset:
     raise DataError(f"data file not found: {path}")
   if not zipfile.is_zipfile(path):
     with path.open("rb") as f:
-      kind = "a single .npy array" if f.read(6) == b"\x93NUMPY" else "not a zip archive"
+      head = f.read(6)
+    kind = ("a single .npy array" if head == b"\x93NUMPY" else
+            "a zip archive cut short (it ends before its directory: an incomplete copy or "
+            "download?)" if head[:4] == b"PK\x03\x04" else "not a zip archive")
     raise DataError(f"cannot read {path} as .npz: it is {kind}; write the data with "
                     "numpy.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
   _check_headers(path)

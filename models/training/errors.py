@@ -45,10 +45,17 @@ class Interrupted(RuntimeError):
     code: the exit code (128 + the signal's number: 130 for SIGINT, 143 for SIGTERM).
   """
 
-  def __init__(self, signum: int, step: int, workdir):
+  def __init__(self, signum: int, step: int, workdir, resumable: bool = True):
     import signal  # pylint: disable=import-outside-toplevel
-    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; the "
-                     f"checkpoints written are intact: continue with --resume --workdir {workdir}")
+    name = signal.Signals(signum).name
+    if resumable:
+      text = (f"stopped by {name} after step {step}; the checkpoints written are intact: "
+              f"continue with the same command and --resume --workdir {workdir}")
+    else:
+      text = (f"stopped by {name} after step {step}, before the first checkpoint: nothing was "
+              f"saved to resume; run the same command again (without --resume) to start over")
+    super().__init__(text)
+    self.signum, self.step, self.workdir, self.resumable = signum, step, workdir, resumable
     self.code = 128 + signum
 
 

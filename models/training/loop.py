@@ -162,8 +162,9 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
       manager.close()
       if bar is not None:
         bar.close()
-    raise errors.Interrupted(e.signum, trainer.step, workdir.parent if workdir.name ==
-                      cfg.run_name else workdir) from None
+    raise errors.Interrupted(
+        e.signum, trainer.step, workdir.parent if workdir.name == cfg.run_name else workdir,
+        resumable=checkpoints.latest_step(workdir) is not None) from None
   checkpoints.checkpoint_io(manager, "the last checkpoint", manager.wait_until_finished)
   manager.close()
   if bar is not None:

@@ -111,16 +111,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "stop_after": args.stop_after, "shard_params": args.shard_params},
                         timeout_s=args.distributed_timeout)
     progress = not args.no_progress
+    cli.say_on_stop(" before training started: nothing was saved; run the same command again")
     with errors.stop_on_signals():  # SIGINT/SIGTERM: the saves in flight complete, one line
       if args.compare:
         result = compare.compare(cfg, dataset, workdir, resume=args.resume, progress=progress,
                                  shard_params=args.shard_params)
+        cli.say_on_stop(f" after training finished: the runs are complete in {workdir}")
         print(result["table"])
         print(f"\nwrote {result['json']}\nwrote {result['png']}")
         return 0
       summary = loop.train(cfg, dataset, workdir / cfg.run_name, resume=args.resume,
                                progress=progress, stop_after=args.stop_after,
                                shard_params=args.shard_params)
+    cli.say_on_stop(f" after training finished: the run is complete in {workdir}")
     distributed.finished()
   except (data_lib.DataError, errors.ConfigError) as e:
     return distributed.fail(str(e), 2)
@@ -131,7 +134,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
   except errors.Interrupted as e:
     return distributed.fail(str(e), e.code)
   except errors.StopRequested as e:  # before training started: nothing was being saved
-    return distributed.fail(f"stopped by signal {e.signum} before training started", 128 + e.signum)
+    import signal  # pylint: disable=import-outside-toplevel
+    return distributed.fail(f"stopped by {signal.Signals(e.signum).name} before training "
+                            "started: nothing was saved; run the same command again",
+                            128 + e.signum)
   except jax_errors.JaxRuntimeError as e:
     if not several:
       raise

@@ -69,7 +69,7 @@ def supervise(argv: list[str], *, coordinator: str | None, timeout_s: int) -> in
   previous = {sig: signal.signal(sig, lambda s, _f: child.send_signal(s))
               for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _relay(child, coordinator, timeout_s)
+    return _relay(child, coordinator, timeout_s, argv)
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)
@@ -90,7 +90,7 @@ def as_worker() -> bool:
   return True
 
 
-def _relay(child, coordinator, timeout_s) -> int:
+def _relay(child, coordinator, timeout_s, argv) -> int:
   native: list[bytes] = []  # held back: shown as they were if the child ends normally
   fatal = in_native = said_error = False
   pending = b""
@@ -139,7 +139,7 @@ def _relay(child, coordinator, timeout_s) -> int:
       # SIGTERM) is the user's own stop.
       sys.stderr.write(f"error: the worker process was killed by {_signal_name(code - 128)}"
                        f"{' (e.g. out of memory)' if code - 128 == signal.SIGKILL else ''}; "
-                       "once all processes are back, continue with --resume\n")
+                       f"{next_command(argv)}\n")
       sys.stderr.flush()
     return code
   text = b"\n".join(native).decode(errors="replace")
@@ -152,7 +152,7 @@ def _relay(child, coordinator, timeout_s) -> int:
   status = re.search(r"absl::Status: (\w+)", text)
   reason = (SERVICE_GONE if status and status.group(1) in ("UNAVAILABLE", "CANCELLED", "ABORTED")
             else f"XLA aborted: {status.group(1) if status else 'no status'}")
-  sys.stderr.write(lost_message(reason) + "\n")
+  sys.stderr.write(lost_message(reason, argv) + "\n")
   sys.stderr.flush()
   return 1
 
@@ -164,6 +164,30 @@ def _signal_name(number: int) -> str:
     return f"signal {number}"
 
 
-def lost_message(reason: str) -> str:
-  """The one-line error of a process that lost the others (watchdog, or a failed collective)."""
-  return f"error: lost the other processes ({reason}); once all are back, continue with --resume"
+def lost_message(reason: str, argv: list[str] | None = None) -> str:
+  """The one-line error of a process that lost the others (watchdog, or a failed collective),
+  with what to run next (:func:`next_command`)."""
+  return f"error: lost the other processes ({reason}); {next_command(argv)}"
+
+
+def _workdir(argv: list[str]) -> str | None:
+  """The ``--workdir`` of a command line, or None."""
+  for i, a in enumerate(argv):
+    if a == "--workdir" and i + 1 < len(argv):
+      return argv[i + 1]
+    if a.startswith("--workdir="):
+      return a.split("=", 1)[1]
+  return None
+
+
+def next_command(argv: list[str] | None = None) -> str:
+  """What to run once every process is back: the same command with ``--resume`` where a run
+  under its ``--workdir`` (``argv``: default this process's) holds a checkpoint, else the
+  same command again (nothing was saved to resume)."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  workdir = _workdir(sys.argv if argv is None else argv)
+  if workdir is not None and any(p.name.isdigit()
+                                 for p in pathlib.Path(workdir).glob("*/checkpoints/*")):
+    return "once all are back, continue with the same command and --resume"
+  return ("no checkpoint was written yet: once all are back, run the same command again "
+          "(without --resume)")

@@ -655,6 +655,43 @@ def test_padding_labels_outside_the_vocabulary_give_the_programs_loss(name):
   assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
 
 
+#: A pick of the label's log-probability by a gather, per mode: what XLA's gather gives for a
+#: label outside [0, V) (and the scatter of its transpose), the converted head gives too.
+PICKS = {
+    # jnp indexing (promise_in_bounds): the nearest entry, the token's gradient dropped whole
+    "index": lambda lp, y: lp[jnp.arange(lp.shape[0]), y],
+    # take_along_axis's default (fill with NaN): NaN, the token's gradient dropped whole
+    "take_along_axis": lambda lp, y: jnp.take_along_axis(lp, y[:, None], -1)[:, 0],
+    # clip: the nearest entry, its gradient there
+    "clip": lambda lp, y: jnp.take_along_axis(lp, y[:, None], -1, mode="clip")[:, 0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PICKS))
+@pytest.mark.parametrize("form", ["log_softmax", "lse_minus_logit"])
+def test_a_label_outside_the_vocabulary_gives_what_the_programs_gather_gives(name, form):
+  """Labels above V and below -V: the converted loss and gradients are the program's, NaN
+  where the program's are (an out-of-range pick's value and gradient follow the gather's
+  mode; a log-softmax's pick drops the token's whole gradient, a logit's pick its one-hot)."""
+  x, w, _, y = _inputs()
+  y = y.reshape(-1).at[:3].set(jnp.array([V + 1, 2 * V, -3 * V]))
+
+  def f(x, w):
+    z = (x @ w).reshape(-1, V)
+    if form == "log_softmax":
+      return -jnp.mean(PICKS[name](jax.nn.log_softmax(z), y))
+    return jnp.mean(jax.nn.logsumexp(z, -1) - PICKS[name](z, y))
+  inv = invact_jax.invert(f)
+  got, want = float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w))
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  assert math.isnan(got) == math.isnan(want) == (name == "take_along_axis")
+  if not math.isnan(want):
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+  for a, b in zip(jax.jit(jax.grad(inv, argnums=(0, 1)))(x, w),
+                  jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_a_zero_weight_drops_a_padding_tokens_nan_which_the_programs_product_keeps():
   """The one place the converted loss is not the program's: a pick by index of a label outside
   [0, V) is NaN (as the program's), and the program's ``loss * mask`` keeps that NaN, while the

@@ -381,6 +381,46 @@ def test_return_correct_is_the_accuracys_numerator(mode):
                                                               gradients=mode, **TILES))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tie_with_an_earlier_class_is_not_correct(mode):
+  """``correct`` is ``argmax == label`` with jnp.argmax's first index: a zero head (every logit
+  tied) is correct for label 0 only, at any tiling and on a vocabulary split over devices."""
+  x = jnp.ones((16, 8), jnp.float32)
+  y = jnp.arange(16) % 5
+  for w in (jnp.zeros((8, 24)), jnp.round(jax.random.normal(jax.random.key(3), (8, 24)))):
+    expect = jnp.argmax(x @ w, -1) == y
+    for tiles in ({}, {"chunk_size": 4, "vocab_chunk_size": 5}):
+      _, correct = invact_jax.linear_cross_entropy(x, w, y, return_correct=True,
+                                                   gradients=mode, **tiles)
+      np.testing.assert_array_equal(np.asarray(correct), np.asarray(expect))
+  mesh = jax.make_mesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  P = jax.sharding.PartitionSpec
+  w = jax.device_put(jnp.zeros((8, 24)), jax.sharding.NamedSharding(mesh, P(None, "model")))
+  split = jax.shard_map(lambda x, w, y: invact_jax.linear_cross_entropy(
+      x, w, y, return_correct=True, gradients=mode, vocab_axis_name="model")[1],
+      mesh=mesh, in_specs=(P(), P(None, "model"), P()), out_specs=P())
+  np.testing.assert_array_equal(np.asarray(split(x, w, y)), np.asarray(y == 0))
+
+
+def test_wide_labels_keep_their_meaning_in_int32():
+  """With x64, an int64 label of 2**32 + 3 is no class 3 (a cast to int32 would wrap it
+  there): it is outside the vocabulary, NaN as the plain formula's pick; one equal to an
+  ignore_index beyond int32 is ignored; with int32 labels such an ignore_index matches none."""
+  with jax.enable_x64(True):
+    x = jnp.ones((4, 8), jnp.float32)
+    w = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+    y = jnp.array([1, 2**32 + 3, 3, 2**40], jnp.int64)
+    f = jax.jit(lambda y: invact_jax.linear_cross_entropy(x, w, y, reduction="none"))
+    loss = np.asarray(f(y))
+    assert np.isnan(loss[[1, 3]]).all() and np.isfinite(loss[[0, 2]]).all()
+    ignored = jax.jit(lambda y: invact_jax.linear_cross_entropy(
+        x, w, y, reduction="none", ignore_index=2**40))(y)
+    assert float(ignored[3]) == 0.0 and math.isnan(float(ignored[1]))
+    narrow = invact_jax.linear_cross_entropy(x, w, (y % 16).astype(jnp.int32),
+                                             reduction="none", ignore_index=2**40)
+    assert np.isfinite(np.asarray(narrow)).all() and (np.asarray(narrow) > 0).all()
+
+
 def _kept(fn, *args):
   return [(tuple(r.shape), str(r.dtype)) for r in invact_jax.memory.residuals(fn, *args)
           if not r.is_argument and math.prod(r.shape) > 1]

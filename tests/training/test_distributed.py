@@ -329,7 +329,8 @@ def test_killing_process_0_stops_the_others_with_one_line(tmp_path):
   err, waited = _kill_mid_run(procs, work / "inverted", victim=0)
   assert procs[1].returncode == 1, err[-2000:]
   assert err.strip() == ("error: lost the other processes (the coordination service (process 0) "
-                         "went away); once all are back, continue with --resume"), err[-2000:]
+                         "went away); once all are back, continue with the same command and "
+                         "--resume"), err[-2000:]
   assert waited < 15
   time.sleep(1)
   assert _workers(str(work)) == []  # no orphaned worker: each died with its supervisor
@@ -355,12 +356,27 @@ _TRACE = "; ".join(f"w({line!r})" for line in (
     ""))
 
 
+#: What a process that lost the others says where no checkpoint was written (the command lines
+#: here name no --workdir that holds one): the next command starts the run again.
+_FRESH = ("no checkpoint was written yet: once all are back, run the same command again "
+          "(without --resume)")
+
+
+def test_the_next_command_follows_the_checkpoints(tmp_path):
+  """Lost processes are told --resume only where a run under the --workdir has a checkpoint
+  (what the next command then resumes)."""
+  argv = ["python", "-m", "models.training.main", "--workdir", str(tmp_path)]
+  assert supervisor.next_command(argv) == _FRESH
+  (tmp_path / "inverted" / "checkpoints" / "20").mkdir(parents=True)
+  assert supervisor.next_command(argv).endswith("continue with the same command and --resume")
+  assert supervisor.next_command([f"--workdir={tmp_path}"]).endswith("--resume")
+
+
 @pytest.mark.parametrize("script, code, line", [
     # XLA aborts (process 0 gone): one line, exit 1; the stack dump is held back
     (f"w('W1123 07:34:21.128497   17249 x.cc:147] noise'); w({_FATAL.format(status='UNAVAILABLE')!r}); "
      "w('*** Check failure stack trace: ***'); w('    @ 0x7f'); os.abort()", 1,
-     "error: lost the other processes (the coordination service (process 0) went away); once all "
-     "are back, continue with --resume"),
+     "error: lost the other processes (the coordination service (process 0) went away); " + _FRESH),
     # the registration deadline: exit 2
     (f"w({_FATAL.format(status='DEADLINE_EXCEEDED')!r}); w(''); "
      "w('RPC: /xla.coordination.CoordinationService/RegisterTask'); os.abort()", 2,
@@ -374,12 +390,11 @@ _TRACE = "; ".join(f"w({line!r})" for line in (
     (f"{_TRACE}; w('error: lost the other processes (x)'); os._exit(1)", 1,
      "error: lost the other processes (x)"),
     (f"{_TRACE}; w({_FATAL.format(status='UNAVAILABLE')!r}); {_TRACE}; os.abort()", 1,
-     "error: lost the other processes (the coordination service (process 0) went away); once all "
-     "are back, continue with --resume"),
+     "error: lost the other processes (the coordination service (process 0) went away); " + _FRESH),
     # killed from outside (the out-of-memory killer sends SIGKILL): it cannot say why; we do
     ("w('train: 3 steps'); os.kill(os.getpid(), 9)", 137,
      "train: 3 steps\nerror: the worker process was killed by SIGKILL (e.g. out of memory); "
-     "once all processes are back, continue with --resume"),
+     + _FRESH),
     # a normal run: its output, and XLA's warnings as they were
     ("w('train: 3 steps'); w('W1123 07:34:21.128497   17249 x.cc:1] harmless')", 0,
      "train: 3 steps\nW1123 07:34:21.128497   17249 x.cc:1] harmless"),
@@ -414,8 +429,7 @@ distributed.collective_failed(RuntimeError(
   assert done.returncode == 1
   reason = ("UNKNOWN: Gloo all-reduce failed: Connection closed by peer" if service_answers
             else supervisor.SERVICE_GONE)
-  assert done.stderr.splitlines() == [
-      f"error: lost the other processes ({reason}); once all are back, continue with --resume"]
+  assert done.stderr.splitlines() == [f"error: lost the other processes ({reason}); {_FRESH}"]
 
 
 def test_agree_compares_each_call_of_a_topic_under_keys_of_its_own(monkeypatch):

@@ -51,6 +51,10 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
   bad_shape = tmp_path / "shape.npz"
   np.savez(bad_shape, x_train=np.zeros((10, 8, 6)), y_train=np.zeros(10, int),
            x_test=np.zeros((4, 8, 6)), y_test=np.zeros(4, int))
+  torn = tmp_path / "torn.npz"
+  np.savez(torn, x_train=np.zeros((10, 8, 8)), y_train=np.zeros(10, int),
+           x_test=np.zeros((4, 8, 8)), y_test=np.zeros(4, int))
+  torn.write_bytes(torn.read_bytes()[:300])  # a copy cut short
   bad_labels = tmp_path / "labels.npz"
   np.savez(bad_labels, x_train=np.zeros((10, 8, 8)), y_train=-np.ones(10, int),
            x_test=np.zeros((4, 8, 8)), y_test=np.zeros(4, int))
@@ -70,6 +74,8 @@ def test_cli_bad_inputs(tmp_path, capsys, monkeypatch):
       (["--seed", "-1"], "--seed must be an integer in [0, 2**32)"),
       (["--shift", "8"], "--shift 8 would move images out of their 8x8 frame"),
       (["--compare", "--stop-after", "2"], "--stop-after does not apply to --compare"),
+      (["--data", str(torn)], "a zip archive cut short"),
+      (["--head-mode", "chunked"], "--head-mode chunked sets a language model's LM head"),
   ]
   if not invact_jax.available("triton")[0]:
     cases.append((["--implementation", "triton"], "--implementation triton: "))
@@ -283,6 +289,27 @@ def test_sigint_stops_at_a_step_boundary_after_the_saves_in_flight(digits, tmp_p
   assert signal.getsignal(signal.SIGINT) is before  # put back
 
 
+@pytest.mark.parametrize("script, args, signum, words", [
+    ("bench_lm_head", ["--tokens", "256", "--vocab", "4096", "--repeats", "99"], "SIGINT", ""),
+    ("train_vit", ["--no-progress"], "SIGTERM", " before training started: nothing was saved; "
+                                               "run the same command again"),
+])
+def test_a_signal_while_a_script_starts_is_one_line(script, args, signum, words, tmp_path):
+  """Ctrl-C (or SIGTERM) while the script imports JAX or loads its data: one line and 128 +
+  the signal's number (before: a traceback of 17-56 lines)."""
+  import signal
+  import time
+  env = env_with_devices(1, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args],
+                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  time.sleep(0.5)
+  proc.send_signal(getattr(signal, signum))
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + getattr(signal, signum), err[-2000:]
+  assert err.strip() == f"error: stopped by {signum}{words}", err[-2000:]
+
+
 def test_script_inputs_are_checked_before_any_work(tmp_path, capsys):
   """Output paths, sizes and budgets are one line and exit 2 before anything is measured
   (before, a run's results were lost to an unwritable path after the work)."""
@@ -299,9 +326,15 @@ def test_script_inputs_are_checked_before_any_work(tmp_path, capsys):
       ("benchmark_memory", ["--batches", "x"], "not a positive integer"),
       ("benchmark_memory", ["--dropout", "1.5"], "--dropout must be in [0, 1)"),
       ("benchmark_memory", ["--out", str(tmp_path / "missing" / "m")], "does not exist"),
+      ("fit_inverse", ["--names", "nope"], "choose from gelu_tanh"),
+      ("fit_inverse", ["--dtypes", "float8"], "choose from float32"),
+      ("fit_inverse", ["--degree", "-1", "--write"], "must be >= 1, got -1"),
+      ("fit_inverse", ["--json", str(tmp_path)], "is a directory"),
+      ("parity", ["--out", str(tmp_path)], "is a directory"),
   ]
   bad_json = tmp_path / "bad.json"
   bad_json.write_text('{"a": 1}')
+  cases.append(("parity", ["--out", str(bad_json / "x")], "is not a directory"))
   cases.append(("gpu_report", ["--docs", str(bad_json)], "not a GPU report JSON"))
   for script, argv, pattern in cases:
     try:

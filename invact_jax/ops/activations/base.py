@@ -143,7 +143,10 @@ def _apply_fwd(op, implementation, x):
 
 
 def _apply_bwd(op, implementation, res, dy):
-  y, packed = _common.read_apart(res)
+  # (read as they are, not through _common.read_apart: in the project's models on XLA:CPU
+  # that raised the step's temp, ViT-Ti/16 by 2.3 % and Llama-small by 1.2 %; the norms'
+  # and invert's units keep it, where it lowers the temp: _common.read_apart)
+  y, packed = res
   return (implementation.backward(op, y, packed, dy),)
 
 

@@ -160,9 +160,33 @@ def _options(fn, x, w, labels, bias, reduction, ignore_index, label_smoothing, z
   mode, chunk, vocab_chunk = _mode_and_tiles(fn, reduction, w, n, vocab, gradients, chunk_size,
                                              vocab_chunk_size)
   _concrete_labels(fn, labels, ignore, vocab * shards)
+  labels, ignore = _int32_labels(labels, ignore, vocab * shards)
   opts = base.Options(vocab_axis, reduction, ignore, smoothing, zl, cap, chunk, vocab_chunk,
                       mode, vocab_axis_name=name)
   return x.reshape(n, d), w, bias, labels.reshape(n), opts, lead
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _int32_labels(labels, ignore: int | None, vocab: int):
+  """``(labels, ignore_index)`` in int32, what the tiles index with, meaning what they meant:
+  a label of a wider type outside ``[0, V)`` stays outside (an int64 label of 2**32 + 3 is
+  no class 3), one equal to ``ignore_index`` stays ignored, and an ``ignore_index`` outside
+  int32 becomes a value no int32 label in ``[0, V)`` takes (or none, where no label can
+  equal it)."""
+  info = np.iinfo(labels.dtype)
+  fits = info.min >= _INT32.min and info.max <= _INT32.max
+  ignore32 = ignore if ignore is None or _INT32.min <= ignore <= _INT32.max else (
+      _INT32.min if not fits else None)
+  if fits:
+    return labels.astype(jnp.int32), ignore32
+  outside = -1 if ignore32 != -1 else -2
+  keep = (labels >= 0) & (labels < vocab)
+  out = jnp.where(keep, labels, outside)
+  if ignore is not None and (info.min <= ignore <= info.max):
+    out = jnp.where(labels == ignore, ignore32, out)
+  return out.astype(jnp.int32), ignore32
 
 
 def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
@@ -209,8 +233,10 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
       gradient's memory: pass the float32 master weight, or ``gradients="forward"``).
       Under ``vmap`` or ``scan`` with the gradient taken outside them, ``"forward"`` keeps one
       weight gradient per example or step: use ``"backward"`` there.
-    return_correct: also return, per token, whether its label has the largest logit (the
-      accuracy's numerator, for free: the forward tracks each token's largest logit).
+    return_correct: also return, per token, whether its label is the argmax of its logits
+      (``jnp.argmax``'s: the first of equal largest logits, so a tie with an earlier class
+      is not correct; the accuracy's numerator, for free: the forward tracks each token's
+      largest logit).
     vocab_axis_name: inside ``shard_map``, the mesh axis (or axes) a tensor-parallel head
       splits the vocabulary over: ``w`` and ``bias`` hold this device's contiguous shard, in
       axis-index order, and ``x`` and the (global) labels are the same along the axis; row
@@ -248,8 +274,14 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
 
 def _loss(x, w, bias, y, opts: base.Options):
   """``(loss, correct)`` of checked arguments, by the gradient mode."""
-  if x.shape[0] == 0:  # no tokens: the plain formula (nothing to hold)
-    return base.reference(x, w, bias, y, opts), jnp.zeros(y.shape, bool)
+  if x.shape[0] == 0 or x.shape[1] == 0:  # no tokens, or d = 0 (every logit the bias's):
+    loss = base.reference(x, w, bias, y, opts)  # the plain formula (nothing to hold)
+    if not x.shape[0]:
+      return loss, jnp.zeros(y.shape, bool)
+    z = jnp.zeros(y.shape + (w.shape[opts.vocab_axis],), jnp.float32) if bias is None else (
+        jnp.broadcast_to(bias, y.shape + bias.shape))
+    counted = base._counted(y, opts)  # pylint: disable=protected-access
+    return loss, counted & (jnp.argmax(z, axis=-1) == y)
   if opts.gradients == "forward":
     return in_forward.reduced(x, w, bias, y, opts)
   return base.linear_cross_entropy(x, w, bias, y, opts)

@@ -34,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from invact_jax import targets
 from invact_jax.ops import _common
 
 __all__ = ["Options", "Shards", "GRADIENTS", "linear_cross_entropy", "with_lse", "reference",
@@ -89,6 +90,14 @@ class Options:
     vocab_axis_name: inside ``shard_map``, the mesh axis (or tuple of axes) the vocabulary
       is split over (a tensor-parallel head: the weight and bias hold this device's
       contiguous shard, in axis-index order); None: the whole vocabulary is here.
+    outside_nearest: a label outside ``[0, V)`` picks the nearest entry's logit in the
+      forward and no one-hot in the gradient (what :func:`invact_jax.invert` keeps of a
+      program that picks the label's logit by jnp indexing: XLA's gather reads the nearest
+      entry, the scatter of its transpose drops the update); False: :attr:`outside_lse`.
+    outside_gradient: whether a (counted) token whose label lies outside ``[0, V)`` has a
+      gradient (its softmax's); False: none (what :func:`invact_jax.invert` keeps of a
+      program that picks a log-softmax's entry by a gather, whose transpose drops the whole
+      row's update).
   """
   vocab_axis: int
   reduction: str
@@ -103,10 +112,27 @@ class Options:
   outside_lse: float | None = None
   logit_scale: float = 1.0
   vocab_axis_name: str | tuple | None = None
+  outside_nearest: bool = False
+  outside_gradient: bool = True
+
+  def with_gradient(self, counted, labels, vocab: int):
+    """The tokens that have a gradient: ``counted`` ones, less those whose label lies outside
+    ``[0, V)`` where :attr:`outside_gradient` is False."""
+    if self.outside_gradient:
+      return counted
+    return counted & (labels >= 0) & (labels < vocab)
+
+  def pick_label(self, label, vocab: int):
+    """The label whose logit a token's loss reads: the nearest inside ``[0, V)`` with
+    :attr:`outside_nearest`, else ``label`` (an outside one picks none)."""
+    return jnp.clip(label, 0, vocab - 1) if self.outside_nearest else label
 
   def outside(self, inside, picked, lse):
-    """``picked`` where the label is ``inside`` ``[0, V)``; else NaN, or what stands for the
-    pick in ``lse - (1 - s) * pick`` to make the loss :attr:`outside_lse` says."""
+    """``picked`` where the label is ``inside`` ``[0, V)`` (or, with :attr:`outside_nearest`,
+    everywhere: the nearest entry's); else NaN, or what stands for the pick in
+    ``lse - (1 - s) * pick`` to make the loss :attr:`outside_lse` says."""
+    if self.outside_nearest:
+      return picked
     if self.outside_lse is None:
       return jnp.where(inside, picked, jnp.nan)
     return jnp.where(inside, picked,
@@ -141,6 +167,29 @@ class Shards:
   def sum(self, a):
     return a if self.name is None else jax.lax.psum(a, self.name)
 
+  def min(self, a):
+    return a if self.name is None else jax.lax.pmin(a, self.name)
+
+
+def first_max(m, first, tile_max, tile_first):
+  """``(max, index)`` of a row's running maximum ``m`` at ``first`` and a tile's
+  (``tile_max`` at ``tile_first``, later in the row): the first index of the largest value,
+  as ``jnp.argmax`` gives it (a NaN the largest; a tie keeps the earlier index)."""
+  later = (tile_max > m) | (jnp.isnan(tile_max) & ~jnp.isnan(m))
+  return jnp.where(later, tile_max, m), jnp.where(later, tile_first, first)
+
+
+def argmax_across(shards: Shards, m, first):
+  """The global first index of the row maximum from each shard's ``(m, first)``: the least
+  index among the shards holding the largest value (NaN the largest)."""
+  if shards.name is None:
+    return first
+  top = shards.max(jnp.where(jnp.isnan(m), jnp.inf, m))
+  has = jnp.where(jnp.isnan(m), jnp.inf, m) == top
+  nan_anywhere = shards.max(jnp.isnan(m).astype(jnp.int32)) > 0
+  has = jnp.where(nan_anywhere, jnp.isnan(m), has)
+  return shards.min(jnp.where(has, first, jnp.iinfo(jnp.int32).max))
+
 
 def _token_tile(tokens: int, limit: int) -> int:
   """Tokens per tile, at most ``limit``: a multiple of 8 that divides ``tokens`` where one
@@ -172,7 +221,8 @@ def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
   Args:
     tokens, vocab: the head's shape.
     gradients: the gradient mode (:data:`GRADIENTS`).
-    platform: ``"cpu"``, ``"gpu"``, ... (default: JAX's default backend).
+    platform: ``"cpu"``, ``"gpu"``, ... (default: the current target's,
+      :func:`invact_jax.targets.platform`).
 
   Returns:
     "backward": about 2^20 logits per tile on CPU, up to 1024 tokens (2^25 elsewhere, up
@@ -181,7 +231,7 @@ def default_tiles(tokens: int, vocab: int, gradients: str = "backward",
     (2^22 elements on CPU, 2^28 elsewhere; 8 to 4096 tokens), and the weight gradient's
     update tile (2048 entries on CPU, the whole vocabulary elsewhere).
   """
-  platform = platform or jax.default_backend()
+  platform = platform or targets.platform()
   if gradients == "forward":
     elements = _FORWARD_ELEMENTS.get(platform, _FORWARD_ELEMENTS_OTHER)
     t = _token_tile(tokens, max(8, min(_MAX_FORWARD_TOKENS, elements // max(vocab, 1))))
@@ -292,7 +342,7 @@ def _chunks(a, c: int, fill=0):
 
 def _unchunk(a, size: int):
   """The inverse of :func:`_chunks`: [n, c, ...] -> the first ``size`` of [N, ...]."""
-  return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])[:size]
+  return jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])[:size]
 
 
 def _tiles(vocab: int, cv: int) -> tuple[int, int]:
@@ -346,22 +396,27 @@ def _forward(x, w, b, y, opts: Options, temperature=None):
     label = jnp.where(kc, yc, 0).astype(jnp.int32)
 
     def tile(start, size, acc):
-      m, total, picked, zsum = acc
+      m, total, picked, zsum, top, first = acc
       wt, bt = _weight_tile(w, b, start, size, opts, x.dtype)
       z, _, _ = _logits(xc, wt, bt, opts, cd, temperature)
       m_new = jnp.maximum(m, jnp.max(z, axis=-1))
       total = total * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
       here = jnp.arange(size, dtype=jnp.int32)[None, :] == (
-          label - shards.offset - start)[:, None]
+          opts.pick_label(label, vocab) - shards.offset - start)[:, None]
       picked = picked + jnp.sum(jnp.where(here, z, 0.0), axis=-1)
       if s:
         zsum = zsum + jnp.sum(z, axis=-1)
-      return m_new, total, picked, zsum
+      top, first = first_max(top, first, jnp.max(z, axis=-1),
+                             jnp.argmax(z, axis=-1).astype(jnp.int32) + shards.offset + start)
+      return m_new, total, picked, zsum, top, first
     row = xc[:, 0]  # per-token accumulators: the tokens' sharding (and vma)
     zeros = _common.varying_like(jnp.zeros_like(row, dtype=cd), xc, w)
-    m, total, picked, zsum = _over_tiles(shards.local, opts.vocab_chunk_size, tile, (
-        _common.varying_like(jnp.full_like(row, -jnp.inf, dtype=cd), xc, w), zeros, zeros,
-        zeros))
+    lowest = _common.varying_like(jnp.full_like(row, -jnp.inf, dtype=cd), xc, w)
+    m, total, picked, zsum, top, first = _over_tiles(
+        shards.local, opts.vocab_chunk_size, tile,
+        (lowest, zeros, zeros, zeros, lowest,
+         _common.varying_like(jnp.zeros_like(row, dtype=jnp.int32), xc, w)))
+    first = argmax_across(shards, top, first)
     if shards.name is not None:  # the shards' statistics combined
       top = shards.max(m)
       total = shards.sum(total * jnp.exp(m - top))
@@ -373,7 +428,7 @@ def _forward(x, w, b, y, opts: Options, temperature=None):
       loss = loss - s * zsum / vocab
     if opts.z_loss:
       loss = loss + opts.z_loss * lse * lse
-    correct = kc & inside & (picked >= m)  # the label's logit is the largest
+    correct = kc & inside & (first == label)  # the label is the argmax (the first largest)
     return None, (jnp.where(kc, loss, 0.0), lse, correct)
   _, (loss, lse, correct) = jax.lax.scan(chunk, None, (
       _chunks(x, opts.chunk_size), _chunks(y, opts.chunk_size),
@@ -414,7 +469,8 @@ def _backward(opts: Options, res, g, g_lse):
   counted = _counted(y, opts)
   if opts.reduction == "mean":
     g = g.astype(cd) / jnp.sum(counted).astype(cd)
-  scale = jnp.where(counted, jnp.broadcast_to(g.astype(cd), counted.shape), 0.0)
+  scale = jnp.where(opts.with_gradient(counted, y, vocab),
+                    jnp.broadcast_to(g.astype(cd), counted.shape), 0.0)
   s = opts.label_smoothing
   xs, ys, ls, ss = (_chunks(x, ct), _chunks(jnp.where(counted, y, 0).astype(jnp.int32), ct),
                     _chunks(lse, ct), _chunks(scale, ct))

@@ -24,6 +24,7 @@ chunks without steps 3-4, so the loss is the same number either way.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,14 @@ def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards, tempe
   z, _, u = base._logits(xc, w.astype(xc.dtype), None if b is None else b.astype(xc.dtype),
                          opts, cd, temperature)
   inside = (lc >= 0) & (lc < vocab)
-  here = lc - shards.offset
+  here = opts.pick_label(lc, vocab) - shards.offset
   picked = jnp.take_along_axis(z, jnp.clip(here, 0, shards.local - 1)[:, None], axis=-1)[:, 0]
   if shards.name is not None:  # the shard holding the label gives its logit
     picked = shards.sum(jnp.where((here >= 0) & (here < shards.local), picked, 0.0))
-  rowmax = shards.max(jnp.max(z, axis=-1))
+  local_max = jnp.max(z, axis=-1)
+  rowmax = shards.max(local_max)
+  first = base.argmax_across(shards, local_max,
+                             jnp.argmax(z, axis=-1).astype(jnp.int32) + shards.offset)
   # The shift reads the label's logit (and the mean), so they are computed before the logits'
   # gradient overwrites the logits: the chunk holds one [c, V] buffer, not two.
   shift = jnp.maximum(rowmax, jnp.where(inside, picked, -jnp.inf))
@@ -62,7 +66,7 @@ def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards, tempe
     shift = jnp.maximum(shift, zmean)
   shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
   lse = shift + jnp.log(shards.sum(jnp.sum(jnp.exp(z - shift[:, None]), axis=-1)))
-  correct = kc & inside & (picked >= rowmax)
+  correct = kc & inside & (first == lc)  # the label is the argmax (the first largest)
   picked = opts.outside(inside, picked, lse)
   loss = lse - (1.0 - s) * picked
   if s:
@@ -122,10 +126,10 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False, Fal
   c = opts.chunk_size
   counted = base._counted(y, opts)
   labels = jnp.where(counted, y, 0).astype(jnp.int32)
-  scale = jnp.where(counted, weights.astype(cd), 0.0)
   need_x, need_w, need_b, need_t = need
   grads = any(need)
   shards = base.Shards(opts, w.shape[opts.vocab_axis])
+  scale = jnp.where(opts.with_gradient(counted, y, shards.total), weights.astype(cd), 0.0)
 
   def chunk(acc, inputs):
     dw, db, dt = acc
@@ -213,14 +217,46 @@ def _bwd(opts: base.Options, res, cts):
 weighted_sum.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def weighted_sum_all(x, w, b, y, weights, opts: base.Options, temperature=None):
+  """:func:`weighted_sum` computing every input's gradient in the forward (no symbolic
+  zeros, which JAX's ``shard_map`` does not take in an eager call: inside a ``shard_map``)."""
+  loss, correct, *_ = _run(x, w, b, y, weights, opts, temperature=temperature)
+  return _total(loss, weights), correct
+
+
+class _Given(NamedTuple):
+  """A primal as a ``symbolic_zeros`` rule sees it: its value, differentiated."""
+  value: object
+  perturbed: bool = True
+
+
+def _fwd_all(x, w, b, y, weights, opts, temperature):
+  return _fwd(_Given(x), _Given(w), None if b is None else _Given(b), _Given(y, False),
+              _Given(weights), opts, None if temperature is None else _Given(temperature))
+
+
+weighted_sum_all.defvjp(_fwd_all, _bwd)
+
+
+def _in_shard_map() -> bool:
+  return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def weighted(x, w, b, y, weights, opts: base.Options, temperature=None):
+  """:func:`weighted_sum`, or inside a ``shard_map`` :func:`weighted_sum_all`."""
+  total_of = weighted_sum_all if _in_shard_map() else weighted_sum
+  return total_of(x, w, b, y, weights, opts, temperature)
+
+
 def reduced(x, w, b, y, opts: base.Options):
   """``(loss, correct)`` with ``opts.reduction`` ``"mean"`` (over the tokens that count; NaN
   when none does, with zero gradients, as the plain formula) or ``"sum"``."""
   cd = _common.compute_dtype(x.dtype)
   counted = base._counted(y, opts)
   if opts.reduction == "sum":
-    return weighted_sum(x, w, b, y, jnp.ones(y.shape, cd), opts)
+    return weighted(x, w, b, y, jnp.ones(y.shape, cd), opts)
   count = jnp.sum(counted).astype(cd)
   weight = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
-  total, correct = weighted_sum(x, w, b, y, jnp.broadcast_to(weight, y.shape), opts)
+  total, correct = weighted(x, w, b, y, jnp.broadcast_to(weight, y.shape), opts)
   return jnp.where(count > 0, total, jnp.nan), correct

@@ -1,0 +1,114 @@
+"""Recovery as a state machine: while any checkpoint verifies, --resume reaches it, and every
+stop's message says what the next command does — each test runs that command."""
+import os
+import signal
+
+import pytest
+
+from models import training
+from models.training import checkpoints
+from models.training import compare
+from models.training import loop
+from tests.training import SMALL
+
+
+def _signal_at(monkeypatch, at_step: int | None, signum=signal.SIGTERM, runs=None):
+  """Send ``signum`` to this process during train step ``at_step`` (None: just before the
+  first step, as a signal during compiling lands) of the runs ``runs`` names (None: any; a
+  comparison's second run, say)."""
+  if at_step is None:
+    real_steps = loop._steps  # pylint: disable=protected-access
+
+    def steps(cfg, *args, **kwargs):
+      if runs is None or cfg.run_name in runs:
+        os.kill(os.getpid(), signum)
+      return real_steps(cfg, *args, **kwargs)
+    monkeypatch.setattr(loop, "_steps", steps)
+    return
+  real = training.Trainer.train_step
+
+  def step(self, i):
+    if i == at_step and (runs is None or self.cfg.run_name in runs):
+      os.kill(os.getpid(), signum)
+    return real(self, i)
+  monkeypatch.setattr(training.Trainer, "train_step", step)
+
+
+def test_a_stop_before_the_first_checkpoint_says_to_start_over(digits, tmp_path, monkeypatch):
+  """SIGTERM before the first step (while compiling; orbax writes the first checkpoint after
+  that step): nothing was saved, and the message says so: the same command again (without
+  --resume) trains the run; --resume is refused."""
+  _signal_at(monkeypatch, None)
+  with pytest.raises(training.Interrupted) as e:
+    with training.stop_on_signals():
+      training.train(SMALL, digits, tmp_path / "run", progress=False, devices=1)
+  assert e.value.code == 143 and not e.value.resumable
+  assert "before the first checkpoint" in str(e.value) and "without --resume" in str(e.value)
+  monkeypatch.undo()
+  with pytest.raises(training.ConfigError, match="no checkpoint"):
+    training.train(SMALL, digits, tmp_path / "run", resume=True, progress=False, devices=1)
+  done = training.train(SMALL, digits, tmp_path / "run", progress=False, devices=1)
+  assert done["finished"]
+
+
+def test_a_stop_after_a_checkpoint_says_resume_and_it_does(digits, tmp_path, monkeypatch):
+  _signal_at(monkeypatch, 7)
+  with pytest.raises(training.Interrupted) as e:
+    with training.stop_on_signals():
+      training.train(SMALL, digits, tmp_path / "run", progress=False, devices=1)
+  assert e.value.resumable and "--resume" in str(e.value) and "without" not in str(e.value)
+  monkeypatch.undo()
+  done = training.train(SMALL, digits, tmp_path / "run", resume=True, progress=False, devices=1)
+  assert done["finished"] and done["steps"] == SMALL.steps
+
+
+def test_an_interrupted_comparison_resumes_whichever_run_is_unfinished(digits, tmp_path,
+                                                                       monkeypatch):
+  """Stopped in its second run before that run's first checkpoint: the message says
+  --resume, and --compare --resume finishes the comparison (the first run resumed at its
+  end, the second started)."""
+  first, second = (c.run_name for c in compare._runs(SMALL))  # pylint: disable=protected-access
+  _signal_at(monkeypatch, None, runs=(second,))
+  with pytest.raises(training.Interrupted) as e:
+    with training.stop_on_signals():
+      compare.compare(SMALL, digits, tmp_path, progress=False)
+  assert e.value.resumable and "--resume" in str(e.value)
+  assert checkpoints.latest_step(tmp_path / first) == SMALL.steps
+  assert checkpoints.latest_step(tmp_path / second) is None
+  monkeypatch.undo()
+  result = compare.compare(SMALL, digits, tmp_path, resume=True, progress=False)
+  assert {r["steps"] for r in result["runs"].values()} == {SMALL.steps}
+
+
+def test_a_comparison_stopped_before_any_checkpoint_says_to_start_over(digits, tmp_path,
+                                                                       monkeypatch):
+  first, _ = (c.run_name for c in compare._runs(SMALL))  # pylint: disable=protected-access
+  _signal_at(monkeypatch, None, runs=(first,))
+  with pytest.raises(training.Interrupted) as e:
+    with training.stop_on_signals():
+      compare.compare(SMALL, digits, tmp_path, progress=False)
+  assert not e.value.resumable and "without --resume" in str(e.value)
+  monkeypatch.undo()
+  with pytest.raises(training.ConfigError, match="run it again without --resume"):
+    compare.compare(SMALL, digits, tmp_path, resume=True, progress=False)
+
+
+def test_a_step_damaged_twice_is_set_aside_again(digits, tmp_path):
+  """Step 10 set aside once (``10.corrupt``), the run re-run past it, and step 10 damaged
+  again: the resume sets it aside as ``10.corrupt.1`` and reaches step 5 (before: "cannot
+  rename ... already exists", exit 2)."""
+  run = tmp_path / "run"
+  training.train(SMALL, digits, run, progress=False, stop_after=11, devices=1)
+  ckpt = run / "checkpoints"
+
+  def damage():
+    for f in (ckpt / "10").rglob("*"):
+      if f.is_file():
+        f.write_bytes(b"torn write")
+  damage()
+  with pytest.warns(UserWarning, match="moved it to 10.corrupt and"):
+    training.train(SMALL, digits, run, resume=True, progress=False, stop_after=11, devices=1)
+  damage()
+  with pytest.warns(UserWarning, match=r"moved it to 10\.corrupt\.1 and"):
+    done = training.train(SMALL, digits, run, resume=True, progress=False, devices=1)
+  assert done["finished"] and (ckpt / "10.corrupt").is_dir() and (ckpt / "10.corrupt.1").is_dir()
