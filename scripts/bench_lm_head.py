@@ -8,6 +8,7 @@ process, the steps timed interleaved.
   python scripts/bench_lm_head.py ... --tiles 128x2048 512x128256 backward:1024x1024  # a sweep
   python scripts/bench_lm_head.py ... --profile 8   # where each head's time goes
   python scripts/bench_lm_head.py ... --device h100  # the temp columns for an H100, on any machine
+  python scripts/bench_lm_head.py ... --skip-below 1e-6 1e-4  # the fused head's gradient filter
 
 Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
 (on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
@@ -43,6 +44,10 @@ def main(argv=None) -> int:
                       "recomputing backward's tiles")
   p.add_argument("--profile", type=cli.positive_int, default=0, metavar="K",
                  help="also each JAX head's K largest XLA operations per step (jax.profiler)")
+  p.add_argument("--skip-below", nargs="+", type=cli.positive_float, default=[], metavar="T",
+                 help="also the fused Pallas head dropping backward tiles whose gradient "
+                      "entries are all below T (its gradient error; interpret mode without a "
+                      "GPU)")
   p.add_argument("--device", default=None,
                  help="predict the memory columns for this device without it (h100, h200, a "
                       "GpuTargetConfigProto file; docs/deviceless.md): compile only, no timing")

@@ -47,11 +47,15 @@ class Implementation:
     num_warps: kernels: warps per program (a power of two); None: the kernel's default.
     interpret: run kernels in interpret mode (Pallas or Triton's interpreter); None: Pallas
       interprets where there is no GPU, Triton never does unless asked.
+    skip_below: the LM head's fused backward (``linear_cross_entropy``, "pallas"): a tile
+      whose largest logits-gradient entry is below this adds nothing (Cut Cross-Entropy's
+      gradient filtering; None, the default: every tile adds; docs/lm-head.md).
   """
   name: str
   block_rows: int | None = None
   num_warps: int | None = None
   interpret: bool | None = None
+  skip_below: float | None = None
 
   def __post_init__(self):
     if self.name not in NAMES:
@@ -62,9 +66,15 @@ class Implementation:
       if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1 or b & (b - 1)):
         raise ValueError(f"Implementation: argument `{arg}` must be a positive power of two "
                          f"(kernel blocks need power-of-two sizes), got {b!r}")
-    if self.name == "xla" and (self.block_rows or self.num_warps or self.interpret):
+    if self.skip_below is not None and (
+        isinstance(self.skip_below, bool) or not isinstance(self.skip_below, (int, float))
+        or not 0 <= self.skip_below < float("inf")):
+      raise ValueError(f"Implementation: argument `skip_below` must be a finite number >= 0 "
+                       f"or None, got {self.skip_below!r}")
+    if self.name == "xla" and (self.block_rows or self.num_warps or self.interpret
+                               or self.skip_below is not None):
       raise ValueError("Implementation: name='xla' takes no kernel options (block_rows, "
-                       "num_warps, interpret)")
+                       "num_warps, interpret, skip_below)")
 
 
 #: What ``implementation=`` accepts: None (XLA), a name, or an :class:`Implementation`.
@@ -166,7 +176,7 @@ def resolve(implementation, *, op: str, implementations: Mapping[str, Implementa
     raise ValueError(f"invact_jax.{op}: implementation={name!r} is not available for this op; it "
                      f"has {tuple(implementations)}")
   if opts is not None:
-    given = [o for o in ("block_rows", "num_warps") if getattr(opts, o) is not None]
+    given = [o for o in ("block_rows", "num_warps", "skip_below") if getattr(opts, o) is not None]
     unused = [o for o in given if o not in options]
     if unused:
       raise ValueError(f"invact_jax.{op}: Implementation option(s) {unused} have no effect on "
@@ -189,6 +199,8 @@ def resolve(implementation, *, op: str, implementations: Mapping[str, Implementa
       if not ok:
         raise RuntimeError(f"invact_jax.{op}: implementation='triton' cannot run here: {why}")
       interpret = False
+  extra = ({"skip_below": opts.skip_below}
+           if opts is not None and opts.skip_below is not None else {})
   return dataclasses.replace(implementations[name], interpret=bool(interpret),
                              block_rows=None if opts is None else opts.block_rows,
-                             num_warps=None if opts is None else opts.num_warps)
+                             num_warps=None if opts is None else opts.num_warps, **extra)

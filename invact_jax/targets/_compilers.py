@@ -107,6 +107,10 @@ def tpu_topology(name: str, **kwargs):
       raise Unavailable(f"no XLA:TPU compiler for a deviceless TPU compile: "
                         f"{install_hint('tpu')}")
     os.environ["TPU_LIBRARY_PATH"] = found  # (read when libtpu is first loaded)
+  if jax.default_backend() != "tpu":
+    # No TPU here to share: several processes compiling for one (a test run's workers) may
+    # each load libtpu, which otherwise takes a machine-wide lock file.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     with _quiet():
       return topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs)

@@ -150,10 +150,25 @@ class Target:
     at ``args``/``kwargs`` (arrays or shape structs; on a deviceless target placed there by
     :meth:`place`), traced as for the target (:func:`compiling_for`)."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    if self.deviceless:
-      args, kwargs = self.place((args, kwargs))
-    with compiling_for(self):
+    if not self.deviceless:
+      with compiling_for(self):
+        return jitted.lower(*args, **kwargs)
+    args, kwargs = self.place((args, kwargs))
+    with compiling_for(self), self._described():
       return jitted.lower(*args, **kwargs)
+
+  def _described(self):
+    """A context in which what asks JAX for the device (Pallas's Triton lowering of JAX 0.11+,
+    for the compute capability) finds the target's: an abstract mesh without axes naming its
+    device, where the caller set none with axes (this JAX has no abstract devices: none)."""
+    make = getattr(jax.sharding, "AbstractDevice", None)
+    current = jax.sharding.get_abstract_mesh()
+    if make is None or getattr(current, "axis_names", ()):
+      return contextlib.nullcontext()
+    device = make(device_kind=self.device_kind, num_cores=None,
+                  platform="cuda" if self.platform == "gpu" else self.platform)
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((), (), abstract_device=device))
 
   def compile(self, lowered: jax.stages.Lowered,
               options: dict[str, Any] | None = None) -> jax.stages.Compiled:
@@ -206,7 +221,10 @@ def local(backend: str | None = None) -> Target:
   """This machine's ``backend`` (default: JAX's default backend) as a target."""
   devices = tuple(jax.devices(backend) if backend else jax.devices())
   kind = devices[0].platform
-  stats = devices[0].memory_stats() or {}
+  try:  # (this process's own device: another process's has no statistics here)
+    stats = jax.local_devices(backend=backend)[0].memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except
+    stats = {}
   return Target(kind, "gpu" if kind in ("cuda", "rocm", "gpu") else kind, devices,
                 devices[0].device_kind, stats.get("bytes_limit"), False)
 

@@ -92,6 +92,11 @@ def ours_backward(x, w, labels):
   return invact_jax.linear_cross_entropy(x, w, labels, gradients="backward")
 
 
+def ours_pallas(x, w, labels):
+  """The fused Pallas kernels: no tile of logits leaves the chip."""
+  return invact_jax.linear_cross_entropy(x, w, labels, implementation="pallas")
+
+
 def _tokamax(implementation: str) -> Callable | None:
   """tokamax's head with ``implementation``; None where tokamax is not installed; where it
   is but its import fails (a dependency missing), a loss that raises that error (the row
@@ -154,6 +159,15 @@ def parse_tile(text: str) -> tuple[str, int, int]:
   return mode, int(parts[0]), int(parts[1])
 
 
+def skip_heads(thresholds) -> dict[str, Callable]:
+  """Per threshold, ``"invact_jax pallas skip_below=T"``: the fused kernels dropping backward
+  tiles whose gradient entries are all below ``T`` (the gradient error it costs)."""
+  return {f"invact_jax pallas skip_below={t:g}": functools.partial(
+      invact_jax.linear_cross_entropy,
+      implementation=invact_jax.Implementation(name="pallas", skip_below=float(t)))
+          for t in thresholds}
+
+
 def tile_heads(tiles) -> dict[str, Callable]:
   """Per ``(mode, tokens, vocabulary entries)`` in ``tiles``, ``"invact_jax MODE TxV"``:
   :func:`invact_jax.linear_cross_entropy` with that gradient mode and tile (the sweep that
@@ -167,6 +181,9 @@ def heads() -> dict[str, Callable]:
   """name -> loss(x, w, labels), those that can run here."""
   out = {"plain": plain, "invact_jax": ours, "invact_jax gradients=backward": ours_backward,
          "invact_jax.invert(plain)": invact_jax.invert(plain)}
+  from invact_jax import targets  # pylint: disable=import-outside-toplevel
+  if targets.platform() == "gpu":  # (compiled for a GPU, or for one without it; interpret
+    out["invact_jax pallas"] = ours_pallas  # mode elsewhere is a test, not a benchmark)
   for impl in ("chunked_xla", "xla"):
     fn = _tokamax(impl)
     if fn is not None:
@@ -175,7 +192,7 @@ def heads() -> dict[str, Callable]:
 
 
 HEADS = ("plain", "invact_jax", "invact_jax gradients=backward", "invact_jax.invert(plain)",
-            "tokamax chunked_xla", "tokamax xla")
+         "invact_jax pallas", "tokamax chunked_xla", "tokamax xla")
 
 
 def _has_logits_buffer(text: str, n: int, v: int) -> bool:
@@ -221,7 +238,8 @@ def predicted_rows(tokens: int, d: int, vocab: int, dtypes=("float32",), names=N
     x_dtype, w_dtype = split_dtype(dtype)
     structs = (jax.ShapeDtypeStruct((tokens, d), x_dtype), jax.ShapeDtypeStruct((d, vocab), w_dtype),
                jax.ShapeDtypeStruct((tokens,), jnp.int32))
-    losses = {k: f for k, f in heads().items() if names is None or k in names}
+    with targets.compiling_for(target):
+      losses = {k: f for k, f in heads().items() if names is None or k in names}
     for name, loss in {**losses, **tile_heads(tiles)}.items():
       row = {"dtype": dtype, "tokens": tokens, "d": d, "vocab": vocab, "framework": "jax",
              "head": name}
@@ -296,7 +314,8 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
 
 
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
-         names=None, torch: bool = True, tiles=(), profile: int = 0) -> list[dict]:
+         names=None, torch: bool = True, tiles=(), profile: int = 0,
+         skip_below=()) -> list[dict]:
   """Every head in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
   ``tiles`` (:func:`tile_heads`) on one head per dtype, timed interleaved; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
@@ -313,7 +332,7 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     g64 = reference_grads(head)
     losses = {k: f for k, f in heads().items() if names is None or k in names}
     measured, steps = [], {}
-    for name, loss in {**losses, **tile_heads(tiles)}.items():
+    for name, loss in {**losses, **tile_heads(tiles), **skip_heads(skip_below)}.items():
       row, compiled = compile_step(name, loss, head, g64)
       measured.append(row)
       if compiled is not None:
@@ -458,7 +477,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
   measured = []
   for i, dtype in enumerate(a.dtypes):  # each dtype's rows written as they are done: a run
     measured += rows(a.tokens, a.d, a.vocab, (dtype,), a.repeats, tiles=a.tiles,  # cut
-                     profile=a.profile)  # short keeps them
+                     profile=a.profile, skip_below=getattr(a, "skip_below", ()) or ())  # short keeps them
     print(table([r for r in measured if r["dtype"] == dtype]), flush=True)
     for r in measured:
       if r["dtype"] == dtype and r.get("profile"):

@@ -7,9 +7,8 @@ import datetime
 import pathlib
 import re
 import sys
-import tempfile
-import types
 
+from pallas_kernels import machine_code
 from pallas_kernels.machine_code import H100, predict, stats
 
 __all__ = ["roofline"]
@@ -21,31 +20,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUM_WARPS = 4  # the kernels' default (pallas_kernels.elementwise.compiler_params)
 
 
-def _capture_ttir():
-  """Make Pallas lower for CUDA without a GPU and keep the Triton IR text of each kernel."""
-  from jax._src.pallas.triton import lowering  # pylint: disable=import-outside-toplevel
-  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=import-outside-toplevel
-  reg.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability="9.0")
-  captured = []
-  original = lowering.lower_jaxpr_to_triton_module
-
-  def spy(*args, **kwargs):
-    res = original(*args, **kwargs)
-    captured.append(res.module.operation.get_asm(enable_debug_info=False))
-    return res
-  reg.lowering.lower_jaxpr_to_triton_module = spy
-  return captured
+_capture_ttir = machine_code.capture_ttir
 
 
 def _sass_stats(ttir: str, num_warps: int) -> dict:
-  import triton  # pylint: disable=import-outside-toplevel
-  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-  with tempfile.TemporaryDirectory() as tmp:
-    src = pathlib.Path(tmp) / "kernel.ttir"
-    src.write_text(ttir)
-    k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps})
-  return stats(k.asm["cubin"])
+  return stats(machine_code.compile_ttir(ttir, num_warps))
 
 
 def _triton_rows(name, op, dtype) -> list[dict]:

@@ -110,7 +110,7 @@ def test_each_dtypes_rows_are_written_as_they_are_done(monkeypatch, tmp_path):
   which it did not."""
   import argparse  # pylint: disable=import-outside-toplevel
 
-  def rows(tokens, d, vocab, dtypes, repeats, tiles=(), profile=0):
+  def rows(tokens, d, vocab, dtypes, repeats, tiles=(), profile=0, skip_below=()):
     if dtypes == ("bfloat16",):
       raise TimeoutError("cut short")
     return [{"dtype": dtypes[0], "head": "plain", "framework": "jax", "time_s": 1.0}]

@@ -21,14 +21,19 @@ from invact_jax.ops import _common
 from invact_jax.ops import _implementation
 from invact_jax.ops.cross_entropy import base
 from invact_jax.ops.cross_entropy import in_forward
+from invact_jax.ops.cross_entropy.pallas import PallasCrossEntropy
 
 ImplementationLike = _implementation.ImplementationLike
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
-#: How this op can run: XLA (a chunked loop; kernels only where they beat it on a GPU).
-IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
+#: How this op can run: XLA (a chunked loop, the default), or the fused Pallas kernels
+#: (:mod:`.pallas`: no tile of logits leaves the chip; the default nowhere until a GPU run
+#: measures it faster than the XLA path).
+IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
+    "xla": _implementation.XLA, "pallas": PallasCrossEntropy()}
 _REDUCTIONS = ("mean", "sum", "none")
+_KERNEL_OPTIONS = ("block_rows", "num_warps", "interpret", "skip_below")
 
 
 def _arrays(fn, x, w, labels, bias, vocab_axis):
@@ -213,9 +218,8 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     w: the output weight, [d, V] (``vocab_axis=-1``) or [V, d] (``vocab_axis=0``: a tied
       embedding table), used in ``x``'s dtype (a float32 weight with bfloat16 activations
       is cast per tile or chunk, never kept as a bfloat16 copy).
-    labels: integer array of ``x``'s leading shape, in ``[0, V)`` or ``ignore_index``; an
-      out-of-range label gives that token a NaN loss under ``jit`` (concrete labels are
-      checked here).
+    labels: integers of ``x``'s leading shape in ``[0, V)`` or ``ignore_index`` (under
+      ``jit`` one outside gives its token a NaN loss; concrete labels are checked here).
     bias: [V] or None.
     reduction: ``"mean"`` (over the tokens not ignored; NaN when all are), ``"sum"``, or
       ``"none"`` (per-token losses of ``labels``' shape, 0 for ignored tokens).
@@ -233,15 +237,14 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
       gradient's memory: pass the float32 master weight, or ``gradients="forward"``).
       Under ``vmap`` or ``scan`` with the gradient taken outside them, ``"forward"`` keeps one
       weight gradient per example or step: use ``"backward"`` there.
-    return_correct: also return, per token, whether its label is the argmax of its logits
-      (``jnp.argmax``'s: the first of equal largest logits, so a tie with an earlier class
-      is not correct; the accuracy's numerator, for free: the forward tracks each token's
-      largest logit).
+    return_correct: also return, per token, whether its label is ``jnp.argmax`` of its
+      logits (a tie with an earlier class is not correct): the accuracy's numerator.
     vocab_axis_name: inside ``shard_map``, the mesh axis (or axes) a tensor-parallel head
       splits the vocabulary over: ``w`` and ``bias`` hold this device's contiguous shard, in
       axis-index order, and ``x`` and the (global) labels are the same along the axis; row
       statistics are combined over it (Megatron's vocabulary-parallel cross-entropy).
-    implementation: None / "xla".
+    implementation: None / "xla" (the chunked loop), or "pallas" (or an
+      ``invact_jax.Implementation``): the fused kernels, :mod:`.pallas`.
 
   Returns:
     The loss: float32 (float64 for float64 inputs), a scalar unless ``reduction="none"``;
@@ -259,21 +262,36 @@ def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     2.7726
   """
   fn = "linear_cross_entropy"
-  _implementation.resolve(implementation, op=fn, implementations=IMPLEMENTATIONS, options=())
+  impl = _implementation.resolve(implementation, op=fn, implementations=IMPLEMENTATIONS,
+                                 options=_KERNEL_OPTIONS)
   x2, w, bias, y, opts, lead = _options(fn, x, w, labels, bias, reduction, ignore_index,
                                         label_smoothing, z_loss, logit_soft_cap, vocab_axis,
                                         chunk_size, vocab_chunk_size, gradients,
                                         vocab_axis_name)
-  if not isinstance(return_correct, bool):
-    raise TypeError(f"invact_jax.{fn}: argument `return_correct` must be a bool, got "
-                    f"{return_correct!r}")
-  out, correct = _loss(x2, w, bias, y, opts)
+  _runs_there(fn, impl, opts, gradients, return_correct)
+  out, correct = _loss(x2, w, bias, y, opts, impl)
   out = out.reshape(lead) if reduction == "none" else out
   return (out, correct.reshape(lead)) if return_correct else out
 
 
-def _loss(x, w, bias, y, opts: base.Options):
-  """``(loss, correct)`` of checked arguments, by the gradient mode."""
+def _runs_there(fn, impl, opts: base.Options, gradients, return_correct) -> None:
+  """One line where ``return_correct`` is no bool or ``impl`` cannot run the head ``opts``
+  describe."""
+  if not isinstance(return_correct, bool):
+    raise TypeError(f"invact_jax.{fn}: argument `return_correct` must be a bool, got "
+                    f"{return_correct!r}")
+  if impl.name != "pallas":
+    return
+  why = impl.unsupported(opts) or (
+      "gradients='forward' (the fused kernels recompute the logits in the backward)"
+      if gradients == "forward" else None)
+  if why is not None:
+    raise ValueError(f"invact_jax.{fn}: implementation='pallas' does not run {why}; use "
+                     "implementation='xla'")
+
+
+def _loss(x, w, bias, y, opts: base.Options, impl=_implementation.XLA):
+  """``(loss, correct)`` of checked arguments, by the implementation and gradient mode."""
   if x.shape[0] == 0 or x.shape[1] == 0:  # no tokens, or d = 0 (every logit the bias's):
     loss = base.reference(x, w, bias, y, opts)  # the plain formula (nothing to hold)
     if not x.shape[0]:
@@ -282,6 +300,8 @@ def _loss(x, w, bias, y, opts: base.Options):
         jnp.broadcast_to(bias, y.shape + bias.shape))
     counted = base._counted(y, opts)  # pylint: disable=protected-access
     return loss, counted & (jnp.argmax(z, axis=-1) == y)
+  if impl.name == "pallas":
+    return impl.loss(x, w, bias, y, opts)
   if opts.gradients == "forward":
     return in_forward.reduced(x, w, bias, y, opts)
   return base.linear_cross_entropy(x, w, bias, y, opts)
