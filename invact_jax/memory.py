@@ -446,7 +446,7 @@ _MOVES = frozenset({
     "copy", "copy_p", "rev", "select_and_gather_add", "stop_gradient",
     "name", "pvary", "pcast", "device_put", "optimization_barrier", "random_bits",
     "random_seed", "random_wrap", "random_unwrap", "threefry2x32", "sharding_constraint",
-    "mesh_cast"})
+    "mesh_cast", "get", "swap", "program_id", "num_programs"})
 # Primitives lowered to several operations per element.
 _PER_ELEMENT = {"logistic": 3.0, "one_minus_square": 3.0}
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
@@ -462,7 +462,9 @@ def jaxpr_flops(jaxpr, *, per_iteration: bool = False) -> float:
   lowered module, without lowering it: a matmul 2·M·N·K, an elementwise operation one per
   output element (``logistic`` three, ``integer_pow`` its multiplications, JAX 0.12's
   ``polynomial`` two per coefficient), a reduction its
-  input's elements less its output's, a transcendental or a move none; equations whose
+  input's elements less its output's, a transcendental or a move none; cuDNN's fused
+  attention as :func:`custom_call_flops` counts it; a Pallas kernel its ``cost_estimate``
+  (else its body once per grid step); equations whose
   outputs nothing reads left out (as lowering leaves them out); nested jaxprs counted once
   each (a loop's body once, as XLA does; a ``cond`` its costliest branch).
 
@@ -517,6 +519,14 @@ def _eqn_flops(e, live_out: list, const_in: list, per_iteration: bool) -> float:
   inner = [getattr(v, "jaxpr", v) for v in e.params.values()
            if hasattr(getattr(v, "jaxpr", v), "eqns")]
   branches = e.params.get("branches")
+  if name == "pallas_call":  # its cost estimate where it gives one, else its kernel per step
+    estimate = e.params.get("cost_estimate")
+    if estimate is not None:
+      return float(estimate.flops)
+    grid = getattr(e.params.get("grid_mapping"), "grid", ()) or ()
+    kernel = e.params["jaxpr"]
+    return math.prod(int(g) for g in grid if isinstance(g, int)) * _counted(
+        kernel, [True] * len(kernel.outvars), [False] * len(kernel.invars), per_iteration)
   if branches:  # (the first input is the index)
     return max(_counted(b.jaxpr, live_out, const_in[1:], per_iteration) for b in branches)
   if inner:
@@ -541,12 +551,27 @@ def _eqn_flops(e, live_out: list, const_in: list, per_iteration: bool) -> float:
     return sum(_elements(v.aval) for v in e.invars) - out
   if name in _PER_ELEMENT:
     return _PER_ELEMENT[name] * out
+  if name.startswith("dot_product_attention_"):  # cuDNN's fused attention (custom_call_flops)
+    return _cudnn_attention_flops(e)
   if name == "polynomial":  # (JAX 0.12) Horner's rule: a product and a sum per coefficient
     return 2.0 * (len(e.invars) - 2) * out
   if name == "integer_pow":
     y = int(e.params["y"])
     return (max(abs(y) - 1, 0) + (y < 0)) * out
   return 0.0 if name in _TRANSCENDENTAL or name in _MOVES else float(out)
+
+
+def _cudnn_attention_flops(e) -> float:
+  """FLOPs of a cuDNN attention equation as :func:`custom_call_flops` counts its call:
+  4·B·N·T·S·H forward, 10·B·N·T·S·H backward (``layout`` 0: [B, T, N, H], 1: [B, N, T, H]);
+  the FP8 variants likewise."""
+  q, k = e.invars[0].aval.shape, e.invars[1].aval.shape
+  if len(q) != 4 or len(k) != 4:
+    return 0.0
+  bnth = int(getattr(e.params.get("layout", 0), "value", e.params.get("layout", 0))) == 1
+  s = k[2] if bnth else k[1]
+  per = math.prod(q) * s
+  return (10.0 if "_bwd" in e.primitive.name else 4.0) * per
 
 
 def reports_peak(device=None) -> bool:

@@ -49,10 +49,13 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import math
+import os
+import sys
 import time
 from collections.abc import Iterable
 from typing import Sequence
@@ -351,7 +354,27 @@ def _bounds(nv: int, K: int, T: int, L: int, offsets: tuple, p_lower: float, p_u
   return lower, upper, integrality
 
 
-def _milp(prog, objective, extra=(), p_upper=None):
+@contextlib.contextmanager
+def _stdout_silenced():
+  """File descriptor 1 sent to /dev/null for the block: HiGHS (scipy's MILP solver) prints a
+  debug line from C++ on some time-limited solves, whatever ``disp`` says."""
+  try:
+    fd = sys.stdout.fileno()
+  except (AttributeError, OSError, ValueError):  # (a captured or replaced stdout)
+    yield
+    return
+  sys.stdout.flush()
+  saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(null, fd)
+    yield
+  finally:
+    os.dup2(saved, fd)
+    os.close(saved)
+    os.close(null)
+
+
+def _milp(prog, objective, extra=(), p_upper=None, time_limit: float = 10.0):
   from scipy import optimize  # pylint: disable=import-outside-toplevel
   cons = [optimize.LinearConstraint(prog["A"], prog["lo"], prog["hi"])]
   for coef, lower, upper in extra:
@@ -361,9 +384,10 @@ def _milp(prog, objective, extra=(), p_upper=None):
     upper[prog["iP"]] = p_upper
   if upper[prog["iP"]] < prog["lower"][prog["iP"]]:
     return None
-  res = optimize.milp(objective, constraints=cons, integrality=prog["integrality"],
-                      bounds=optimize.Bounds(prog["lower"], upper),
-                      options={"time_limit": 10.0, "mip_rel_gap": 0.0, "disp": False})
+  with _stdout_silenced():
+    res = optimize.milp(objective, constraints=cons, integrality=prog["integrality"],
+                        bounds=optimize.Bounds(prog["lower"], upper),
+                        options={"time_limit": time_limit, "mip_rel_gap": 0.0, "disp": False})
   return res if res.x is not None else None
 
 
@@ -379,36 +403,37 @@ def _decode(p: LayerProfile, prog, x):
   return tuple(keep), tuple(offload)
 
 
-def _best(p: LayerProfile, prog, p_upper):
-  """Least cost; among those the least peak; among those the fewest runs."""
+def _best(p: LayerProfile, prog, p_upper, time_limit: float = 10.0):
+  """Least cost; among those the least peak; among those the fewest runs (each solve within
+  ``time_limit`` seconds: past it, the best plan found so far)."""
   iP, a0, K = prog["iP"], prog["a0"], prog["K"]
   g = prog["gain"] / max(float(np.abs(prog["gain"]).max(initial=0.0)), 1.0)
-  res = _milp(prog, -g, p_upper=p_upper)
+  res = _milp(prog, -g, p_upper=p_upper, time_limit=time_limit)
   if res is None:
     return None
   tol = lambda v: 1e-6 * max(1.0, abs(v))  # pylint: disable=unnecessary-lambda-assignment
   tie = [(g, -res.fun - tol(res.fun), np.inf)]
   peak_obj = np.zeros_like(g)
   peak_obj[iP] = 1.0
-  lean = _milp(prog, peak_obj, tie, p_upper)
+  lean = _milp(prog, peak_obj, tie, p_upper, time_limit)
   if lean is not None:
     res = lean
     runs_obj = np.zeros_like(g)
     runs_obj[a0:a0 + K] = 1.0
-    few = _milp(prog, runs_obj, tie, min(p_upper, lean.fun + tol(lean.fun)))
+    few = _milp(prog, runs_obj, tie, min(p_upper, lean.fun + tol(lean.fun)), time_limit)
     if few is not None:
       res = few
   return _decode(p, prog, res.x)
 
 
-def _solve_one(p: LayerProfile, budget: int, uniform: bool):
+def _solve_one(p: LayerProfile, budget: int, uniform: bool, time_limit: float = 10.0):
   """``(keep, offload)`` of the cheapest plan of ``p`` within ``budget``, or None."""
   if not p.tags:  # nothing to choose: every layer recomputes everything
     return (((),) * p.depth,) * 2 if p.base_bytes <= budget else None
   prog = _program(p, uniform)
   room = (budget - p.base_bytes) / prog["scale"]
   for _ in range(3):  # the solver's tolerance can admit a plan a few bytes over
-    got = _best(p, prog, room)
+    got = _best(p, prog, room, time_limit)
     if got is None or p.peak(*got) <= budget:
       return got
     room -= (p.peak(*got) - budget) / prog["scale"] + 1e-6
@@ -431,8 +456,19 @@ def _minimum(p: LayerProfile, uniform: bool) -> int:
 _NO_LIMIT = 2**62
 
 
-def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False) -> Plan:
+def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = False,
+          time_limit: float = 10.0) -> Plan:
   """The cheapest plan over ``profiles`` (configurations) whose predicted peak fits ``budget``.
+
+  Args:
+    profiles: one :class:`LayerProfile` per configuration.
+    budget: bytes the predicted peak may reach.
+    uniform: one set of tags for every layer (else runs of layers may differ).
+    time_limit: seconds per integer-program solve (three per configuration: cost, then peak,
+      then runs); past it the best plan found so far.
+
+  Returns:
+    The :class:`Plan`.
 
   Raises:
     InfeasibleBudget: when even keeping nothing exceeds the budget (the error states the
@@ -460,7 +496,7 @@ def solve(profiles: Sequence[LayerProfile], budget: int, *, uniform: bool = Fals
   t0 = time.perf_counter()
   best = None
   for p in profiles:
-    got = _solve_one(p, budget, uniform)
+    got = _solve_one(p, budget, uniform, time_limit)
     if got is None:
       continue
     cand = (p.cost(*got), p.peak(*got), p, got)

@@ -27,11 +27,20 @@ The pipeline, for ``plan(fn, *example_args, budget=...)``:
    where it keeps every tensor worth keeping, the program as written is compiled first (no
    recompute at all, if it fits); else the planned program is compiled: where XLA's temp is
    off its prediction by more than 5 % the bytes a kept tensor adds per layer are recalibrated
-   from it (XLA:CPU keeps 16-bit values as float32, say) and the plan solved again, and where
-   it is above the budget the target is lowered by the excess.  So a plan costs two compiles
-   where the model holds, plus the tracing.
-5. The returned function is ``fn`` with the layer body under ``jax.checkpoint`` with the
-   names policy of the plan (``planner.policy``: offloaded tensors go to ``pinned_host``).
+   (least squares over every plan compiled: XLA:CPU keeps 16-bit values as float32, say) and
+   the plan solved again, and where it is above the budget the target is lowered by the
+   excess.
+5. The solved plan is one choice among the program's others, costed the same way
+   (:func:`_cheapest`): JAX's none / full / dots / dots_no_batch, MaxText's presets whose
+   names the layer has (:data:`MAXTEXT_PRESETS`), every set compiled on the way that fits,
+   and a plan by runs of layers where one is predicted to pay (:func:`_per_run`).  A choice's
+   recompute is its traced gradient step's FLOPs less the step without remat's (XLA's count
+   of the compiled step); the least whose compiled temp fits is taken, so the plan never
+   recomputes more than a fixed policy that fits.  So a plan costs two compiles where the
+   model holds, plus the tracing.
+6. The returned function is ``fn`` with the layer body under ``jax.checkpoint`` with the names
+   policy of the plan (``planner.policy``: offloaded tensors go to ``pinned_host``), or the
+   fixed policy taken, or one scan per run of layers.
 
 With ``convert=True`` the same runs on ``invert(fn)`` too, from the program whose step does
 the fewest FLOPs recomputing nothing up; a program that cannot beat a plan already made is
@@ -54,7 +63,8 @@ import numpy as np
 from invact_jax import _vjp_residuals, memory, planner, targets
 from invact_jax.convert import _graph
 
-__all__ = ["plan", "Planned", "PlanReport", "Tensor", "parse_budget", "FIXED_POLICIES"]
+__all__ = ["plan", "Planned", "PlanReport", "Tensor", "parse_budget", "FIXED_POLICIES",
+           "MAXTEXT_PRESETS"]
 
 # Equations whose outputs are candidates when the program names none of them itself.
 _AUTO = {"dot_general": "matmul", "conv_general_dilated": "conv",
@@ -62,7 +72,8 @@ _AUTO = {"dot_general": "matmul", "conv_general_dilated": "conv",
 # Equations that only re-lay, re-type or slice a value: a matmul operand computed by them is
 # the value they start from (a layer's weight sliced from its stack is an input).
 _LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
-                     "convert_element_type", "copy", "copy_p", "slice", "dynamic_slice"})
+                     "convert_element_type", "copy", "copy_p", "slice", "dynamic_slice",
+                     "split"})
 _REMAT = ("checkpoint", "remat", "remat2")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -74,6 +85,26 @@ _TOLERANCE = 0.05
 #: too): a plan takes one where it fits and recomputes less.
 FIXED_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
                   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
+_MLP = ("mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
+#: MaxText's remat presets by the ``checkpoint_name`` s each saves (its decoder's
+#: ``remat_policy``): a plan weighs those whose names the program's layer has beside JAX's
+#: policies, costed as every choice is.
+MAXTEXT_PRESETS: dict[str, tuple[str, ...]] = {
+    "minimal": (*_QKV, "out_proj", *_MLP),
+    "minimal_with_context": (*_QKV, "out_proj", *_MLP, "context"),
+    "save_dot_with_context_except_mlp": (*_QKV, "context", "out_proj"),
+    "save_dot_except_mlpwi": (*_QKV, "out_proj", "mlpwo"),
+    "save_dot_except_mlp": (*_QKV, "out_proj"),
+    "save_qkv_proj": _QKV,
+    "save_out_proj": ("out_proj",),
+}
+# Seconds per integer-program solve of a plan by runs of layers (past it, the best found: a
+# 12-tensor, 8-layer profile took 9 s to prove its optimum).
+_RUNS_SOLVE_SECONDS = 0.25
+# A JAX policy or preset is compiled where its predicted temp is within this share above the
+# budget (the prediction lists a layer's residuals; XLA fuses some away).
+_SPARE = 0.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +141,25 @@ class PlanReport:
     predicted_bytes: the predicted compiled temp of ``jit(value_and_grad(planned))``.
     compiled_bytes: XLA's compiled temp of it.
     minimum_bytes: the compiled temp keeping nothing (every candidate recomputed).
-    predicted_recompute_flops: FLOPs the plan recomputes per step (every layer), from one
-      layer's lowered gradient against the same layer without remat.
+    predicted_recompute_flops: FLOPs the plan recomputes per step (every layer): the
+      planned step's FLOPs less those of the same step without remat, both counted on the
+      traced gradient with XLA's cost-analysis conventions (:func:`memory.jaxpr_flops`: the
+      compiled program's count, cuDNN's attention and Pallas kernels counted from their
+      shapes).
     rounds: solves until the compiled temp fitted.
     as_written: whether the program as written fits: then it runs unchanged (every tensor
       kept, nothing recomputed) and ``predicted_bytes`` is its compiled temp.
-    policy: the JAX policy the layers run under instead of the names kept
-      (:data:`FIXED_POLICIES`, or ``"everything"``: no remat, where the layer had a
-      ``jax.checkpoint`` of its own; its ``predicted_bytes`` is its compiled temp), or None.
+    policy: the fixed choice the layers run under where it recomputes less than the solved
+      plan and fits: JAX's (:data:`FIXED_POLICIES`), MaxText's preset (:data:`MAXTEXT_PRESETS`:
+      ``keep`` holds its names), or ``"none"``: no remat, where the layer had a
+      ``jax.checkpoint`` of its own (its ``predicted_bytes`` is its compiled temp); else None.
+    runs: where layers differ (MONeT's and torchtitan's per-layer choice), ``(keep, offload,
+      layers)`` per run of equal layers, first layers first (each run its own ``lax.scan``);
+      then ``keep``/``offload`` name what every layer keeps/offloads.  Empty: every layer
+      the same.
+    compared: every choice weighed, one line each: what it recomputes and its compiled temp
+      (or why it was not compiled): JAX's none / full / dots / dots_no_batch, MaxText's
+      presets whose names the layer has, the solved plan(s).
     configuration: ``"as written"``, or ``"inverted"`` where ``plan(convert=True)`` took
       ``invact_jax.invert(fn)``.
     step_flops: FLOPs of the planned gradient step (XLA's cost-analysis conventions, every
@@ -146,14 +188,26 @@ class PlanReport:
   configuration: str = "as written"
   step_flops: float | None = None
   alternatives: tuple[str, ...] = ()
+  runs: tuple[tuple[tuple[str, ...], tuple[str, ...], int], ...] = ()
+  compared: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     what = {**{n: "keep" for n in self.keep}, **{n: "offload" for n in self.offload}}
+    if self.runs:
+      first = 0
+      for keep, off, layers in self.runs:
+        for n in {*keep, *off} - set(what):
+          what[n] = f"layers {first}-{first + layers - 1}: {'keep' if n in keep else 'offload'}"
+        first += layers
     lines = [f"{self.configuration}: layer loop {self.loop} ({self.depth} layers)"
              + (": the program as written fits (nothing recomputed)" if self.as_written else "")
              + (": the layer fits without its own jax.checkpoint (no remat)"
-                if self.policy == "everything" else
-                f": JAX's {self.policy} policy fits and recomputes less" if self.policy else "")
+                if self.policy == "none" else
+                f": MaxText's {self.policy} preset fits and recomputes least"
+                if self.policy in MAXTEXT_PRESETS else
+                f": JAX's {self.policy} policy fits and recomputes least" if self.policy else "")
+             + (f": {len(self.runs)} runs of layers (" + ", ".join(
+                 str(r[2]) for r in self.runs) + ")" if self.runs else "")
              + "".join(f"\nleft as written: {w}" for w in self.other_loops)
              + "".join(f"\nnot taken: {a}" for a in self.alternatives),
              f"budget {self.budget:,} B: predicted {self.predicted_bytes:,} B, compiled "
@@ -162,6 +216,7 @@ class PlanReport:
              "| tensor | shape | dtype | bytes per layer | plan | where |", "|---|---|---|---:|---|---|"]
     lines += [f"| {t.name} | {list(t.shape)} | {t.dtype} | {t.bytes:,} | "
               f"{what.get(t.name, 'recompute')} | {t.where} |" for t in self.tensors]
+    lines += [f"weighed: {c}" for c in self.compared]
     return "\n".join(lines)
 
 
@@ -406,7 +461,7 @@ def _layer_scalar(loop: _Loop, keep: Sequence[str], fixed: str | None):
   """``(scalar, structs)``: one layer under the policy keeping ``keep`` (or JAX's ``fixed``)
   as a function of its floating-point inputs to a scalar (the sum of its floating outputs),
   and those inputs' shape structs."""
-  body = jax.checkpoint(_tagged(loop), prevent_cse=False, policy=_policy(keep, (), fixed))
+  body = _body(loop, keep, (), fixed)
   structs = _graph.shape_structs(loop.body.in_avals)
   positions = tuple(i for i, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.inexact))
 
@@ -508,30 +563,65 @@ def _tagged(loop: _Loop) -> Callable[..., list]:
 
 
 def _policy(keep: Sequence[str], offload: Sequence[str], fixed: str | None):
-  """The ``jax.checkpoint`` policy of a plan: the names kept (and offloaded), or one of
-  JAX's :data:`FIXED_POLICIES` (``"everything"``: no recompute, as without remat)."""
+  """The ``jax.checkpoint`` policy of a plan: the names kept (and offloaded; a MaxText
+  preset's are in ``keep``), or one of JAX's :data:`FIXED_POLICIES` (``"everything"``: no
+  recompute; ``"none"`` has no policy: :func:`_body`)."""
   if fixed == "everything":
     return jax.checkpoint_policies.everything_saveable
-  return FIXED_POLICIES[fixed] if fixed else planner.policy(tuple(keep), tuple(offload))
+  return (FIXED_POLICIES[fixed] if fixed in FIXED_POLICIES
+          else planner.policy(tuple(keep), tuple(offload)))
+
+
+def _body(loop: _Loop, keep: Sequence[str], offload: Sequence[str], fixed: str | None):
+  """The layer body as a function under the plan (``fixed == "none"``: without remat)."""
+  if fixed == "none":
+    return _tagged(loop)
+  return jax.checkpoint(_tagged(loop), policy=_policy(keep, offload, fixed), prevent_cse=False)
 
 
 def _planned_body(loop: _Loop, keep: Sequence[str], offload: Sequence[str],
                   fixed: str | None = None):
   """The body's closed jaxpr under the plan's ``jax.checkpoint`` policy."""
-  policy = _policy(keep, offload, fixed)
-  body = jax.checkpoint(_tagged(loop), policy=policy, prevent_cse=False)
-  return jax.make_jaxpr(body)(*_graph.shape_structs(loop.body.in_avals))
+  return jax.make_jaxpr(_body(loop, keep, offload, fixed))(
+      *_graph.shape_structs(loop.body.in_avals))
 
 
-def _run(closed, args_flat, keep, offload, fixed=None) -> list:
-  """The program of ``closed`` on ``args_flat`` with its heaviest layer loop planned."""
+def _rescan_runs(node: _graph.Node, bodies: Sequence[tuple[Callable, int]], invals) -> list:
+  """The outputs of scan ``node`` on ``invals`` as one ``lax.scan`` per run of layers
+  (``bodies``: (body, layers) in layer order), each over its slice of the stacked inputs, the
+  carry passed on in the scan's direction and the stacked outputs joined."""
+  p = node.params
+  n_consts, n_carry = _graph.scan_counts(p)
+  consts, carry = invals[:n_consts], list(invals[n_consts:n_consts + n_carry])
+  xs = invals[n_consts + n_carry:]
+  sizes = [n for _, n in bodies]
+  # (split, not slices: its transpose joins the runs' gradients into one buffer; slices' pads
+  # would add a stack-sized buffer per run)
+  pieces = [jax.lax.split(x, sizes, axis=0) for x in xs]
+  parts: list = [None] * len(bodies)
+  for i in (reversed(range(len(bodies))) if p["reverse"] else range(len(bodies))):
+    body, n = bodies[i]
+
+    def step(c, x, body=body):
+      outs = body(*consts, *c, *x)
+      return list(outs[:n_carry]), list(outs[n_carry:])
+    carry, parts[i] = jax.lax.scan(step, carry, [p_[i] for p_ in pieces],
+                                   length=n, reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry, *(jnp.concatenate([part[j] for part in parts]) for j in range(len(parts[0])))]
+
+
+def _run(closed, args_flat, keep, offload, fixed=None, runs=()) -> list:
+  """The program of ``closed`` on ``args_flat`` with its heaviest layer loop planned (``runs``:
+  ``(keep, offload, layers)`` per run of layers, each its own scan)."""
   graph, loops, _ = _loops(closed)
   if not loops:
     return _graph.evaluate(graph, list(args_flat))
   target = loops[0]
-  if target.within:  # its values vary over the mesh's axes: the body is traced where it is
-    body = jax.checkpoint(_tagged(target), policy=_policy(keep, offload, fixed),
-                          prevent_cse=False)
+  if runs:
+    bodies = [(_body(target, k, o, None), n) for k, o, n in runs]
+    at_loop = lambda node, invals: _rescan_runs(node, bodies, invals)  # noqa: E731
+  elif target.within:  # its values vary over the mesh's axes: the body is traced where it is
+    body = _body(target, keep, offload, fixed)
     at_loop = lambda node, invals: _graph.rescan(node, body, invals)  # noqa: E731
   else:
     new = _planned_body(target, keep, offload, fixed)
@@ -549,9 +639,10 @@ def _run(closed, args_flat, keep, offload, fixed=None) -> list:
   return _graph.evaluate(graph, list(args_flat), nested=hook)
 
 
-def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
-  """``fn`` with the plan (or the JAX policy ``fixed``) applied to its heaviest layer loop
-  (traced again per call; positional and keyword arguments as ``fn`` takes them)."""
+def _apply(fn: Callable, keep, offload, fixed: str | None = None, runs=()) -> Callable:
+  """``fn`` with the plan (or the JAX policy ``fixed``; ``runs``: per run of layers) applied
+  to its heaviest layer loop (traced again per call; positional and keyword arguments as
+  ``fn`` takes them)."""
   def planned(*args, **kwargs):
     leaves, tree = jax.tree.flatten((args, kwargs))
 
@@ -559,7 +650,7 @@ def _apply(fn: Callable, keep, offload, fixed: str | None = None) -> Callable:
       a, k = jax.tree.unflatten(tree, vals)
       return fn(*a, **k)
     closed, shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
-    outs = _run(closed, leaves, keep, offload, fixed)
+    outs = _run(closed, leaves, keep, offload, fixed, runs)
     return jax.tree.unflatten(jax.tree.structure(shape), outs)
   return planned
 
@@ -718,7 +809,7 @@ class Planned:
 
   def __init__(self, fn: Callable, report: PlanReport):
     self._fn = fn if report.as_written else _apply(fn, report.keep, report.offload,
-                                                   report.policy)
+                                                   report.policy, report.runs)
     self.report = report
     self.__wrapped__ = fn
     self.__name__ = getattr(fn, "__name__", "planned")
@@ -756,13 +847,24 @@ def _check(fn, args, argnums) -> tuple[int, ...]:
   return nums
 
 
-def _scale(loop: _Loop, keep: Sequence[str], low: int, compiled: int) -> float | None:
-  """The bytes a kept tensor adds to the compiled temp per byte it holds, from one compiled
-  plan keeping ``keep`` (None where it keeps nothing to measure by)."""
+def _scale(loop: _Loop, observed: Sequence[tuple[Sequence[str], int]], low: int) -> float | None:
+  """The bytes a kept tensor adds to the compiled temp per byte it holds, fitted to the
+  compiled plans ``observed`` ((set kept, compiled temp) each; least squares on the relative
+  error, so that no one plan's figure decides it alone); None where none keeps anything to
+  measure by."""
   bytes_of = {t.name: t.bytes for t in loop.tensors}
-  nominal = loop.length * sum(bytes_of[t] for t in keep)
-  relief = max((bytes_of[t] for t in keep), default=0)
-  return max(compiled - low, 0) / (nominal - relief) if nominal > relief else None
+  num = den = 0.0
+  for keep, compiled in observed:
+    nominal = loop.length * sum(bytes_of.get(t, 0) for t in keep)
+    added = nominal - max((bytes_of.get(t, 0) for t in keep), default=0)
+    if added > 0 and compiled > 0:
+      num += added * max(compiled - low, 0) / compiled**2
+      den += added**2 / compiled**2
+  return num / den if den else None
+
+
+def _observed(known: dict) -> list[tuple[frozenset, int]]:
+  return [(k, t) for k, t in known.items() if isinstance(k, frozenset) and k]
 
 
 def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner.LayerProfile:
@@ -773,10 +875,13 @@ def _scaled(loop: _Loop, profile: planner.LayerProfile, scale: float) -> planner
 def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int,
          known: dict, scale: float):
   """(profile, keep, offload, predicted bytes, compiled temp, rounds, scale) of the cheapest
-  solved plan whose compiled temp fits ``budget``; keeping nothing where no round fits.  ``known``: compiled temps already measured, by the set kept.  The bytes a kept
-  tensor adds (``scale``) start at their nominal size and are calibrated by the compiled
-  plans: one off its prediction by more than :data:`_TOLERANCE` re-solves with the measured
-  scale (a plan above the budget at its prediction lowers the target instead)."""
+  solved plan whose compiled temp fits ``budget`` (where no round both fits and holds its
+  prediction: the compiled set that fits and is predicted to recompute least, keeping nothing
+  at the worst).  ``known``: compiled temps already measured, by the set kept.  The bytes a
+  kept tensor adds (``scale``) start at their nominal size and are calibrated by the compiled
+  plans: one off its prediction by more than :data:`_TOLERANCE` re-solves with the scale
+  fitted to every plan compiled (a plan above the budget at its prediction lowers the target
+  instead)."""
   target, tried = budget, set()
   for rounds in range(1, _ROUNDS + 2):
     try:
@@ -791,7 +896,7 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
       tried.add("all")
       if every not in known:
         known[every] = _temp(fn, args, grad, profile.tags, budget)
-      measured = _scale(loop, profile.tags, profile.base_bytes, known[every])
+      measured = _scale(loop, [(profile.tags, known[every])], profile.base_bytes)
       if measured is not None and measured < scale * 0.98:
         scale = measured
         profile = _scaled(loop, profile, scale)
@@ -804,7 +909,8 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
                 else _temp(fn, args, grad, keep, budget, off))
     if not off:
       known[frozenset(keep)] = compiled
-    measured = _scale(loop, keep, profile.base_bytes, compiled)
+    measured = _scale(loop, _observed(known) + ([(keep, compiled)] if off else []),
+                      profile.base_bytes)
     off_by = abs(p.predicted_bytes - compiled) > _TOLERANCE * compiled
     recalibrate = (measured is not None and off_by and abs(measured - scale) > 0.02 * scale
                    and (keep, off) not in tried)
@@ -816,7 +922,17 @@ def _fit(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, budget: int
       profile = _scaled(loop, profile, scale)
     else:
       target -= max(compiled - budget, budget // 50)
-  return profile, (), (), profile.peak(((),) * profile.depth), profile.base_bytes, rounds, scale
+  # No round both fitted and held its prediction: the compiled plan that fits and is predicted
+  # to recompute least (keeping nothing, which fits, at the worst).
+  cost, keep = min((profile.cost((k,) * profile.depth), k) for k in _fitting(profile, known, budget))
+  return (profile, keep, (), profile.peak((keep,) * profile.depth), known[frozenset(keep)],
+          rounds, scale)
+
+
+def _fitting(profile: planner.LayerProfile, known: dict, budget: int) -> list[tuple[str, ...]]:
+  """The sets kept (in the profile's order) whose compiled temp in ``known`` fits ``budget``."""
+  return [tuple(t for t in profile.tags if t in k) for k, temp in known.items()
+          if isinstance(k, frozenset) and temp <= budget]
 
 
 def _keeps_worth(profile: planner.LayerProfile, keep) -> bool:
@@ -840,39 +956,166 @@ def _written(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep, b
   return known["as written"]
 
 
-def _instead(fn, args, grad, loop: _Loop, profile: planner.LayerProfile, keep,
-             flops: float, budget: int, scale: float, unremated: float, known: dict):
-  """``(as written?, JAX policy or None, compiled temp, layer FLOPs)`` of what recomputes
-  less than the solved plan (``flops`` per layer; ``unremated``: the layer's without remat)
-  and fits ``budget`` compiled: where the plan keeps every tensor worth keeping (the
-  residuals of a custom derivative it cannot name are no candidate), the program as
-  written, or the layer without its own ``jax.checkpoint`` (``"everything"``); else JAX's
-  policy that recomputes least; None if neither.  A JAX policy is compiled only where predicted to fit."""
-  written = _written(fn, args, grad, loop, profile, keep, budget, known)
-  if written is not None and written <= budget:
-    return True, None, written, unremated
-  if (loop.remat and _keeps_worth(profile, keep) and unremated < flops * (1 - 1e-6)
-      and _may_fit(loop, profile, budget, "everything", scale, spare=0.5)):
-    # (without a remat of its own the layer under "everything" is the program as written;
-    # compiled where predicted within 50 % of the budget: a layer's residuals list values XLA
-    # fuses away, and the bytes per kept byte are calibrated on the names kept)
-    temp = _temp(fn, args, grad, (), budget, (), "everything")
-    if temp <= budget:
-      return False, "everything", temp, unremated
-  cheaper = sorted((f, name) for name in FIXED_POLICIES
-                   if (f := _layer_flops(loop, (), name)) < flops * (1 - 1e-6))
-  for f, name in cheaper:
-    if _may_fit(loop, profile, budget, name, scale):
-      temp = _temp(fn, args, grad, (), budget, (), name)
-      if temp <= budget:
-        return False, name, temp, f
-  return None
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+  """One way to run the layer loop: names kept/offloaded in every layer, or per run of layers
+  (``runs``); a MaxText preset (``fixed`` its name, ``keep`` its names in the layer); or JAX's
+  policy ``fixed`` (``"none"``: the layer without remat)."""
+  label: str
+  keep: tuple[str, ...] = ()
+  offload: tuple[str, ...] = ()
+  fixed: str | None = None
+  runs: tuple = ()
+
+  @property
+  def key(self) -> tuple:
+    """What the compiled program depends on."""
+    return (frozenset(self.keep), frozenset(self.offload),
+            None if self.fixed in MAXTEXT_PRESETS else self.fixed, self.runs)
+
+  def apply(self, fn: Callable) -> Callable:
+    return _apply(fn, self.keep, self.offload, self.fixed, self.runs)
+
+
+def _fixed_choices(loop: _Loop) -> list[_Choice]:
+  """JAX's none / full / dots / dots_no_batch and MaxText's presets whose names the layer
+  has (each with those of its names the layer has; presets alike there taken once)."""
+  out = [_Choice("none", fixed="none"), _Choice("full")]
+  out += [_Choice(name, fixed=name) for name in FIXED_POLICIES]
+  named = {n.params["name"] for n in loop.graph.nodes if n.prim.name == "name"}
+  seen = set()
+  for name, saved in MAXTEXT_PRESETS.items():
+    keep = tuple(n for n in saved if n in named)
+    if keep and frozenset(keep) not in seen:
+      seen.add(frozenset(keep))
+      out.append(_Choice(name, keep, fixed=name))
+  return out
+
+
+class _Costs:
+  """The FLOPs and compiled temps of a program's choices, each counted or compiled once.
+
+  Recompute: the planned gradient step's FLOPs less the step without remat's, every loop's
+  body once per iteration, counted on its trace (:func:`memory.jaxpr_flops`: XLA's count of
+  the compiled step to a few operations, a cuDNN attention's and a Pallas kernel's counted
+  from their shapes); ``estimate``: the same from one layer's count (:func:`_layer_flops`,
+  cached per layer and policy) times the layers, which ranks the choices without tracing the
+  program (it leaves out what remat adds outside the layer's own count, alike for every
+  choice under a ``jax.checkpoint``).  Temps: :func:`_measured`."""
+
+  def __init__(self, fn, args, grad, loop: _Loop, budget: int):
+    self.fn, self.args, self.grad, self.loop, self.budget = fn, args, grad, loop, budget
+    self.temps: dict = {}
+    self._flops: dict = {}
+
+  def step(self, choice: _Choice) -> float:
+    if choice.key not in self._flops:
+      closed = jax.make_jaxpr(self.grad(choice.apply(self.fn)))(*self.args)
+      self._flops[choice.key] = memory.jaxpr_flops(closed, per_iteration=True)
+    return self._flops[choice.key]
+
+  def recompute(self, choice: _Choice) -> float:
+    return max(self.step(choice) - self.step(_Choice("none", fixed="none")), 0.0)
+
+  def counted(self, choice: _Choice) -> bool:
+    """Whether ``choice``'s step was traced (its recompute is counted, not estimated)."""
+    return choice.key in self._flops
+
+  def estimate(self, choice: _Choice) -> float:
+    fixed = None if choice.fixed in MAXTEXT_PRESETS else choice.fixed
+    runs = choice.runs or ((choice.keep, choice.offload, self.loop.length),)
+    none = _layer_flops(self.loop, (), "none")
+    return sum(n * max(_layer_flops(self.loop, tuple(k) + tuple(o), fixed) - none, 0.0)
+               for k, o, n in runs)
+
+  def temp(self, choice: _Choice) -> int:
+    if choice.key not in self.temps:
+      self.temps[choice.key] = _measured(self.grad(choice.apply(self.fn)), self.args,
+                                         self.budget)
+    return self.temps[choice.key]
+
+
+def _predicted_peak(loop: _Loop, profile: planner.LayerProfile, choice: _Choice,
+                    scale: float) -> int:
+  """The compiled temp predicted for ``choice``: a names plan's by the profile; a JAX policy's
+  from the residuals it keeps per layer, at the calibrated bytes per kept byte."""
+  if choice.runs:
+    keep = [k for k, _, n in choice.runs for _ in range(n)]
+    off = [o for _, o, n in choice.runs for _ in range(n)]
+    return profile.peak(keep, off)
+  if choice.fixed is None or choice.fixed in MAXTEXT_PRESETS:
+    keep = tuple(t for t in choice.keep if t in profile.tags)
+    off = tuple(t for t in choice.offload if t in profile.tags)
+    return profile.peak((keep,) * profile.depth, (off,) * profile.depth)
+  kept = [r.bytes for r in _layer_residuals(
+      loop, (), "everything" if choice.fixed == "none" else choice.fixed)]
+  return int(profile.base_bytes + scale * (loop.length * sum(kept) - max(kept, default=0)))
+
+
+def _per_run(profile: planner.LayerProfile, budget: int, uniform_cost: float,
+             uniform_temp: int, costs: _Costs) -> _Choice | None:
+  """A plan whose runs of layers differ (MONeT's per-layer choice: the integer program over
+  runs), each run its own ``lax.scan``, compiled where the profile predicts it recomputes at
+  least 5 % less than the uniform plan and the uniform plan's compiled temp leaves at least
+  10 % of the budget (:func:`_cheapest` takes it where it fits).  Splitting a scan costs XLA
+  memory the profile does not hold (GPT-2's 12 layers in two runs keeping the same: +54 MiB
+  on XLA:CPU, +36 MiB on the H100 compiled for, docs/planner.md), so few fit."""
+  if profile.depth < 2 * planner.MIN_RUN or budget - uniform_temp < 0.1 * budget:
+    return None  # (a budget the uniform plan leaves less than 10 % of has no room to split)
+  try:
+    p = planner.solve([profile], budget, uniform=False, time_limit=_RUNS_SOLVE_SECONDS)
+  except planner.InfeasibleBudget:
+    return None
+  if p.uniform or p.predicted_cost > 0.95 * uniform_cost:
+    return None
+  offload = p.offload or ((),) * len(p.keep)
+  runs = tuple((tuple(keep), tuple(off), len(list(group)))
+               for (keep, off), group in itertools.groupby(zip(p.keep, offload)))
+  choice = _Choice("per run", runs=runs)
+  costs.temp(choice)
+  return choice
+
+
+def _cheapest(loop: _Loop, profile: planner.LayerProfile, scale: float, costs: _Costs,
+              fits: _Choice, others: Sequence[_Choice]) -> tuple[_Choice, tuple[str, ...]]:
+  """The choice that recomputes least among ``fits`` (compiled, within the budget) and
+  ``others`` whose compiled temp fits; and a line per choice weighed.  A choice is counted
+  on the program's trace only where its estimate lies below the best's (+0.5 % of full
+  remat's), compiled only where it recomputes less than the best and is predicted within
+  :data:`_SPARE` of the budget: so the solved plan is never worse than a fixed choice that
+  fits, and costs no compile where it recomputes least."""
+  best, why = fits, {}
+  margin = 0.005 * costs.estimate(_Choice("full"))
+  for c in sorted(others, key=costs.estimate):
+    if costs.estimate(c) >= costs.estimate(best) + margin:
+      why.setdefault(c.label, "estimated to recompute no less (not counted)")
+      continue
+    if costs.recompute(c) >= costs.recompute(best) * (1 - 1e-9):
+      why.setdefault(c.label, "recomputes no less than the plan taken")
+      continue
+    if c.key not in costs.temps and (
+        _predicted_peak(loop, profile, c, scale) > (1 + _SPARE) * costs.budget):
+      why[c.label] = "predicted above the budget (not compiled)"
+      continue
+    if costs.temp(c) <= costs.budget:
+      best = c
+  lines = []
+  for c in (fits, *others):
+    temp = costs.temps.get(c.key)
+    state = ("taken" if c is best else
+             f"compiled {temp:,} B" + (" (above the budget)" if temp > costs.budget else "")
+             if temp is not None else why.get(c.label, "not compiled"))
+    flops = (f"recomputes {costs.recompute(c):.4g} FLOPs" if costs.counted(c)
+             else f"estimated {costs.estimate(c):.4g} FLOPs")
+    lines.append(f"{c.label}: {flops}; {state}")
+  return best, tuple(lines)
 
 
 def _plan_one(fn, args, grad, budget: int, rate: float | None,
               configuration: str, with_step: bool = False) -> PlanReport:
   """The plan of one program (``configuration`` names it in the report; ``with_step``: its
-  ``step_flops`` counted).
+  ``step_flops`` counted): the solved plan, or the choice of :func:`_fixed_choices` or of
+  :func:`_per_run` that recomputes less and fits compiled.
 
   Raises:
     ValueError: ``fn`` has no layer loop.
@@ -889,41 +1132,57 @@ def _plan_one(fn, args, grad, budget: int, rate: float | None,
   if budget < low:
     raise planner.InfeasibleBudget(budget, low)
   profile, known, rounds = _profile(loop, low, rate), {frozenset(): low}, 1
-  unremated = _layer_flops(loop, (), "everything")
   first = planner.solve([profile], budget, uniform=True)
   as_written = None if any(first.offload or ()) else _written(
       fn, args, grad, loop, profile, first.keep[0], budget, known)
-  if as_written is not None and as_written <= budget:  # no recompute fits: no more compiles
-    keep, off, instead = (), (), (True, None, as_written, unremated)
-  else:
-    profile, keep, off, predicted, compiled, rounds, scale = _fit(
-        fn, args, grad, loop, profile, budget, known, 1.0)
-    flops = _layer_flops(loop, keep)
-    instead = None if off else _instead(fn, args, grad, loop, profile, keep, flops, budget,
-                                        scale, unremated, known)
-  written, policy = False, None
-  if instead is not None:
-    written, policy, compiled, flops = instead
-    keep, predicted = (profile.tags if written or policy == "everything" else ()), compiled
-  step = None
-  if with_step:
-    planned = fn if written else _apply(fn, keep, off, policy)
-    step = memory.jaxpr_flops(jax.make_jaxpr(grad(planned))(*args), per_iteration=True)
+  costs = _Costs(fn, args, grad, loop, budget)
+  common = dict(loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
+                other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:])
+                + tuple(skipped), tensors=loop.tensors, budget=budget, minimum_bytes=low,
+                configuration=configuration)
+  if as_written is not None and as_written <= budget:  # nothing recomputed fits: no more compiles
+    step = (memory.jaxpr_flops(jax.make_jaxpr(grad(fn))(*args), per_iteration=True)
+            if with_step else None)
+    return PlanReport(**common, keep=tuple(t.name for t in loop.tensors), offload=(),
+                      recompute=(), predicted_bytes=as_written, compiled_bytes=as_written,
+                      rounds=rounds, predicted_recompute_flops=0.0, as_written=True,
+                      step_flops=step)
+  profile, keep, off, predicted, compiled, rounds, scale = _fit(
+      fn, args, grad, loop, profile, budget, known, 1.0)
+  costs.temps.update({(k, frozenset(), None, ()): t for k, t in known.items()
+                      if isinstance(k, frozenset)})
+  solved = _Choice("plan", keep, off)
+  costs.temps[solved.key] = compiled
+  # every set compiled on the way that fits (the profile's bytes are a model: a set it
+  # predicted above another may fit and recompute less), then the fixed choices
+  others = [_Choice(f"plan kept {', '.join(k) or 'nothing'}", k)
+            for k in _fitting(profile, known, budget) if frozenset(k) != frozenset(keep) or off]
+  others += _fixed_choices(loop)
+  runs = _per_run(profile, budget, profile.cost((keep,) * profile.depth, (off,) * profile.depth),
+                  compiled, costs)
+  others += [runs] if runs is not None else []
+  best, compared = _cheapest(loop, profile, scale, costs, solved, others)
+  if best is not solved:
+    predicted = (_predicted_peak(loop, profile, best, scale) if best.runs
+                 else costs.temps[best.key])
+  every = lambda n: all(n in k for k, _, _ in best.runs)  # noqa: E731
+  kept = (tuple(t.name for t in loop.tensors) if best.fixed == "none" else
+          tuple(t.name for t in loop.tensors if every(t.name)) if best.runs else best.keep)
+  offloaded = (tuple(t.name for t in loop.tensors if all(t.name in o for _, o, _ in best.runs))
+               if best.runs else best.offload)
   return PlanReport(
-      loop=f"{loop.where}, {loop.length} iterations", depth=loop.length,
-      other_loops=tuple(f"{l.where}, {l.length} iterations" for l in loops[1:]) + tuple(skipped),
-      tensors=loop.tensors, keep=tuple(keep), offload=tuple(off),
-      recompute=tuple(t.name for t in loop.tensors if t.name not in set(keep) | set(off)),
-      budget=budget, predicted_bytes=int(predicted), compiled_bytes=int(compiled),
-      minimum_bytes=low, rounds=rounds,
-      predicted_recompute_flops=loop.length * max(flops - unremated, 0.0),
-      as_written=written, policy=policy, configuration=configuration, step_flops=step)
+      **common, keep=kept, offload=offloaded,
+      recompute=tuple(t.name for t in loop.tensors if t.name not in set(kept) | set(offloaded)
+                      and not (best.runs and any(t.name in {*k, *o} for k, o, _ in best.runs))),
+      predicted_bytes=int(predicted), compiled_bytes=int(costs.temps[best.key]), rounds=rounds,
+      predicted_recompute_flops=costs.recompute(best), policy=best.fixed, runs=best.runs,
+      compared=compared, step_flops=costs.step(best) if with_step else None)
 
 
 def _least_step_flops(fn, args, grad) -> float:
   """The least FLOPs a planned gradient step of ``fn`` can do: its layer loop recomputing
   nothing (a program without one is as it is; :func:`_plan_one` then says so)."""
-  return memory.jaxpr_flops(jax.make_jaxpr(grad(_apply(fn, (), (), "everything")))(*args),
+  return memory.jaxpr_flops(jax.make_jaxpr(grad(_apply(fn, (), (), "none")))(*args),
                            per_iteration=True)
 
 

@@ -4,6 +4,7 @@ MaxText's fixed remat policies (models/benchmarks/plan_program.py says what each
 
   python scripts/plan_program.py --out bench/plan_program_cpu.json
   python scripts/plan_program.py --programs llama --layers 32   # the planning time
+  python scripts/plan_program.py --device h100   # compiled for an H100, without one
 """
 import pathlib
 import sys
@@ -25,8 +26,16 @@ def main(argv=None) -> int:
   p.add_argument("--layers", type=cli.positive_int, default=None,
                  help="layers of every program (default: each program's)")
   p.add_argument("--out", type=cli.output_file, default=None, help="JSON output file")
+  p.add_argument("--device", default=None,
+                 help="compile for this target (h100, h200, v5e, ...; default: this machine)")
   args = p.parse_args(argv)
-  return plan_program.run(args.programs, args.dtype, args.layers, args.out)
+  if args.device is not None:
+    from invact_jax import targets  # pylint: disable=import-outside-toplevel
+    try:
+      targets.resolve(args.device)
+    except (ValueError, TypeError, RuntimeError) as e:
+      p.error(str(e))
+  return plan_program.run(args.programs, args.dtype, args.layers, args.out, args.device)
 
 
 if __name__ == "__main__":

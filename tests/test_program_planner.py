@@ -1,6 +1,7 @@
 """``invact_jax.plan``: the planner on a program it has never seen — its layer loop, its tensors
 (the program's names or automatic ones), the plan's bytes and recompute against every choice
 compiled, bad budgets, programs without or with nested loops, gradients unchanged."""
+import dataclasses
 import functools
 import itertools
 import math
@@ -338,7 +339,7 @@ def test_a_layer_with_its_own_remat_runs_without_it_where_that_fits():
   # (the loop rewritten with no remat compiles to -7 % .. +7 % of it: JAX 0.12, 0.10)
   planned = invact_jax.plan(remat, *TOY, budget=2 * unremated)
   r = planned.report
-  assert (r.policy, r.predicted_recompute_flops, r.recompute) == ("everything", 0.0, ())
+  assert (r.policy, r.predicted_recompute_flops, r.recompute) == ("none", 0.0, ())
   assert r.compiled_bytes <= 2 * unremated and not r.as_written
   assert "no remat" in str(r)
   _assert_within_the_originals_error(remat, planned, *TOY)
@@ -626,3 +627,123 @@ def test_a_custom_vjp_traced_inside_a_shard_map_is_named_as_why_its_loop_is_not_
   with pytest.raises(ValueError, match="inside a shard_map: its layer names the mesh's axes "
                      r"\(a collective, or a custom derivative traced with them\)"):
     invact_jax.plan(loss, ARGS[0], x, budget=10 ** 9)
+
+
+def _xla_recompute(fn, args, depth: int) -> float:
+  """XLA's count of what ``fn``'s compiled gradient step recomputes: its FLOPs less the step
+  without remat's (a loop's body counted once, so times the layers)."""
+  unremated = pp._apply(fn, (), (), "none")  # pylint: disable=protected-access
+  return depth * (memory.flops(jax.value_and_grad(fn), *args)
+                  - memory.flops(jax.value_and_grad(unremated), *args))
+
+
+def test_the_plan_is_never_worse_than_any_keep_set_or_fixed_policy(monkeypatch):
+  """Brute force on the toy: every keep set and JAX's none / full / dots / dots_no_batch
+  compiled; at four budgets between full remat and no remat the plan fits and recomputes (by
+  XLA's count of its compiled step) no more than the best of them that fits, +1 % of full
+  remat's recompute; and it predicts that recompute within 2 %."""
+  _matmul_outputs_only(monkeypatch)
+  loop = _loop(jax.make_jaxpr(_toy_loss)(*TOY))
+  names = [t.name for t in loop.tensors]
+  choices = {keep: pp._apply(_toy_loss, keep, ())  # pylint: disable=protected-access
+             for n in range(len(names) + 1) for keep in itertools.combinations(names, n)}
+  choices.update({p: pp._apply(_toy_loss, (), (), p)  # pylint: disable=protected-access
+                  for p in ("none", *pp.FIXED_POLICIES)})
+  costs = {c: (_temp(f, *TOY), _xla_recompute(f, TOY, loop.length)) for c, f in choices.items()}
+  low, high, full = costs[()][0], costs["none"][0], costs[()][1]
+  for frac in (0.2, 0.4, 0.6, 0.8):
+    budget = int(low + frac * (high - low))
+    planned = invact_jax.plan(_toy_loss, *TOY, budget=budget)
+    recompute = _xla_recompute(planned, TOY, loop.length)
+    best = min(f for t, f in costs.values() if t <= budget)
+    assert planned.report.compiled_bytes <= budget
+    assert recompute <= best + 0.01 * full, (frac, planned.report)
+    assert planned.report.predicted_recompute_flops == pytest.approx(recompute, rel=0.02,
+                                                                     abs=1e-3 * full)
+
+
+def _gpt2(layers=4):
+  """A GPT-2 written by hand with its own names (``plan_program``'s ``gpt2-hand``), small."""
+  from models.benchmarks import frontier, plan_program  # pylint: disable=import-outside-toplevel
+  shape = frontier.Shape("gpt2", d=64, heads=2, ff=256, layers=layers, seq=64, batch=2,
+                         vocab=256)
+  return lambda policy: plan_program._hand_gpt2(shape, policy, jnp.float32)  # pylint: disable=protected-access
+
+
+def test_a_gpt2_with_its_own_names_recomputes_less_than_every_fixed_policy():
+  """The issue's GPT-2 (its names on ln1, qkv, attn, attn_out, ln2, fc1, fc2_in; q, k and v
+  sliced from qkv): at the tightest of four budgets the plan recomputes at least 5 % less
+  than the best of JAX's policies that fits, and no more at the others (it once kept q, k, v
+  one by one — each alone spares nothing — and recomputed 1.8x dots_no_batch's)."""
+  from models.benchmarks import plan_program  # pylint: disable=import-outside-toplevel
+  build = _gpt2()
+  loss, args = build("none")
+  rows = plan_program.rows_of("gpt2", lambda p: build(p)[0], args, 4, "float32",
+                              ["none", "full", "dots", "dots_no_batch"], lambda m: None)
+  assert "qkv" in {t["name"] for t in rows[0]["tensors"]}
+  for r in rows:
+    assert r["compiled_bytes"] <= r["budget"] and r["best_fixed"] is not None
+    assert r["recompute_flops"] <= (r["best_fixed_recompute_flops"]
+                                    + 0.01 * r["fixed"]["full"]["recompute_flops"]), r
+    assert abs(r["recompute_error"]) <= 0.02, r
+  assert rows[0]["recompute_flops"] <= 0.95 * rows[0]["best_fixed_recompute_flops"], rows[0]
+
+
+def test_every_choice_weighed_is_reported_and_a_fixed_one_taken_where_it_recomputes_least(
+    monkeypatch):
+  """A solved plan that recomputes more than JAX's dots policy (the profile's gains made
+  worthless) loses to dots where dots fits compiled: the report says so and lists every
+  choice weighed."""
+  real = pp._profile  # pylint: disable=protected-access
+
+  def worthless(*a, **k):
+    p = real(*a, **k)
+    return dataclasses.replace(p, tag_gain=(0.0,) * len(p.tags))
+  monkeypatch.setattr(pp, "_profile", worthless)
+  dots = _temp(pp._apply(_loss(), (), (), "dots"), *ARGS)  # pylint: disable=protected-access
+  r = invact_jax.plan(_loss(), *ARGS, budget=dots).report
+  assert r.policy == "dots" and r.compiled_bytes == dots and not r.keep
+  assert "JAX's dots policy fits and recomputes least" in str(r)
+  labels = [c.split(":")[0] for c in r.compared]
+  assert labels[0] == "plan" and {"none", "full", "dots", "dots_no_batch"} <= set(labels)
+  assert any(c.startswith("dots: ") and c.endswith("taken") for c in r.compared)
+
+
+def test_maxtext_presets_are_weighed_where_the_layer_has_their_names():
+  """A layer with MaxText's names: the presets whose names it has are choices (those alike
+  there once); a layer without them has none."""
+  closed = jax.make_jaxpr(_loss(names=True))(*ARGS)
+  loop = _loop(closed)
+  labels = [c.label for c in pp._fixed_choices(loop)]  # pylint: disable=protected-access
+  assert labels[:4] == ["none", "full", "dots", "dots_no_batch"] and len(labels) == 4
+  from models.benchmarks import frontier  # pylint: disable=import-outside-toplevel
+  shape = frontier.Shape("llama", d=64, heads=2, ff=128, layers=4, seq=32, batch=2)
+  loss, args = frontier.build(shape, "none", False, jnp.float32, named=True)
+  choices = pp._fixed_choices(_loop(jax.make_jaxpr(loss)(*args)))  # pylint: disable=protected-access
+  presets = {c.label: c.keep for c in choices[4:]}
+  assert {"minimal", "save_qkv_proj", "save_out_proj"} <= set(presets)
+  assert presets["save_qkv_proj"] == tuple(n for n in pp.MAXTEXT_PRESETS["save_qkv_proj"]
+                                           if n in presets["minimal"])
+  assert len({frozenset(k) for k in presets.values()}) == len(presets)
+
+
+def test_a_plan_of_runs_of_layers_computes_the_originals_gradient():
+  """A plan whose runs of layers keep different sets runs each run as its own scan over its
+  slice of the stacked parameters (forward and reverse scans alike): the loss and gradient
+  are the original's, to rounding."""
+  names = [t.name for t in _loop(jax.make_jaxpr(_loss())(*ARGS)).tensors]
+  runs = ((tuple(names[:2]), (), 2), ((), (), 2))
+  planned = pp._apply(_loss(), (), (), None, runs)  # pylint: disable=protected-access
+  closed = jax.make_jaxpr(jax.grad(planned))(*ARGS)
+  assert sum(e.primitive.name == "scan" for e in closed.jaxpr.eqns) >= 2
+  assert float(jax.jit(planned)(*ARGS)) == pytest.approx(float(jax.jit(_loss())(*ARGS)),
+                                                         rel=1e-6)
+  _assert_within_the_originals_error(_loss(), planned, *ARGS)
+
+  def backwards(params, x):  # the layers scanned last to first
+    return jnp.mean(jax.lax.scan(_layer(False), x, params, reverse=True)[0] ** 2)
+  planned = pp._apply(backwards, (), (), None, runs)  # pylint: disable=protected-access
+  _assert_within_the_originals_error(backwards, planned, *ARGS)
+  report = dataclasses.replace(invact_jax.plan(_loss(), *ARGS, budget="1GiB").report,
+                               as_written=False, runs=runs)
+  assert "2 runs of layers (2, 2)" in str(report)

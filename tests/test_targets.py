@@ -235,6 +235,25 @@ def test_a_plan_for_the_h100_fits_there():
   compiled = memory.compiled_for("h100", jax.value_and_grad(planned), params, x).temp
   assert compiled == planned.report.compiled_bytes <= 1.01 * budget
   assert abs(planned.report.predicted_bytes / compiled - 1) <= 0.05
+  # its recompute is XLA:GPU's count of the compiled steps (cuDNN's attention and cuBLAS's
+  # matmuls counted from their calls' shapes), the loop's body once per layer
+  with targets.compiling_for("h100"):
+    xla = planned.report.depth * (memory.flops(jax.value_and_grad(planned), params, x)
+                                  - memory.flops(jax.value_and_grad(loss), params, x))
+  assert xla > 0 and planned.report.predicted_recompute_flops == pytest.approx(xla, rel=0.02)
+
+
+@needs_cuda
+def test_a_cudnn_attentions_flops_from_its_trace_are_the_compiled_calls():
+  """:func:`memory.jaxpr_flops` counts cuDNN's attention equations (forward and backward) as
+  :func:`memory.custom_call_flops` counts their calls in XLA:GPU's compiled module."""
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+  grad = jax.grad(lambda q, k, v: _attention(q, k, v, "cudnn").astype(jnp.float32).sum(),
+                  argnums=(0, 1, 2))
+  with targets.compiling_for("h100"):
+    traced = memory.jaxpr_flops(jax.make_jaxpr(grad)(q, q, q))
+    assert traced == pytest.approx(memory.flops(grad, q, q, q), rel=1e-6)
+  assert traced >= 14 * 2 * 256 * 256 * 4 * 64  # 4 forward + 10 backward per B·N·T·S·H
 
 
 @needs_cuda
@@ -294,3 +313,15 @@ def test_a_tpu_compiles_without_one():
   carries = 8 * 4096 * 1024 * 2
   none, nothing = temp(None), temp(jax.checkpoint_policies.nothing_saveable)
   assert none > 2 * nothing >= 2 * carries
+
+
+@pytest.mark.skipif(V5E is None, reason=f"no XLA:TPU compiler here: {NO_TPU}")
+def test_describing_a_tpu_leaves_the_environment_as_it_was(monkeypatch):
+  """A process started after a TPU compile (a training run's workers) must not find libtpu
+  through this one's environment and take itself for a TPU host."""
+  for k in ("TPU_LIBRARY_PATH", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+    monkeypatch.delenv(k, raising=False)
+  from invact_jax.targets import _compilers  # pylint: disable=import-outside-toplevel
+  _compilers.tpu_topology("v5e:2x2")
+  assert "TPU_LIBRARY_PATH" not in os.environ
+  assert "ALLOW_MULTIPLE_LIBTPU_LOAD" not in os.environ

@@ -99,24 +99,40 @@ def tpu_topology(name: str, **kwargs):
   """
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   from jax._src import cloud_tpu_init  # pylint: disable=import-outside-toplevel
-  found = cloud_tpu_init.get_tpu_library_path()
+  found, env = cloud_tpu_init.get_tpu_library_path(), {}
   if found is None:
     found = next((str(d / "libtpu" / "libtpu.so") for d in _named_dirs()
                   if (d / "libtpu" / "libtpu.so").is_file()), None)
     if found is None:
       raise Unavailable(f"no XLA:TPU compiler for a deviceless TPU compile: "
                         f"{install_hint('tpu')}")
-    os.environ["TPU_LIBRARY_PATH"] = found  # (read when libtpu is first loaded)
+    env["TPU_LIBRARY_PATH"] = found  # (read as libtpu loads)
   if jax.default_backend() != "tpu":
     # No TPU here to share: several processes compiling for one (a test run's workers) may
     # each load libtpu, which otherwise takes a machine-wide lock file.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
-    with _quiet():
+    with _quiet(), _environment(env):
       return topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs)
   except Exception as e:  # pylint: disable=broad-except  # a slice libtpu does not know, ...
     raise Unavailable(f"libtpu ({found}) cannot describe {name!r}: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+  """``values`` set in ``os.environ`` for the block only: a process this one starts later
+  (a training run's workers) must not find libtpu and take itself for a TPU host."""
+  before = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  try:
+    yield
+  finally:
+    for k, v in before.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 @contextlib.contextmanager

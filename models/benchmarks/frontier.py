@@ -47,6 +47,7 @@ from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
 
 import invact_jax
 from invact_jax import memory, planner, targets
+from invact_jax.program_planner import MAXTEXT_PRESETS
 from models.benchmarks import child
 from models.benchmarks import profile as op_profile
 from models import reference_layers
@@ -116,12 +117,10 @@ ROW_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 #: The planner's budgets, as fractions of JAX default's activation bytes of the stack.
 PLAN_BUDGETS = (0.25, 0.5, 0.75)
 
-_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj", "mlpwi_0",
-                "mlpwi_1", "mlpwi", "mlpwo")
-_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
-#: MaxText's presets (and ``full``): the ``checkpoint_name`` s each saves.
-_SAVED = {"full": (), "minimal": _PROJECTIONS, "save_qkv_proj": _QKV,
-          "save_dot_except_mlp": (*_QKV, "out_proj"), "save_out_proj": ("out_proj",)}
+_PROJECTIONS = MAXTEXT_PRESETS["minimal"]
+#: MaxText's presets the frontier runs (and ``full``): the ``checkpoint_name`` s each saves.
+_SAVED = {"full": (), **{name: MAXTEXT_PRESETS[name] for name in (
+    "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj")}}
 
 
 def _offloaded():

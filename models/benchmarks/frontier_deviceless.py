@@ -12,6 +12,12 @@ allocator's peak increase over the step less its outputs (the gradients, the los
 peak is reached with the temp buffer and the outputs live (the H100 rows of 2026-11-26/27 lie
 within 80 KB of the compiled temp: docs/deviceless.md).
 
+Each row also holds ``step_flops``, its gradient step's FLOPs counted on its trace for the
+target (:func:`invact_jax.memory.jaxpr_flops`, every loop's body per iteration; cuDNN's
+attention from its shapes), and, where the device's committed rows measured its group (model,
+head, invact) at two or more FLOP counts, ``predicted_step_ms`` from them
+(:func:`step_model`: a line through those rows' step times against their FLOPs).
+
 A model's layers or batch (:data:`frontier.FIT`) are those the device's committed rows
 measured, else fitted deviceless.  ``python scripts/frontier_deviceless.py --device h100``
 writes ``bench/frontier_deviceless_<device>_<date>.json``; :func:`agreement` sets every
@@ -29,6 +35,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import invact_jax
 from invact_jax import memory, targets
@@ -36,6 +43,7 @@ from models.benchmarks import child
 from models.benchmarks import frontier
 
 __all__ = ["STACKS", "PLAN_PERCENTS", "TOLERANCE", "FSDP", "specs", "predict", "fitted", "rows",
+           "step_model", "with_step_times",
            "plan_row", "fsdp_rows", "device_slug", "agreement", "markdown", "fsdp_markdown",
            "lm_head_markdown", "render_docs", "write_docs", "run", "run_fsdp", "newest"]
 
@@ -89,9 +97,11 @@ def predict(spec: dict, target: targets.Target) -> dict:
     with targets.compiling_for(target):
       loss, args = _traced(spec)
       temp = memory.compiled(jax.value_and_grad(loss), *args).temp
+      flops = memory.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(loss))(*args),
+                                 per_iteration=True)
   except Exception as e:  # pylint: disable=broad-except  # a head not installed, ...
     return child.error_row(e, **row)
-  row.update(compiled_temp_bytes=temp, predicted_activation_bytes=temp,
+  row.update(compiled_temp_bytes=temp, predicted_activation_bytes=temp, step_flops=flops,
              compile_s=round(time.perf_counter() - t0, 2))
   if spec["invact"]:
     row["head_tiles"] = frontier.head_tiles(s, target.platform)
@@ -123,7 +133,7 @@ def plan_row(stack: str, fields: dict, percent: int, default_bytes: int,
               "plan_as_written": rep.as_written, "predicted_bytes": rep.predicted_bytes,
               "compiled_temp_bytes": rep.compiled_bytes,
               "predicted_activation_bytes": rep.compiled_bytes,
-              "plan_step_flops": rep.step_flops,
+              "plan_step_flops": rep.step_flops, "step_flops": rep.step_flops,
               "plan_recompute_flops": rep.predicted_recompute_flops,
               "planning_s": round(time.perf_counter() - t0, 2)})
   return row
@@ -294,6 +304,50 @@ def newest(bench: pathlib.Path, device_kind: str) -> list[dict]:
   return list(out.values())
 
 
+def _step_group(r: dict) -> tuple:
+  """The rows whose step times one line through their FLOPs predicts: one model, head and
+  ``invert`` (a plan row: the program it took, as written with the plain head or inverted)."""
+  if "plan_program" in r:
+    inverted = r["plan_program"] == "inverted"
+    return (r["model"], "invact" if inverted else "plain", inverted)
+  return (r["model"], r.get("head", ""), bool(r.get("invact")))
+
+
+def step_model(predicted: list[dict], measured: list[dict]) -> dict[tuple, tuple]:
+  """Per group (:func:`_step_group`), ``(ms, ms per FLOP, rows)``: the least-squares line
+  through the device's committed step times against the predicted rows' ``step_flops``, over
+  the group's measured rows that have a prediction (offloading rows left out: their
+  transfers are no FLOPs); a group measured at fewer than two FLOP counts has none."""
+  by = {_row_key(r): r for r in predicted if r.get("step_flops")}
+  points: dict = {}
+  for m in measured:
+    p = by.get(_row_key(m))
+    if p is None or not m.get("step_ms") or "offload" in str(m.get("configuration")):
+      continue
+    points.setdefault(_step_group(p), []).append((p["step_flops"], m["step_ms"]))
+  out = {}
+  for group, pts in points.items():
+    x = np.array([f for f, _ in pts], float)
+    y = np.array([ms for _, ms in pts], float)
+    if len(pts) < 2 or np.ptp(x) <= 0:
+      continue
+    slope, intercept = np.polyfit(x, y, 1)
+    out[group] = (float(intercept), float(slope), len(pts))
+  return out
+
+
+def with_step_times(predicted: list[dict], measured: list[dict]) -> list[dict]:
+  """``predicted`` with ``predicted_step_ms`` (and ``step_calibration_rows``) on every row
+  whose group :func:`step_model` fitted from ``measured``."""
+  model = step_model(predicted, measured)
+  for r in predicted:
+    fit = model.get(_step_group(r)) if r.get("step_flops") and "error" not in r else None
+    if fit is not None:
+      r["predicted_step_ms"] = round(fit[0] + fit[1] * r["step_flops"], 2)
+      r["step_calibration_rows"] = fit[2]
+  return predicted
+
+
 def agreement(predicted: list[dict], measured: list[dict]) -> list[dict]:
   """Every measured row that has a prediction, beside it: ``{key fields, measured,
   predicted, error}`` (``error``: measured / predicted − 1)."""
@@ -312,23 +366,28 @@ def agreement(predicted: list[dict], measured: list[dict]) -> list[dict]:
 
 
 def markdown(predicted: list[dict], measured: list[dict]) -> str:
-  """The predictions as a table, each beside its device row where one was measured."""
-  seen = {_row_key(m): {"measured": m["activation_bytes"]} for m in measured}
+  """The predictions as a table, each beside its device row where one was measured (bytes;
+  the step time where :func:`with_step_times` predicted one)."""
+  seen = {_row_key(m): m for m in measured}
   lines = ["| model | configuration | invact | head | layers × batch | predicted GiB | "
-           "measured GiB | measured / predicted − 1 |", "|---|---|---|---|---|---:|---:|---:|"]
+           "measured GiB | measured / predicted − 1 | predicted ms | measured ms |",
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
   for r in predicted:
     head = r.get("head") or "—"
     shape = f"{r.get('layers')} × {r.get('batch')}"
     if "error" in r:
       lines.append(f"| {r['model']} | {r['configuration']} | {'yes' if r['invact'] else 'no'} | "
-                   f"{head} | {shape} | — | — | {r['error'][:80]} |")
+                   f"{head} | {shape} | — | — | {r['error'][:80]} | — | — |")
       continue
     a = seen.get(_row_key(r))
-    measured_cell = f"{a['measured'] / 2**30:.3f}" if a else "—"
-    error_cell = f"{a['measured'] / r['predicted_activation_bytes'] - 1:+.2%}" if a else ""
+    measured_cell = f"{a['activation_bytes'] / 2**30:.3f}" if a else "—"
+    error_cell = (f"{a['activation_bytes'] / r['predicted_activation_bytes'] - 1:+.2%}" if a
+                  else "")
+    ms = f"{r['predicted_step_ms']:.0f}" if r.get("predicted_step_ms") else "—"
+    measured_ms = f"{a['step_ms']:.0f}" if a and a.get("step_ms") else "—"
     lines.append(f"| {r['model']} | {r['configuration']} | {'yes' if r['invact'] else 'no'} | "
                  f"{head} | {shape} | {r['predicted_activation_bytes'] / 2**30:.3f} | "
-                 f"{measured_cell} | {error_cell} |")
+                 f"{measured_cell} | {error_cell} | {ms} | {measured_ms} |")
   return "\n".join(lines)
 
 
@@ -351,7 +410,8 @@ def run(out_dir: pathlib.Path, device: str, *, stacks=STACKS, plans: bool = True
   target = targets.resolve(device)
   date = date or datetime.date.today().isoformat()
   measured = newest(pathlib.Path(out_dir), target.device_kind)
-  rs = rows(stacks, target, device_rows=measured, plans=plans, progress=progress)
+  rs = with_step_times(rows(stacks, target, device_rows=measured, plans=plans,
+                            progress=progress), measured)
   path = pathlib.Path(out_dir) / f"frontier_deviceless_{device_slug(target.name)}_{date}.json"
   path.write_text(json.dumps({
       "device": target.name, "device_kind": target.device_kind, "date": date, "deviceless": True,

@@ -112,7 +112,8 @@ def _inputs(n: int, dtype):
 def cpu_rows(names: Sequence[str], dtypes: Sequence[str] = ("float32", "bfloat16"), *,
              elements: int = 1 << 23, rounds: int = 15, implementation="xla",
              progress: Callable[[str], None] | None = None) -> list[dict]:
-  """Issue 13's table: HLO ops of fwd+bwd and time vs jax.nn (interleaved medians)."""
+  """The op-speed table: HLO ops of forward + backward and time against jax.nn (interleaved
+  medians)."""
   rows = []
   for name in names:
     for dt in dtypes:

@@ -146,3 +146,29 @@ def test_predictions_are_not_measured_rows():
     assert json.loads(path.read_text())["deviceless"]
   files = list(BENCH.glob("frontier_*_????-??-??.json"))
   assert all(not data.get("deviceless") for _, data in frontier.newest_per_model(files))
+
+
+def test_step_times_are_predicted_from_the_devices_rows_of_the_same_group():
+  """A line through each group's measured step times against their predicted FLOPs (model,
+  head, invert; a plan row by the program it took): exact on rows on a line, offloading rows
+  left out, a group measured at one FLOP count without a prediction."""
+  key = dict(model="m", framework="jax", dtype="bfloat16", layers=2, batch=1)
+  predicted = [dict(key, configuration=c, invact=False, head="plain", step_flops=f)
+               for c, f in (("a", 1e12), ("b", 2e12), ("c", 4e12), ("minimal_offloaded", 1e12))]
+  predicted += [dict(key, configuration="d", invact=True, head="invact", step_flops=3e12),
+                dict(key, configuration="program plan 10 %", invact=True, head="plain",
+                     plan_program="as written", step_flops=3e12),
+                dict(key, configuration="program plan 25 %", invact=True, head="plain",
+                     plan_program="inverted", step_flops=3e12)]
+  measured = [dict(key, configuration=c, invact=False, head="plain", step_ms=ms)
+              for c, ms in (("a", 110.0), ("b", 210.0), ("minimal_offloaded", 900.0))]
+  measured.append(dict(key, configuration="d", invact=True, head="invact", step_ms=50.0))
+  model = frontier_deviceless.step_model(predicted, measured)
+  assert set(model) == {("m", "plain", False)}
+  intercept, slope, n = model[("m", "plain", False)]
+  assert n == 2 and intercept == pytest.approx(10.0) and slope == pytest.approx(1e-10)
+  rows = {r["configuration"]: r for r in frontier_deviceless.with_step_times(predicted, measured)}
+  assert rows["c"]["predicted_step_ms"] == pytest.approx(410.0)
+  assert rows["program plan 10 %"]["predicted_step_ms"] == pytest.approx(310.0)
+  assert "predicted_step_ms" not in rows["program plan 25 %"]  # the inverted group: one row
+  assert "predicted_step_ms" not in rows["d"]
