@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 train: $(VENV)/.installed
 	$(BIN)/python scripts/train_vit.py $(ARGS)
 
-test: $(VENV)/.installed $(VENV)/deviceless/.installed
+test: $(VENV)/.installed $(VENV)/deviceless/.installed-2
 	$(BIN)/python -m pytest -n 2 --dist loadfile README.md docs invact_jax pallas_kernels models tests $(ARGS)
 
 # The compilers for compiling for a GPU or TPU without one (invact_jax.targets,
@@ -19,16 +19,19 @@ test: $(VENV)/.installed $(VENV)/deviceless/.installed
 # cuDNN without the cuBLAS it lists: compiling needs none) and XLA:TPU's (libtpu at JAX's pin),
 # in $(VENV)/deviceless, off JAX's start-up (which on a machine without the device would log
 # tracebacks in every process); invact_jax loads them from there on the first compile for
-# such a device.  About 1.1 GB of wheels, 2.3 GB installed.
+# such a device.  libtpu goes in its own directory, deviceless/tpu, never on sys.path: its
+# package sets TPU_LIBRARY_PATH as it is imported, and a process started after that (a
+# training run's workers) takes itself for a TPU host.  About 1.1 GB of wheels, 2.3 GB installed.
 DEVICELESS_WHEELS = nvidia-cuda-nvcc-cu12==12.9.86 nvidia-cudnn-cu12==9.28.0.42
-deviceless: $(VENV)/deviceless/.installed
-$(VENV)/deviceless/.installed: $(VENV)/.installed
+deviceless: $(VENV)/deviceless/.installed-2
+$(VENV)/deviceless/.installed-2: $(VENV)/.installed
 	rm -rf $(VENV)/deviceless
 	v=$$($(BIN)/python -c "import jaxlib; print(jaxlib.__version__)"); \
 	tpu=$$($(BIN)/python -c "from importlib.metadata import requires; \
 	  print(next(r.split(';')[0].replace(' ', '') for r in requires('jax') if r.startswith('libtpu')))"); \
 	  $(BIN)/python -m pip install -q --no-deps --target $(VENV)/deviceless \
-	    jax-cuda12-plugin==$$v jax-cuda12-pjrt==$$v $(DEVICELESS_WHEELS) "$$tpu"
+	    jax-cuda12-plugin==$$v jax-cuda12-pjrt==$$v $(DEVICELESS_WHEELS) && \
+	  $(BIN)/python -m pip install -q --no-deps --target $(VENV)/deviceless/tpu "$$tpu"
 	touch $@
 
 # On a GPU machine with JAX installed (no downloads needed): the tests that exercise the device

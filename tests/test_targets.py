@@ -325,3 +325,9 @@ def test_describing_a_tpu_leaves_the_environment_as_it_was(monkeypatch):
   _compilers.tpu_topology("v5e:2x2")
   assert "TPU_LIBRARY_PATH" not in os.environ
   assert "ALLOW_MULTIPLE_LIBTPU_LOAD" not in os.environ
+  # nor through the path a GPU compile puts the deviceless directory on: importing the
+  # libtpu package would set TPU_LIBRARY_PATH (it lives apart, in deviceless/tpu)
+  if H100 is not None:
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    assert any("deviceless" in p for p in sys.path)
+    assert importlib.util.find_spec("libtpu") is None

@@ -18,7 +18,9 @@ A CUDA plugin is found, in this order:
    once, when it is imported).
 
 ``libtpu`` is found by JAX (installed beside it, or ``$TPU_LIBRARY_PATH``), else in a
-deviceless directory (``libtpu/libtpu.so`` there), loaded on the first compile for a TPU with
+deviceless directory (``tpu/libtpu/libtpu.so`` there: a directory of its own, never on
+``sys.path``, since the ``libtpu`` package sets ``$TPU_LIBRARY_PATH`` as it is imported and a
+process started after that would take itself for a TPU host), loaded on the first compile for a TPU with
 its start-up log lines (it looks for TPU workers that a CPU machine has none of) sent away.
 """
 from __future__ import annotations
@@ -101,8 +103,10 @@ def tpu_topology(name: str, **kwargs):
   from jax._src import cloud_tpu_init  # pylint: disable=import-outside-toplevel
   found, env = cloud_tpu_init.get_tpu_library_path(), {}
   if found is None:
-    found = next((str(d / "libtpu" / "libtpu.so") for d in _named_dirs()
-                  if (d / "libtpu" / "libtpu.so").is_file()), None)
+    # (deviceless/tpu, never on sys.path: the libtpu package sets TPU_LIBRARY_PATH as it is
+    # imported, and a process started after that takes itself for a TPU host)
+    found = next((str(f) for d in _named_dirs()
+                  for f in (d / "tpu" / "libtpu" / "libtpu.so",) if f.is_file()), None)
     if found is None:
       raise Unavailable(f"no XLA:TPU compiler for a deviceless TPU compile: "
                         f"{install_hint('tpu')}")
@@ -121,17 +125,19 @@ def tpu_topology(name: str, **kwargs):
 
 @contextlib.contextmanager
 def _environment(values: dict[str, str]):
-  """``values`` set in ``os.environ`` for the block only: a process this one starts later
-  (a training run's workers) must not find libtpu and take itself for a TPU host."""
-  before = {k: os.environ.get(k) for k in values}
+  """``values`` set in ``os.environ`` for the block, and whatever the block sets there undone
+  after it (JAX's Cloud TPU set-up, run as libtpu loads, sets ``TPU_SKIP_MDS_QUERY``, by which
+  a process started later — a training run's workers — takes itself for a Cloud TPU host and
+  stops at start-up)."""
+  before = dict(os.environ)
   os.environ.update(values)
   try:
     yield
   finally:
+    for k in set(os.environ) - set(before):
+      del os.environ[k]
     for k, v in before.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
+      if os.environ.get(k) != v:
         os.environ[k] = v
 
 

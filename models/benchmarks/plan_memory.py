@@ -67,7 +67,7 @@ def program(model: str, *, dtype: str, batch: int, seq_len: int,
                              save_names=(options.TAGS,), **overrides)
   loss, params, x, y = presets.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
   apply = pp._apply  # pylint: disable=protected-access
-  fixed = {"none": apply(loss, (), (), "everything"), "full": apply(loss, (), ()),
+  fixed = {"none": apply(loss, (), (), "none"), "full": apply(loss, (), ()),
            **{p: apply(loss, (), (), p) for p in pp.FIXED_POLICIES},
            **{p: apply(loss, tags, ()) for p, tags in PRESETS.items()}}
   return fixed.__getitem__, (params, x, y), cfg.depth, list(fixed)
@@ -161,8 +161,9 @@ def run(args: Options) -> int:
     except (TypeError, ValueError) as e:
       print(f"error: model {m}: {e}", file=sys.stderr)
       return 2
+    fractions = tuple(i / (args.points - 1) for i in range(args.points))
     results[m] = plan_program.rows_of(m, build, inputs, depth, args.dtype, policies, progress,
-                                      points=args.points, convert=args.convert)
+                                      fractions=fractions, convert=args.convert)
   bar.close()
   table = plan_program.table([r for rows in results.values() for r in rows])
   print(table)

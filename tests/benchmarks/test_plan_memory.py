@@ -45,7 +45,9 @@ def test_plans_of_a_project_model_fit_and_recompute_no_more_than_any_policy_that
   # (convert=True, the script's default, plans invert() of the model too: its choice is
   # tests/test_program_planner.py's; here the project's models' own path, at CI cost.)
   assert all(r["configuration"] == "as written" for r in rows)
-  assert rows[-1]["policy"] == "everything"  # no remat where it fits (the model has its own)
+  # no recompute where it fits: the program as written, or its layer without remat
+  assert rows[-1]["as_written"] or rows[-1]["policy"] == "none", rows[-1]
+  assert rows[-1]["recompute_flops"] <= 1e-6 * fixed["full"]["recompute_flops"]
   for r in rows:
     assert r["compiled_bytes"] <= r["budget"], r
     assert abs(r["prediction_error"]) <= 0.10, r
@@ -91,7 +93,7 @@ def test_replot_redraws_without_compiling_and_bad_arguments_are_one_line(tiny_ru
 
 def test_the_docs_table_is_the_committed_run():
   from models.benchmarks import plan_program  # pylint: disable=import-outside-toplevel
-  saved = json.loads((ROOT / "bench" / "plan_memory_cpu_2026-11-27_jax0.10.json").read_text())
+  saved = json.loads((ROOT / "bench" / "plan_memory_cpu_2026-11-29_jax0.10.json").read_text())
   rows = [r for rs in saved["results"].values() for r in rs]
   assert plan_program.table(rows) in (ROOT / "docs" / "planner.md").read_text()
   for r in rows:  # what the page claims of every row

@@ -181,7 +181,7 @@ def test_nan_propagates_like_the_plain_loss(mode):
     ({"vocab_axis": 2}, "`vocab_axis`"),
     ({"ignore_index": 1.5}, "`ignore_index`"),
     ({"x": jnp.ones((N, D), jnp.int32)}, "`x`"),
-    ({"implementation": "pallas"}, "implementation"),
+    ({"implementation": "mosaic"}, "implementation"),
     ({"gradients": "fwd"}, "`gradients`"),
     ({"gradients": "forward", "reduction": "none"}, "`gradients`"),
 ])

@@ -105,7 +105,7 @@ def test_a_killed_process_stops_the_other_and_the_sharded_run_resumes_in_two_pro
   # connection closed (CPU collectives: Gloo) — one line either way, nothing after it.
   assert re.fullmatch(r"error: lost the other processes \((process 1 stopped answering for 5 s|"
                       r"[^\n]*Connection (?:closed|reset) by peer[^\n]*)\); once all are back, continue "
-                      r"with --resume", err.strip()), err[-2000:]
+                      r"with the same command and --resume", err.strip()), err[-2000:]
   assert waited < 15  # 5 s without a heartbeat, polled every 0.5 s (XLA would abort at 10 s)
   last = checkpoints.latest_step(run)  # (orbax writes the first step it is asked about)
   assert last is not None and last < 5000
