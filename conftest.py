@@ -38,7 +38,7 @@ if os.environ.get(DEFAULT_COMPILER_ENV) != "1":
   if "--xla_cpu_parallel_codegen_split_count" not in _USER_XLA_FLAGS:
     # LLVM code generation of one module in one piece instead of parts compiled on a thread
     # pool: the suite's programs are small, and the pool's start-up outweighed its parallelism
-    # (tests/convert/test_program.py and tests/test_program_planner.py 108 s -> 102 s in one
+    # (tests/convert/test_program.py and tests/planner/test_api.py 108 s -> 102 s in one
     # process; 2 cores, JAX 0.10.2, 2026-11-27).
     _CHEAP.append("--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = " ".join([_BASE_XLA_FLAGS, *_CHEAP])
@@ -114,7 +114,7 @@ def pytest_pyfunc_call(pyfuncitem):
 # order, so a long file collected last runs alone at the end while the other worker idles.
 # Ordered by measured per-file time, 2 cores, 2026-11-26 (``--junitxml`` of ``make test``).
 _LONG_FILES = ("tests/training/test_distributed.py", "tests/training/test_training.py",
-               "tests/ops/activations/test_pallas.py", "tests/test_program_planner.py",
+               "tests/ops/activations/test_pallas.py", "tests/planner/test_api.py",
                "tests/benchmarks/test_plan_memory.py",
                "tests/convert/test_keras_penzai.py", "tests/models/test_models.py",
                "tests/convert/test_attributes.py", "tests/ops/activations/test_triton.py",

@@ -3,35 +3,46 @@
 Drop-in replacements for ``jax.nn`` activations whose backward pass needs only the output
 ``y`` (plus one bit per element, packed 8 per byte, for GELU/SiLU/Mish), output-saving
 LayerNorm/RMSNorm, softmax and dropout, and the tools around them: ``memory`` (what
-autodiff keeps, compiled and device figures), ``planner`` (a memory-budget plan),
-``accuracy`` (the float64 audit), ``flax`` (modules) and the conversion of unmodified code
-(``invert``, ``inverted``) and the planner on any program (``plan``).
+autodiff keeps, compiled and device figures), ``planner`` (the memory-budget planner:
+``plan`` on any program, the integer program), ``accuracy`` (the float64 audit), ``flax``
+(modules) and the conversion of unmodified code (``invert``, ``inverted``).
 """
-import importlib as _importlib
-
-from invact_jax.ops import *  # noqa: F401,F403
+from invact_jax.ops import *  # noqa: F401,F403  (every op: ops.__all__)
 from invact_jax.ops import __all__ as _ops
-from invact_jax.bitpack import pack_bits, packed_shape, unpack_bits  # noqa: F401
-from invact_jax.convert import ConversionReport, invert, inverted  # noqa: F401
-from invact_jax.program_planner import Planned, PlanReport, plan  # noqa: F401
+from invact_jax.bitpack import pack_bits as pack_bits
+from invact_jax.bitpack import packed_shape as packed_shape
+from invact_jax.bitpack import unpack_bits as unpack_bits
+from invact_jax.convert import ConversionReport as ConversionReport
+from invact_jax.convert import invert as invert
+from invact_jax.convert import inverted as inverted
+from invact_jax.convert import floor_audit as floor_audit
+from invact_jax.convert import FloorAudit as FloorAudit
+from invact_jax.planner import Planned as Planned
+from invact_jax.planner import PlanReport as PlanReport
+from invact_jax.planner import plan as plan
+from invact_jax import accuracy as accuracy
+from invact_jax import flax as flax
+from invact_jax import memory as memory
+from invact_jax import planner as planner
+from invact_jax.ops.activations import registry as registry
 
 __version__ = "0.2.0"
-__all__ = [*_ops, "pack_bits", "packed_shape", "unpack_bits", "ConversionReport", "invert",
-           "inverted", "plan", "Planned", "PlanReport", "memory", "planner", "accuracy", "flax", "registry"]
-
-# Submodules reachable as attributes after ``import invact_jax``, imported on first use.
-_LAZY = {"memory": "invact_jax.memory", "planner": "invact_jax.planner",
-         "accuracy": "invact_jax.accuracy", "flax": "invact_jax.flax",
-         "registry": "invact_jax.ops.activations.registry"}
-
-
-def __getattr__(name):
-  if name in _LAZY:
-    module = _importlib.import_module(_LAZY[name])
-    globals()[name] = module
-    return module
-  raise AttributeError(f"module 'invact_jax' has no attribute {name!r}")
-
-
-def __dir__():
-  return sorted(set(globals()) | set(_LAZY))
+__all__ = [
+    *_ops,
+    "pack_bits",
+    "packed_shape",
+    "unpack_bits",
+    "ConversionReport",
+    "invert",
+    "inverted",
+    "floor_audit",
+    "FloorAudit",
+    "Planned",
+    "PlanReport",
+    "plan",
+    "memory",
+    "planner",
+    "accuracy",
+    "flax",
+    "registry",
+]

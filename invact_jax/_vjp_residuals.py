@@ -8,7 +8,7 @@ of names can keep them, and JAX's ``dots`` keeps the forward's matmuls instead (
 ``custom_vjp`` whose forward is the call's own with ``checkpoint_name`` on each residual
 (an output that is also a residual is returned named once, so keeping it keeps both), and
 whose backward is the call's own: the same values and gradients, and a policy of names can
-keep the residuals (:mod:`invact_jax.program_planner`'s candidates).
+keep the residuals (:mod:`invact_jax.planner`'s candidates).
 
 It reads the call's equation parameters (``fwd_jaxpr_thunk``, ``bwd``, ``out_trees``,
 ``num_consts``, ``symbolic_zeros``), the same in JAX 0.10 to 0.12; a call they do not

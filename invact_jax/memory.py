@@ -23,8 +23,7 @@ import numpy as np
 
 from invact_jax import targets
 
-__all__ = ["jaxpr_flops", "Residual", "residuals", "residual_table", "FloorAudit", "floor_audit",
-           "CompiledMemory", "compiled", "compiled_for", "analysed", "analysis_options", "flops",
+__all__ = ["jaxpr_flops", "Residual", "residuals", "residual_table", "CompiledMemory", "compiled", "compiled_for", "analysed", "analysis_options", "flops",
            "reports_peak", "device_peak"]
 
 
@@ -91,124 +90,6 @@ def residual_table(rows: list[Residual]) -> str:
   kept = sum(r.bytes for r in rows if not r.is_argument)
   lines.append(f"| **saved (non-argument)** | | **{kept}** | |")
   return "\n".join(lines)
-
-
-#: A :class:`FloorAudit` role: a gradient computed in the forward.
-FORWARD_GRADIENT = "gradient computed in the forward"
-
-
-@dataclasses.dataclass(frozen=True)
-class FloorAudit:
-  """What a differentiated function keeps against the floor (see :func:`floor_audit`).
-
-  Attributes:
-    kept: ``(Residual, role)`` per kept non-argument array; ``role`` is the floor item it
-      stands for (``"gelu output"``, ``"rms_norm xhat"``, ``"matmul output"``, ...),
-      :data:`FORWARD_GRADIENT` for a gradient computed in the forward (the LM head's
-      ``gradients="forward"``), or ``"excess"`` when the floor has no array of its size and
-      dtype left.
-    floor: the floor's arrays (:class:`invact_jax.convert._floor.FloorItem`).
-  """
-  kept: tuple
-  floor: tuple
-
-  @property
-  def kept_bytes(self) -> int:
-    """Bytes of the kept activations (gradients computed in the forward not counted)."""
-    return sum(r.bytes for r, role in self.kept if role != FORWARD_GRADIENT)
-
-  @property
-  def forward_gradient_bytes(self) -> int:
-    """Bytes of gradients computed in the forward and kept for the backward to scale: the
-    gradients' own buffers, made at the end of the forward instead of in the backward."""
-    return sum(r.bytes for r, role in self.kept if role == FORWARD_GRADIENT)
-
-  @property
-  def floor_bytes(self) -> int:
-    return sum(item.bytes for item in self.floor)
-
-  @property
-  def excess_bytes(self) -> int:
-    return sum(r.bytes for r, role in self.kept if role == "excess")
-
-  @property
-  def ratio(self) -> float:
-    """Kept bytes over the floor's (1.0: at the floor; a program with nothing to keep that
-    keeps nothing is at it)."""
-    if not self.floor_bytes:
-      return 1.0 if not self.kept_bytes else float("inf")
-    return self.kept_bytes / self.floor_bytes
-
-  def table(self) -> str:
-    """Markdown: every kept array with its role, then the totals."""
-    lines = ["| shape | dtype | bytes | role | source |", "|---|---|---:|---|---|"]
-    for r, role in self.kept:
-      lines.append(f"| {r.shape} | {r.dtype} | {r.bytes} | {role} | {r.source} |")
-    lines.append(f"| **kept** | | **{self.kept_bytes}** | {self.excess_bytes} excess | |")
-    if self.forward_gradient_bytes:
-      lines.append(f"| **gradients computed in the forward** | | "
-                   f"**{self.forward_gradient_bytes}** | not counted as kept | |")
-    lines.append(f"| **floor** | | **{self.floor_bytes}** | kept / floor = "
-                 f"{self.ratio:.2f} | |")
-    return "\n".join(lines)
-
-
-def floor_audit(fn: Callable[..., Any], *args, device: str | targets.Target | None = None,
-                **kwargs) -> FloorAudit:
-  """Every array autodiff keeps for ``fn``'s backward against the floor.
-
-  The floor is the least a backward must keep without recomputing a matmul: every matmul
-  or attention-kernel input once in the narrowest dtype it has on the way, an activation's
-  output (and one bit per element where it is non-monotone), a norm's ``xhat`` and a
-  float32 statistic per row, a softmax's probabilities; everything elementwise recomputed
-  from those.  It is computed from the *unconverted* computation (for a function made by
-  :func:`invact_jax.invert`, from the function it converted), so the audit of ``fn`` and of
-  ``invert(fn)`` compare with the same floor.
-
-  Args:
-    fn: a function with a scalar output, differentiated w.r.t. its floating-point array
-      arguments (as :func:`residuals` does).
-    *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``).
-    device: the target ``fn`` is traced for (:func:`invact_jax.targets.resolve`; default
-      the current one): its implementation choices (cuDNN's attention on a GPU) and the
-      compiles a converted ``fn`` measures with are that device's.
-
-  Returns:
-    A :class:`FloorAudit`: each kept array with its role, the floor's arrays, the ratio.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, invact_jax
-    >>> from invact_jax import memory
-    >>> def mlp(x, w1, w2):
-    ...   return jnp.sum(jax.nn.gelu(x @ w1) @ w2)
-    >>> args = (jnp.ones((8, 16)), jnp.ones((16, 64)), jnp.ones((64, 16)))
-    >>> memory.floor_audit(mlp, *args).ratio > 4   # GELU's internals (5.82 on JAX 0.10)
-    True
-    >>> round(memory.floor_audit(invact_jax.invert(mlp), *args).ratio, 2)  # GELU's y and bits
-    1.0
-  """
-  _callable("floor_audit", fn)
-  with targets.compiling_for(device):
-    return _floor_audit(fn, args, kwargs)
-
-
-def _floor_audit(fn, args, kwargs) -> FloorAudit:
-  from invact_jax.convert import _floor  # pylint: disable=import-outside-toplevel
-  reference = getattr(fn, "invact_jax_original", fn)
-  floor = tuple(_floor.items(reference, args, kwargs))
-  left: dict = {}
-  for item in floor:
-    left.setdefault((item.bytes, item.dtype), []).append(item.what)
-  from invact_jax.ops.cross_entropy import in_forward  # pylint: disable=import-outside-toplevel
-  kept = []
-  for r in sorted((r for r in residuals(fn, *args, **kwargs) if not r.is_argument),
-                  key=lambda r: -r.bytes):
-    if f"named '{in_forward.GRADIENT_NAME}'" in r.source:
-      kept.append((r, FORWARD_GRADIENT))
-      continue
-    roles = left.get((r.bytes, r.dtype))
-    kept.append((r, roles.pop(0) if roles else "excess"))
-  return FloorAudit(tuple(kept), floor)
 
 
 @dataclasses.dataclass(frozen=True)

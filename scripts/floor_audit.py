@@ -2,7 +2,7 @@
 
 Per layer and token, in units of d elements of the compute dtype: compiled temp of the
 gradient of a scanned stack (6 layers minus 2), the bytes autodiff keeps, and the floor
-(invact_jax.memory.floor_audit), for hand-written Llama / GPT-2 / BERT layers unconverted and
+(invact_jax.floor_audit), for hand-written Llama / GPT-2 / BERT layers unconverted and
 through invact_jax.invert, and for the project's models in their configurations; then kept /
 floor of third-party models' whole gradients (those whose package is installed).  See
 models/benchmarks/floor.py.

@@ -127,12 +127,12 @@ def test_floor_audit_of_an_mlp():
   too (excess); the inverted one is at the floor, every array with its role."""
   args = _args()
   loss = _mlp_loss(functools.partial(jax.nn.gelu, approximate=True))
-  floor = [(i.what, i.shape, i.dtype) for i in memory.floor_audit(loss, *args).floor]
+  floor = [(i.what, i.shape, i.dtype) for i in invact_jax.floor_audit(loss, *args).floor]
   assert floor == [("gelu output", (B, H), "float32"), ("gelu bits", (B, 25), "uint8")]
-  audit = memory.floor_audit(invact_jax.invert(loss), *args)
+  audit = invact_jax.floor_audit(invact_jax.invert(loss), *args)
   assert [role for _, role in audit.kept] == ["gelu output", "gelu bits"]
   assert audit.ratio == 1.0 and audit.excess_bytes == 0
-  base = memory.floor_audit(loss, *args)
+  base = invact_jax.floor_audit(loss, *args)
   # jax.nn.gelu keeps its internals: five [B, H] float32 arrays on JAX 0.10, four on 0.12
   assert base.floor_bytes == audit.floor_bytes and base.excess_bytes >= 4 * B * H * 4
   assert "kept / floor = 1.00" in audit.table()
@@ -149,7 +149,7 @@ def test_floor_counts_each_matmul_input_once_in_its_narrowest_dtype():
     p = e / jnp.sum(e, axis=-1, keepdims=True)
     return jnp.sum(jnp.tanh((p * 3.0).astype(jnp.float32) @ w[0].T))
   g, w, x = jnp.ones(D), jax.random.normal(jax.random.key(1), (3, D, D)), _args()[0]
-  items = sorted((i.what, i.shape, i.dtype) for i in memory.floor_audit(loss, g, w, x).floor)
+  items = sorted((i.what, i.shape, i.dtype) for i in invact_jax.floor_audit(loss, g, w, x).floor)
   assert items == sorted([("layer_norm xhat", (B, D), "float32"),
                           ("layer_norm row statistic", (B,), "float32"),
                           ("softmax output", (B, D), "bfloat16"),
@@ -165,7 +165,7 @@ def test_floor_of_a_scanned_stack_counts_each_layer():
     h, _ = jax.lax.scan(lambda h, w: (invact_jax.gelu(h @ w), None), x, ws)
     return jnp.sum(h)
   ws = jax.random.normal(jax.random.key(1), (3, D, D)) / 8
-  items = {(i.what, i.shape) for i in memory.floor_audit(loss, ws, _args()[0]).floor}
+  items = {(i.what, i.shape) for i in invact_jax.floor_audit(loss, ws, _args()[0]).floor}
   assert items == {("kernel output", (3, B, D)), ("kernel residual", (3, B, D // 8)),
                    ("scan carry", (3, B, D))}, items
 
@@ -177,15 +177,16 @@ def test_floor_of_an_lm_head_is_its_input_and_a_statistic_per_token():
     return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
   x, w = _args()[0], jax.random.normal(jax.random.key(2), (D, 512))
   y = jnp.arange(B) % 512
-  floor = sorted((i.what, i.shape) for i in memory.floor_audit(loss, x, w, y).floor)
+  floor = sorted((i.what, i.shape) for i in invact_jax.floor_audit(loss, x, w, y).floor)
   assert floor == [("linear_cross_entropy row statistic", (B,))], floor  # x is an argument
-  audit = memory.floor_audit(invact_jax.invert(loss), x, w, y)
+  audit = invact_jax.floor_audit(invact_jax.invert(loss), x, w, y)
   # the mean folded into the head: its gradients computed in the forward, nothing else kept
   assert audit.kept_bytes == 0 and audit.floor_bytes == 4 * B, audit.table()
-  assert sorted(r.shape for r, role in audit.kept if role == memory.FORWARD_GRADIENT) == [
+  forward = invact_jax.convert.FORWARD_GRADIENT
+  assert sorted(r.shape for r, role in audit.kept if role == forward) == [
       (B, D), (D, 512)], audit.table()
   assert audit.forward_gradient_bytes == 4 * (B * D + D * 512)
-  per_token = memory.floor_audit(invact_jax.invert(lambda x, w, y: jnp.max(
+  per_token = invact_jax.floor_audit(invact_jax.invert(lambda x, w, y: jnp.max(
       optax.softmax_cross_entropy_with_integer_labels(x @ w, y))), x, w, y)
   # an unfoldable reduction (a max): the per-token head keeps its row statistic, no gradient
   assert per_token.forward_gradient_bytes == 0, per_token.table()
@@ -199,11 +200,11 @@ def test_floor_of_a_cond_counts_its_branches_and_nothing_to_keep_is_at_the_floor
     h = jax.lax.cond(c, lambda h: jax.nn.gelu(h) @ w.T, lambda h: jnp.tanh(h) @ w.T, x @ w)
     return jnp.sum(h)
   x, w = jnp.ones((16, 32)), jnp.ones((32, 64))
-  audit = memory.floor_audit(f, x, w, True)
+  audit = invact_jax.floor_audit(f, x, w, True)
   whats = {item.what for item in audit.floor}
   assert {"gelu output", "tanh output"} <= whats, whats
   assert audit.ratio < 5, audit.table()
-  empty = memory.floor_audit(lambda x: jnp.sum(x * 2.0), x)
+  empty = invact_jax.floor_audit(lambda x: jnp.sum(x * 2.0), x)
   assert empty.kept_bytes == empty.floor_bytes == 0 and empty.ratio == 1.0
 
 

@@ -210,13 +210,18 @@ def test_eight_gpus_take_a_cpu_meshs_sharding():
 
 @needs_cuda
 def test_invert_measures_a_rematerialized_layer_for_the_target():
-  """invert's check of a jax.checkpoint body compiles for the target (a cuDNN attention has
-  no CPU lowering: measured on the CPU this failed), per call or as the current target."""
+  """invert's checks of a jax.checkpoint body compile for the target (a cuDNN attention has
+  no CPU lowering: measured on the CPU this failed), per call or as the current target: each
+  body alone compiles to less converted, the scan of them to more on XLA:GPU (15.70 vs
+  14.26 MB), so the bodies stay as written and the temp is the policy's."""
   params, x = _stack()
   loss = _loss(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
   inv = invact_jax.invert(loss, device="h100")
   m = memory.compiled_for("h100", jax.value_and_grad(inv), params, x)
-  assert m.temp > 0 and inv.last_report.replaced.get("silu") == 1
+  assert 0 < m.temp <= memory.compiled_for("h100", jax.value_and_grad(loss), params, x).temp
+  whys = [why for what, _, why in inv.last_report.left_alone if what == "silu"]
+  assert inv.last_report.replaced.get("silu") == 1 or any(
+      "raised the program's gradient's compiled temp" in w for w in whys), inv.last_report
   assert memory.compiled_for("h100", jax.value_and_grad(invact_jax.invert(loss)), params,
                              x).temp == m.temp
   with pytest.raises(ValueError, match="argument `device`"):
@@ -259,9 +264,9 @@ def test_a_cudnn_attentions_flops_from_its_trace_are_the_compiled_calls():
 @needs_cuda
 def test_the_floor_audit_traces_for_the_target():
   params, x = _stack()
-  audit = memory.floor_audit(invact_jax.invert(_loss()), params, x, device="h100")
+  audit = invact_jax.floor_audit(invact_jax.invert(_loss()), params, x, device="h100")
   assert any(role == "kernel residual" for _, role in audit.kept)  # cuDNN's attention
-  cpu = memory.floor_audit(invact_jax.invert(_loss()), params, x)
+  cpu = invact_jax.floor_audit(invact_jax.invert(_loss()), params, x)
   assert not any(role == "kernel residual" for _, role in cpu.kept)
 
 

@@ -24,11 +24,18 @@ The pipeline of :func:`invert`, one file per stage:
 
 A new recognizer is one rule (a ``Rule`` subclass in its own ``_rule_<kind>.py``), one entry
 in ``_pass.RULES`` and its own test file (docs/conversion.md has a worked example).  The
-primitive-name sets every stage reads are in ``_primitives.py``; the floor *audit*
-(``memory.floor_audit``) is ``_floor.py``.
-"""
-from invact_jax.convert._attributes import inverted, replaceable  # noqa: F401
-from invact_jax.convert._program import invert  # noqa: F401
-from invact_jax.convert._report import ConversionReport  # noqa: F401
+primitive-name sets every stage reads are in ``_primitives.py``.
 
-__all__ = ["inverted", "invert", "ConversionReport"]
+:func:`floor_audit` (``_floor.py``) holds a program's kept arrays against its floor, found by
+the same rules: each match as its rule's :meth:`~._rule.Rule.floor` accounts for it.
+"""
+from invact_jax.convert._attributes import inverted as inverted
+from invact_jax.convert._attributes import replaceable as replaceable
+from invact_jax.convert._floor import FORWARD_GRADIENT as FORWARD_GRADIENT
+from invact_jax.convert._floor import FloorAudit as FloorAudit
+from invact_jax.convert._floor import floor_audit as floor_audit
+from invact_jax.convert._program import invert as invert
+from invact_jax.convert._report import ConversionReport as ConversionReport
+
+__all__ = ["inverted", "invert", "ConversionReport", "floor_audit", "FloorAudit",
+           "FORWARD_GRADIENT"]

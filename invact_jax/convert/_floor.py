@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable
+
 import jax
 import numpy as np
 
+from invact_jax import memory, targets
 from invact_jax.convert import _graph
 from invact_jax.convert import _pass
 from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit
-from invact_jax.ops.activations import base as _act_base
-from invact_jax.ops.activations import registry
+from invact_jax.ops.cross_entropy import in_forward
 
-__all__ = ["FloorItem", "items"]
+__all__ = ["FloorItem", "FloorAudit", "FORWARD_GRADIENT", "floor_audit", "items"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +68,11 @@ class _Walker:
     self.carried = {g.invars[k] for k in carried}
     self.items: dict = {}        # key -> FloorItem (keyed by the kept value)
     self.found = _pass.find(g, opts)
-    self.owner: dict = {}        # node -> (kind, match)
-    for m in self.found.norms:
-      self.owner.update({i: ("norm", m) for i in m.nodes})
-    for m in self.found.softmaxes:
-      self.owner.update({i: ("softmax", m) for i in m.nodes})
-    for m in self.found.forms:
-      kind = "softmax" if m.pattern.form.kind == "softmax" else "act"
-      self.owner.update({i: (kind, m) for i in m.nodes})
-    for m in self.found.heads:
-      self.owner.update({i: ("head", m) for i in m.nodes})
-    # a softmax's shift (its max) gets no cotangent: softmax does not depend on it
-    self.shifts = {(i, m.inputs[1]) for m in self.found.softmaxes if len(m.inputs) > 1
+    self.owner: dict = {}        # node -> (rule, match): what the rule's floor accounts for
+    for rule, m in self.found.matches:
+      self.owner.update({i: (rule, m) for i in m.nodes})
+    # inputs a match's gradient does not reach (a softmax's shift): not walked through it
+    self.shifts = {(i, r) for rule, m in self.found.matches for r in rule.no_cotangent(m)
                    for i in m.nodes}
     self.diff = self._differentiable({g.invars[k] for k in differentiable})
 
@@ -96,8 +91,9 @@ class _Walker:
         live.update(r for r in n.ins if not isinstance(r, Lit) and (i, r) not in self.shifts)
     return out & live
 
-  # -- recording
-  def _add(self, key, what, shape, dtype, nbytes, where=""):
+  # -- recording (also what a rule's :meth:`~._rule.Rule.floor` calls)
+  def record(self, key, what: str, shape, dtype, nbytes: int, where: str = "") -> None:
+    """An array of ``nbytes`` kept once per key (a scan body's: per iteration)."""
     count = math.prod(self.prefix) if self.prefix else 1
     if key not in self.items or self.items[key].bytes < nbytes * count:
       self.items[key] = FloorItem(what, self.prefix + tuple(shape), str(np.dtype(dtype)),
@@ -121,7 +117,8 @@ class _Walker:
     dtype = self._kept_dtype(ref, itemsize)
     i = self.g.producer.get(ref, (None,))[0]
     where = self.g.nodes[i].where if i is not None else ""
-    self._add(("value", ref), what, a.shape, dtype, math.prod(a.shape) * dtype.itemsize, where)
+    self.record(("value", ref), what, a.shape, dtype, math.prod(a.shape) * dtype.itemsize,
+                where)
 
   def _leaf_kind(self, ref):
     """How ``ref`` is had: ``"free"`` (an argument, a constant: recomputed for nothing),
@@ -136,8 +133,8 @@ class _Walker:
       return "keep" if ref in self.carried else "free"
     i, _ = g.producer[ref]
     if i in self.owner:
-      kind, m = self.owner[i]
-      return "keep" if self.found.output(g, m) == ref else "recompute"
+      rule, m = self.owner[i]
+      return "keep" if rule.output(g, m) == ref else "recompute"
     try:
       np.dtype(g.avals[ref].dtype)
     except TypeError:
@@ -169,9 +166,8 @@ class _Walker:
       i = self.g.producer.get(ref, (None,))[0]
       n = self.g.nodes[i] if i is not None else None
       if i in self.owner:
-        k, m = self.owner[i]
-        store = np.dtype(m.store).itemsize if k == "norm" else 1 << 30
-        self.anchor(ref, self._what(k, m), min(itemsize, store))
+        rule, m = self.owner[i]
+        self.anchor(ref, rule.role(m), min(itemsize, rule.kept_itemsize(m)))
       else:
         self.anchor(ref, "scan carry" if n is None else "matmul output"
                     if n.prim.name in _primitives.MATMULS else f"{n.prim.name} output", itemsize)
@@ -193,51 +189,13 @@ class _Walker:
     else:
       self._keep(ref, itemsize)
 
-  @staticmethod
-  def _what(kind, m) -> str:
-    if kind == "head":
-      return "linear_cross_entropy output"
-    if kind == "norm":
-      return f"{m.public} xhat"
-    if kind == "softmax":
-      return "softmax output"
-    return f"{m.pattern.form.public} output"
-
   # -- the ops
   def run(self) -> "_Walker":
+    """The floor of the graph: each match's as its rule accounts for it, then every other
+    equation's (matmul operands, nonlinear inputs, nested bodies)."""
     g = self.g
-    for m in self.found.norms:
-      out = self.found.output(g, m)
-      self.anchor(out, self._what("norm", m), np.dtype(m.store).itemsize)
-      x = _aval(g, m.inputs[0])
-      rows = math.prod(x.shape) // max(1, math.prod(x.shape[a] for a in m.axes))
-      self._add(("rstd", out), f"{m.public} row statistic", (rows,), "float32", 4 * rows,
-                g.nodes[m.root].where)
-      if m.eps_mode.startswith("floor"):  # which side of its floor each row is on
-        self._add(("side", out), f"{m.public} row factor", (rows,), "float32", 4 * rows,
-                  g.nodes[m.root].where)
-    for m in self.found.softmaxes:
-      self.anchor(self.found.output(g, m), "softmax output", 1 << 30)
-    for m in self.found.heads:  # the LM head: its input and a float32 log-sum-exp per token
-      self.walk(m.x)
-      self.walk(m.w)
-      tokens = math.prod(_aval(g, m.x).shape[:-1])
-      self._add(("lse", m.root), "linear_cross_entropy row statistic", (tokens,), "float32",
-                4 * tokens, g.nodes[m.root].where)
-    for m in self.found.forms:
-      out = self.found.output(g, m)
-      self.anchor(out, self._what("softmax" if m.pattern.form.kind == "softmax" else "act", m),
-                  1 << 30)
-      if m.pattern.form.kind == "softmax":
-        continue
-      entry = m.pattern.form.entry if m.pattern.form.kind == "activation" else \
-          registry.get("silu")
-      params = tuple((k, float(m.caught[k])) for k, _ in entry.params)
-      if _act_base.Op(entry, params).has_bit:
-        a = g.avals[out]
-        packed = (*a.shape[:-1], math.ceil(a.shape[-1] / 8)) if a.shape else (1,)
-        self._add(("bits", out), f"{m.pattern.form.public} bits", packed, "uint8",
-                  math.prod(packed), g.nodes[m.root].where)
+    for rule, m in self.found.matches:
+      rule.floor(self, m)
     for i, n in enumerate(g.nodes):
       if i not in self.owner:
         self._node(n)
@@ -338,7 +296,7 @@ class _Walker:
         self.anchor(outs[key], "kernel output", 1 << 30)
       else:
         nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-        self._add(("res", id(n), k), "kernel residual", tuple(aval.shape), aval.dtype, nbytes,
+        self.record(("res", id(n), k), "kernel residual", tuple(aval.shape), aval.dtype, nbytes,
                   n.where)
 
 
@@ -378,3 +336,120 @@ def items(fn, args, kwargs) -> list[FloorItem]:
   floats = {k for k, v in enumerate(vals) if jax.numpy.issubdtype(v.dtype, jax.numpy.floating)}
   w = _Walker(g, floats, (), _pass.options_for_analysis()).run()
   return sorted(w.items.values(), key=lambda it: (-it.bytes, it.what))
+
+
+#: A :class:`FloorAudit` role: a gradient computed in the forward.
+FORWARD_GRADIENT = "gradient computed in the forward"
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorAudit:
+  """What a differentiated function keeps against the floor (see :func:`floor_audit`).
+
+  Attributes:
+    kept: ``(Residual, role)`` per kept non-argument array; ``role`` is the floor item it
+      stands for (``"gelu output"``, ``"rms_norm xhat"``, ``"matmul output"``, ...),
+      :data:`FORWARD_GRADIENT` for a gradient computed in the forward (the LM head's
+      ``gradients="forward"``), or ``"excess"`` when the floor has no array of its size and
+      dtype left.
+    floor: the floor's arrays (:class:`FloorItem`).
+  """
+  kept: tuple
+  floor: tuple
+
+  @property
+  def kept_bytes(self) -> int:
+    """Bytes of the kept activations (gradients computed in the forward not counted)."""
+    return sum(r.bytes for r, role in self.kept if role != FORWARD_GRADIENT)
+
+  @property
+  def forward_gradient_bytes(self) -> int:
+    """Bytes of gradients computed in the forward and kept for the backward to scale: the
+    gradients' own buffers, made at the end of the forward instead of in the backward."""
+    return sum(r.bytes for r, role in self.kept if role == FORWARD_GRADIENT)
+
+  @property
+  def floor_bytes(self) -> int:
+    return sum(item.bytes for item in self.floor)
+
+  @property
+  def excess_bytes(self) -> int:
+    return sum(r.bytes for r, role in self.kept if role == "excess")
+
+  @property
+  def ratio(self) -> float:
+    """Kept bytes over the floor's (1.0: at the floor; a program with nothing to keep that
+    keeps nothing is at it)."""
+    if not self.floor_bytes:
+      return 1.0 if not self.kept_bytes else float("inf")
+    return self.kept_bytes / self.floor_bytes
+
+  def table(self) -> str:
+    """Markdown: every kept array with its role, then the totals."""
+    lines = ["| shape | dtype | bytes | role | source |", "|---|---|---:|---|---|"]
+    for r, role in self.kept:
+      lines.append(f"| {r.shape} | {r.dtype} | {r.bytes} | {role} | {r.source} |")
+    lines.append(f"| **kept** | | **{self.kept_bytes}** | {self.excess_bytes} excess | |")
+    if self.forward_gradient_bytes:
+      lines.append(f"| **gradients computed in the forward** | | "
+                   f"**{self.forward_gradient_bytes}** | not counted as kept | |")
+    lines.append(f"| **floor** | | **{self.floor_bytes}** | kept / floor = "
+                 f"{self.ratio:.2f} | |")
+    return "\n".join(lines)
+
+
+def floor_audit(fn: Callable[..., Any], *args, device: str | targets.Target | None = None,
+                **kwargs) -> FloorAudit:
+  """Every array autodiff keeps for ``fn``'s backward against the floor.
+
+  The floor is the least a backward must keep without recomputing a matmul: every matmul
+  or attention-kernel input once in the narrowest dtype it has on the way, an activation's
+  output (and one bit per element where it is non-monotone), a norm's ``xhat`` and a
+  float32 statistic per row, a softmax's probabilities; everything elementwise recomputed
+  from those.  It is computed from the *unconverted* computation (for a function made by
+  :func:`invact_jax.invert`, from the function it converted), so the audit of ``fn`` and of
+  ``invert(fn)`` compare with the same floor.
+
+  Args:
+    fn: a function with a scalar output, differentiated w.r.t. its floating-point array
+      arguments (as :func:`invact_jax.memory.residuals` does).
+    *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+    device: the target ``fn`` is traced for (:func:`invact_jax.targets.resolve`; default
+      the current one): its implementation choices (cuDNN's attention on a GPU) and the
+      compiles a converted ``fn`` measures with are that device's.
+
+  Returns:
+    A :class:`FloorAudit`: each kept array with its role, the floor's arrays, the ratio.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, invact_jax
+    >>> def mlp(x, w1, w2):
+    ...   return jnp.sum(jax.nn.gelu(x @ w1) @ w2)
+    >>> args = (jnp.ones((8, 16)), jnp.ones((16, 64)), jnp.ones((64, 16)))
+    >>> invact_jax.floor_audit(mlp, *args).ratio > 4   # GELU's internals (5.82 on JAX 0.10)
+    True
+    >>> round(invact_jax.floor_audit(invact_jax.invert(mlp), *args).ratio, 2)  # GELU's y and bits
+    1.0
+  """
+  if not callable(fn):
+    raise TypeError("invact_jax.floor_audit: argument `fn` must be callable, got "
+                    f"{type(fn).__name__}")
+  with targets.compiling_for(device):
+    return _floor_audit(fn, args, kwargs)
+
+
+def _floor_audit(fn, args, kwargs) -> FloorAudit:
+  reference = getattr(fn, "invact_jax_original", fn)
+  floor = tuple(items(reference, args, kwargs))
+  left: dict = {}
+  for item in floor:
+    left.setdefault((item.bytes, item.dtype), []).append(item.what)
+  kept = []
+  for r in sorted((r for r in memory.residuals(fn, *args, **kwargs) if not r.is_argument),
+                  key=lambda r: -r.bytes):
+    if f"named '{in_forward.GRADIENT_NAME}'" in r.source:
+      kept.append((r, FORWARD_GRADIENT))
+      continue
+    roles = left.get((r.bytes, r.dtype))
+    kept.append((r, roles.pop(0) if roles else "excess"))
+  return FloorAudit(tuple(kept), floor)

@@ -37,14 +37,18 @@ RULES: tuple[_rule.Rule, ...] = (HeadRule(), NormRule(), SoftmaxRule(), Deferred
                                  FormRule())
 
 
-def candidates() -> dict[str, str]:
-  """Primitive -> the op an unclaimed one of them suggests (reported as left alone)."""
-  return {k: v for r in RULES for k, v in r.candidates.items()}
+def candidates(names: frozenset | None = None) -> dict[str, str]:
+  """Primitive -> the op an unclaimed one of them suggests (reported as left alone), of the
+  rules converting one of ``names`` (None: every rule)."""
+  return {k: v for r in RULES if names is None or names & set(r.publics)
+          for k, v in r.candidates.items()}
 
 
-def kinds() -> tuple[str, ...]:
-  """The names ``invert(only=...)`` takes besides the activations' (the other rules')."""
-  return tuple(dict.fromkeys(p for r in RULES if r.kind != "form" for p in r.publics))
+def kinds(norms: bool = True) -> tuple[str, ...]:
+  """The names ``invert(only=...)`` takes besides the activations' (the other rules'; without
+  ``norms``, not those of the rules :attr:`~._rule.Rule.with_norms`)."""
+  return tuple(dict.fromkeys(p for r in RULES if r.kind != "form" and (norms or not r.with_norms)
+                             for p in r.publics))
 
 
 @dataclasses.dataclass
@@ -64,6 +68,10 @@ class Options:
     measure_remat: compile a ``jax.checkpoint`` body both ways and convert it only where
       that lowers its temp (:func:`_remat_body`); False converts it unmeasured (for
       ``invact_jax.plan``, which replaces the policy the measurement is made under).
+    remat_as_written: leave every ``jax.checkpoint`` body as written (the whole program's
+      check found that converting them raised its gradient's temp: the reason).
+    remat_converted: the ``jax.checkpoint`` bodies converted so far inside a loop (where they
+      were).
   """
   names: frozenset
   activation: Any
@@ -75,6 +83,8 @@ class Options:
   recomputable: list = dataclasses.field(default_factory=list)
   in_loop: bool = False
   measure_remat: bool = True
+  remat_as_written: str = ""
+  remat_converted: list = dataclasses.field(default_factory=list)
 
   def site(self, public: str, where: str, recomputable: bool = False) -> str | None:
     """Number the next site: None if it is to be left alone (``skip``), ``"recompute"`` for
@@ -110,22 +120,6 @@ class Found:
     """The matches of the rules of ``kind``."""
     return [m for r, m in self.matches if r.kind == kind]
 
-  @property
-  def heads(self) -> list:
-    return self.of("head")
-
-  @property
-  def norms(self) -> list:
-    return self.of("norm")
-
-  @property
-  def softmaxes(self) -> list:
-    return self.of("softmax")
-
-  @property
-  def forms(self) -> list:
-    return self.of("form")
-
   def output(self, g: _graph.Graph, match):
     """The program value a match computes."""
     rule = next(r for r, m in self.matches if m is match)
@@ -150,7 +144,7 @@ def find(g: _graph.Graph, opts: Options) -> Found:
   outvars = {r for r in g.outvars if not isinstance(r, Lit)}
   found = Found([])
   explained: set = set()  # candidate nodes already reported with a reason
-  suggest = candidates()
+  suggest = candidates(opts.names)
   for rule in RULES:
     if not opts.names & set(rule.publics):
       continue
@@ -316,6 +310,10 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
   opts.recomputable[:] = probe.recomputable  # the sites keep their numbers either way
   sites = ([(public, where) for public, _, where in probe.report.converted]
            + [(public, where) for public, where, _ in probe.report.recomputed])
+  if sites and opts.remat_as_written:
+    opts.report.left_alone.extend((public, where, opts.remat_as_written) for public, where in sites)
+    opts.report.left_alone.extend(probe.report.left_alone)
+    return None
   if sites and opts.measure_remat:
     body = p["jaxpr"]  # (open: a checkpoint's body takes its constants as inputs)
     jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
@@ -339,6 +337,8 @@ def _remat_body(node: _graph.Node, graph: _graph.Graph, opts: Options):
                         (opts.report.left_alone, probe.report.left_alone),
                         (opts.report.recomputed, probe.report.recomputed)):
     mine.extend(theirs_)
+  if sites and opts.in_loop:  # (a loop of them: the whole program is checked, _program)
+    opts.remat_converted.append(node.where)
   return converted
 
 

@@ -5,7 +5,7 @@ recompute? does its derivative read its inputs? does it only move or re-type a v
 """
 from __future__ import annotations
 
-__all__ = ["COMMUTATIVE", "IDENTITY", "SHAPE", "FREE", "ELEMENTWISE", "KEEPS_INPUTS",
+__all__ = ["COMMUTATIVE", "DEVICE_SUMS", "IDENTITY", "SHAPE", "FREE", "ELEMENTWISE", "KEEPS_INPUTS",
            "CONSTANT", "RECOMPUTED", "LINEAR", "MATMULS", "DOT", "CALLS", "CUSTOM_CALLS",
            "NESTED", "RADICALS", "SQUARES", "LINEAR_UNARY", "HEAD_SAME", "SHARDING"]
 
@@ -34,11 +34,13 @@ RECOMPUTED = FREE | ELEMENTWISE | frozenset({
     "xor", "select_n", "clamp", "floor", "ceil", "round", "is_finite", "concatenate", "pad",
     "slice", "squeeze", "rev", "stop_gradient", "shift_left", "shift_right_logical", "rem",
     "pow", "atan2", "cumsum", "split", "pvary", "nextafter", "imag", "real"})
+#: A sum over a mesh axis, by its names across JAX's versions: an accumulation across devices.
+DEVICE_SUMS = frozenset({"psum", "psum_invariant", "psum2"})
 #: Primitives whose derivative needs none of their inputs.
-LINEAR = frozenset({"add", "sub", "neg", "reshape", "transpose", "copy", "copy_p", "squeeze",
+LINEAR = DEVICE_SUMS | frozenset({"add", "sub", "neg", "reshape", "transpose", "copy", "copy_p", "squeeze",
                     "expand_dims", "convert_element_type", "broadcast_in_dim", "reduce_sum",
                     "concatenate", "pad", "slice", "dynamic_slice", "rev", "select_n",
-                    "stop_gradient", "pvary", "psum", "all_gather", "reduce_precision",
+                    "stop_gradient", "pvary", "all_gather", "reduce_precision",
                     "cumsum", "split", "real", "imag", "dynamic_update_slice", "gather",
                     "scatter-add", "iota"})
 #: Matmuls: their inputs are the floor.

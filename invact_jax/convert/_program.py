@@ -14,6 +14,7 @@ call an LM head's cross-entropy is computed through, which the head takes whole 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Iterable
 
@@ -37,7 +38,7 @@ __all__ = ["invert", "ConversionReport"]
 def _names(only, norms: bool) -> frozenset:
   public = tuple(registry.PUBLIC) + _pass.kinds()
   if only is None:
-    names = set(registry.PUBLIC) | (set(_pass.kinds()) if norms else set())
+    names = set(registry.PUBLIC) | set(_pass.kinds(norms))
   else:
     only = (only,) if isinstance(only, str) else tuple(only)
     unknown = [n for n in only if n not in public]
@@ -155,8 +156,41 @@ class _Conversion:
     closed, vals, leaves, dyn, out = _trace(self.fn, args, kwargs)
     report = ConversionReport()
     choice = self.choose(closed, args, leaves, dyn, report)
-    outs = _pass.run(_graph.flatten(closed), vals, self.options(report, choice))
+    opts = self.options(report, choice)
+    outs = _pass.run(_graph.flatten(closed), vals, opts)
+    why = self.remat_check(closed, args, leaves, dyn, choice) if opts.remat_converted else ""
+    if why:  # converted again, the checkpoint bodies as written
+      report = ConversionReport()
+      opts = dataclasses.replace(self.options(report, choice), remat_as_written=why)
+      outs = _pass.run(_graph.flatten(closed), vals, opts)
     return _rebuild(out, outs), report
+
+  def remat_check(self, closed, args, leaves, dyn, choice: _fallback.Choice) -> str:
+    """Where the program's ``jax.checkpoint`` bodies in a loop are converted (each lowered its
+    own gradient's temp, :func:`._pass._remat_body`), the whole program's gradient with respect
+    to ``argnums`` compiled converted and as written (once per trace signature): the reason
+    to leave the bodies as written where converting raised it (a scan of them can hold more
+    than one call does: XLA schedules the loop's backward differently), else ``""``.  Not
+    with ``fallback="temp"``, which measures the whole program already, nor inside a
+    ``shard_map`` body (not a program of its own)."""
+    if (self.fallback == "temp" or not self.measure_remat
+        or getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())):
+      return ""
+    positions = _positions(closed, args, leaves, dyn, self.argnums)
+    key = ("remat", str(closed), tuple(positions), targets.current().key)
+    if key not in self.cache:
+      graph, structs = _graph.flatten(closed), _graph.shape_structs(closed.in_avals)
+      probe = self.options(ConversionReport(), choice)
+      converted = jax.make_jaxpr(lambda *a: _pass.run(graph, a, probe))(*structs)
+      self.cache[key] = ""
+      if positions:
+        ours, theirs = _fallback.gradient_temps((converted, closed), structs, positions)
+        if ours > theirs:
+          self.cache[key] = (
+              "inside jax.checkpoint its policy decides what is kept: converting the "
+              f"checkpoint bodies raised the program's gradient's compiled temp ({ours:,} vs "
+              f"{theirs:,} bytes); left as written")
+    return self.cache[key]
 
 
 def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: bool = True,
@@ -181,7 +215,8 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
     fn: the function to convert (typically the loss).
     only: public names to convert (``"gelu"``, ``"silu"``, ..., ``"layer_norm"``,
       ``"rms_norm"``, ``"softmax"``); default: all.
-    norms: with ``only=None``, also convert norms and softmax (default True).
+    norms: with ``only=None``, also convert norms and softmaxes (default True; False leaves
+      them and converts the activations and the other rules' ops, the LM head's).
     implementation: the backward's implementation for activations and norms (None/"xla",
       "pallas", "triton"; see :class:`invact_jax.Implementation`).
     floor: also keep each tensor once (default True): a norm feeding matmuls keeps only

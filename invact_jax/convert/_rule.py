@@ -1,5 +1,6 @@
 """What a recognizer is: :class:`Rule` (find matches in a graph; build the unit that replaces
-one) and :class:`Built` (that unit, with what the floor pass needs to know about it).
+one; say what the floor keeps of one) and :class:`Built` (that unit, with what the fusion pass
+needs to know about it).
 
 A rule subclass lives in its own file (``_rule_<kind>.py``) and has one entry in
 :data:`invact_jax.convert._pass.RULES`, the claim order.
@@ -34,15 +35,17 @@ class Rule:
   """One kind of op the conversion finds by its computation and replaces.
 
   Attributes:
-    kind: how :class:`._pass.Found` and the floor audit group its matches (``"head"``,
-      ``"norm"``, ``"softmax"``, ``"form"``).
+    kind: the rule's name (:meth:`._pass.Found.of` groups matches by it).
     publics: the invact_jax names it converts (what ``invert(only=...)`` accepts).
     candidates: primitive -> the op a program's unclaimed one suggests (reported as left
       alone).
+    with_norms: converted only where ``invert(norms=True)`` (the norms and softmaxes), not by
+      the activations alone.
   """
   kind: str = ""
   publics: tuple = ()
   candidates: dict = {}
+  with_norms: bool = False
 
   def prepare(self, g: _graph.Graph, opts) -> _graph.Graph:
     """``g`` as the pass finds and replaces matches in (default: as it is); a rule whose op
@@ -83,6 +86,30 @@ class Rule:
   def build(self, g: _graph.Graph, match, opts) -> Built:
     """The unit replacing ``match`` (``opts``: the pass's options, its implementations)."""
     raise NotImplementedError
+
+  # -- the floor (:mod:`._floor`): what a backward must keep of a match at the least
+  def floor(self, audit, match) -> None:
+    """Record the floor's arrays for ``match`` on ``audit`` (the floor's walk of the graph
+    ``audit.g``: ``audit.anchor(ref, role, itemsize)`` keeps a value once,
+    ``audit.record(key, role, shape, dtype, nbytes, where)`` an array of the rule's own, a
+    row statistic say, and ``audit.walk(ref)`` what computing ``ref`` needs).  Default: the
+    match's output, once."""
+    audit.anchor(self.output(audit.g, match), self.role(match), self.kept_itemsize(match))
+
+  def role(self, match) -> str:
+    """What the floor calls the value the match keeps (its output)."""
+    return f"{self.public(match)} output"
+
+  def kept_itemsize(self, match) -> int:
+    """The most bytes per element the floor keeps the match's output in (default: its own
+    dtype's)."""
+    del match
+    return 1 << 30
+
+  def no_cotangent(self, match) -> tuple:
+    """The match's inputs its output's gradient does not reach (a softmax's shift)."""
+    del match
+    return ()
 
 
 def single(fn: Callable[..., Any]) -> Callable[..., tuple]:

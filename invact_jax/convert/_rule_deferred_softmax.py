@@ -2,7 +2,9 @@
 (the flash-attention form large-model code writes to save a pass), also accumulated block by
 block (the online form: ``acc = acc * c + p_i @ v_i`` and ``l = l * c + sum(p_i)`` with the
 rescale factors ``c = exp(m - m_new)``, divided after the last block or carried out of a
-loop's body), recognized by its algebra and left as it is written, with the reason: its
+loop's body) or combined across devices (each device's keys: a local attention returns its
+unnormalized output, row max and row sum, rescaled to the mesh's max and summed with ``psum``
+before the division: the sequence-parallel form), recognized by its algebra and left as it is written, with the reason: its
 autodiff already keeps what a converted softmax would — the unnormalized probabilities, which
 the value matmul keeps anyway, per-row sums and factors, and the unnormalized output — so
 there is nothing to convert.  Where the row max the exponentials are shifted by is not behind
@@ -25,7 +27,7 @@ from invact_jax.convert._graph import Lit
 __all__ = ["DeferredSoftmaxRule", "AT_THE_FLOOR", "MAX_MASK", "STOPPED"]
 
 _FORM = ("softmax with deferred normalization (exp -> value matmul -> divide by the row sum, "
-         "at once or accumulated block by block)")
+         "at once, accumulated block by block or combined across devices)")
 AT_THE_FLOOR = (f"{_FORM}: its autodiff keeps the unnormalized probabilities the matmul keeps "
                 "anyway and per-row sums and factors, at the floor as written")
 STOPPED = (f"{_FORM}: converted where its row max is read by the shift alone (its gradient "
@@ -70,8 +72,9 @@ def _per_row(g: _graph.Graph, ref, like) -> bool:
 
 
 def _flows(g: _graph.Graph, starts: list) -> set:
-  """``starts`` and what is computed from them by accumulating (adds), rescaling by one value
-  per row, casting or reshaping: an online softmax's running numerator or denominator."""
+  """``starts`` and what is computed from them by accumulating (adds, sums across devices),
+  rescaling by one value per row, casting or reshaping: an online softmax's running numerator
+  or denominator, or a local one's combined across devices."""
   seen, todo = set(starts), list(starts)
   while todo:
     ref = todo.pop()
@@ -81,7 +84,7 @@ def _flows(g: _graph.Graph, starts: list) -> set:
         continue
       name, others = n.prim.name, [r for r in n.ins if r is not ref and r != ref]
       if ((name in _primitives.IDENTITY | _primitives.SHAPE and len(n.ins) == 1)
-          or name in ("add", "add_any")
+          or name in ("add", "add_any") or name in _primitives.DEVICE_SUMS
           or (name == "mul" and all(_per_row(g, r, ref) for r in others))):
         seen.add(n.outs[0])
         todo.append(n.outs[0])
@@ -200,6 +203,7 @@ class DeferredSoftmaxRule(_rule.Rule):
   :data:`STOPPED`); an online form's rescale factors go with it."""
   kind = "deferred_softmax"
   publics = ("softmax",)
+  with_norms = True
 
   def find(self, g, claimed, outvars, opts):
     matches, left, num, den = [], [], set(), set()
@@ -243,6 +247,14 @@ class DeferredSoftmaxRule(_rule.Rule):
     unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [self.output(g, match)],
                        _rule.single(lambda *v: jax.lax.stop_gradient(region(*v))))
     return _rule.Built(unit)
+
+  def role(self, match):
+    return "softmax row max"
+
+  def floor(self, audit, match):
+    """Nothing of its own: the stopped row max has no cotangent; the probabilities and row
+    sums around it are the program's matmul operands and statistics, walked as they are."""
+    del audit, match
 
 
 def _contracts_last(n, ref, last: int) -> bool:

@@ -5,6 +5,8 @@ a ``custom_vjp`` whose forward is the program's own equations: an activation kee
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,3 +158,22 @@ class FormRule(_rule.Rule):
     unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [self.output(g, match)],
                        _rule.single(fn))
     return _rule.Built(unit, kept=True)
+
+  def role(self, match):
+    return f"{match.pattern.form.public} output"
+
+  def floor(self, audit, match):
+    """Its output; an activation's (a scaled SiLU's) branch bit per element where it is not
+    monotone, packed 8 per byte."""
+    g, form = audit.g, match.pattern.form
+    out = self.output(g, match)
+    audit.anchor(out, self.role(match), self.kept_itemsize(match))
+    if form.kind == "softmax":
+      return
+    entry = form.entry if form.kind == "activation" else registry.get("silu")
+    params = tuple((k, float(match.caught[k])) for k, _ in entry.params)
+    if _act_base.Op(entry, params).has_bit:
+      a = g.avals[out]
+      packed = (*a.shape[:-1], math.ceil(a.shape[-1] / 8)) if a.shape else (1,)
+      audit.record(("bits", out), f"{form.public} bits", packed, "uint8", math.prod(packed),
+                   g.nodes[match.root].where)

@@ -204,3 +204,12 @@ class HeadRule(_rule.Rule):
     unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), match.outputs(g),
                        head_fn(match, g))
     return _rule.Built(unit)
+
+  def floor(self, audit, match):
+    """Its input and weight (what the matmul keeps anyway) and a float32 log-sum-exp per
+    token."""
+    audit.walk(match.x)
+    audit.walk(match.w)
+    tokens = math.prod(_match.aval(audit.g, match.x).shape[:-1])
+    audit.record(("lse", match.root), "linear_cross_entropy row statistic", (tokens,),
+                 "float32", 4 * tokens, audit.g.nodes[match.root].where)

@@ -139,6 +139,7 @@ class NormRule(_rule.Rule):
   kind = "norm"
   publics = ("layer_norm", "rms_norm")
   candidates = {"rsqrt": "norm", "sqrt": "norm"}
+  with_norms = True
 
   def find(self, g, claimed, outvars, opts):
     matches, left = _algebra.find_norms(g, claimed, outvars)
@@ -156,3 +157,23 @@ class NormRule(_rule.Rule):
     unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [out],
                        _rule.single(_norm_fn(vjp)))
     return _rule.Built(unit, norm=vjp)
+
+  def role(self, match):
+    return f"{match.public} xhat"
+
+  def kept_itemsize(self, match):
+    return np.dtype(match.store).itemsize
+
+  def floor(self, audit, match):
+    """``xhat`` in the narrowest dtype the program gives it, a float32 statistic per row (and
+    a factor per row under an epsilon floor: which side of it each row is on)."""
+    g = audit.g
+    out = self.output(g, match)
+    audit.anchor(out, self.role(match), self.kept_itemsize(match))
+    x = _match.aval(g, match.inputs[0])
+    rows = math.prod(x.shape) // max(1, math.prod(x.shape[a] for a in match.axes))
+    audit.record(("rstd", out), f"{match.public} row statistic", (rows,), "float32", 4 * rows,
+                 g.nodes[match.root].where)
+    if match.eps_mode.startswith("floor"):
+      audit.record(("side", out), f"{match.public} row factor", (rows,), "float32", 4 * rows,
+                   g.nodes[match.root].where)

@@ -42,6 +42,7 @@ class SoftmaxRule(_rule.Rule):
   kind = "softmax"
   publics = ("softmax",)
   candidates = {"exp": "softmax"}
+  with_norms = True
 
   def find(self, g, claimed, outvars, opts):
     matches, left = _algebra.find_softmaxes(g, claimed, outvars)
@@ -56,3 +57,6 @@ class SoftmaxRule(_rule.Rule):
     unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [out],
                        _rule.single(_softmax_fn(match, region, g)))
     return _rule.Built(unit, kept=True)
+
+  def no_cotangent(self, match):
+    return tuple(match.inputs[1:2])  # the shift (a max): softmax does not depend on it

@@ -1,7 +1,7 @@
 """Kept bytes per layer against the floor: hand-written layers, the project's
 models and third-party models.
 
-The floor (:func:`invact_jax.memory.floor_audit`) is the least a layer's backward must keep
+The floor (:func:`invact_jax.floor_audit`) is the least a layer's backward must keep
 without recomputing a matmul.  Figures per layer and token are in units of ``d`` elements of
 the compute dtype (``d`` = the hidden width): the compiled temp of the gradient of a scanned
 stack of 6 layers minus that of 2, divided by 4 layers and by the tokens (what each layer
@@ -111,9 +111,9 @@ def per_layer(build: Callable[[int], Stack], transform=None, floor_build=None, *
     floats = tuple(i for i, a in enumerate(st.args) if any(
         jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(a)))
     temp = memory.compiled(jax.grad(fn, argnums=floats), *st.args).temp if compiled else 0
-    kept = memory.floor_audit(fn, *st.args).kept_bytes
+    kept = invact_jax.floor_audit(fn, *st.args).kept_bytes
     ref = st if floor_build is None else floor_build(depth)
-    figures[depth] = (temp, kept, memory.floor_audit(ref.loss, *ref.args).floor_bytes)
+    figures[depth] = (temp, kept, invact_jax.floor_audit(ref.loss, *ref.args).floor_bytes)
   unit = 4 * st.tokens * st.d * jnp.dtype(st.dtype).itemsize
   out = {k: (figures[6][i] - figures[2][i]) / unit
          for i, k in enumerate(("temp", "kept", "floor"))}
@@ -126,8 +126,8 @@ def third_party_ratio(name: str, size: str = "test", dtype=jnp.float32) -> dict[
   """kept / floor of a third-party model's whole gradient, unconverted and through invert."""
   from models import third_party  # pylint: disable=import-outside-toplevel
   loss, params = third_party.build(name, size, dtype)
-  base = memory.floor_audit(loss, params)
-  inv = memory.floor_audit(invact_jax.invert(loss), params)
+  base = invact_jax.floor_audit(loss, params)
+  inv = invact_jax.floor_audit(invact_jax.invert(loss), params)
   return {"model": name, "floor_bytes": base.floor_bytes, "default": base.ratio,
           "invert": inv.ratio, "invert_excess_bytes": inv.excess_bytes}
 

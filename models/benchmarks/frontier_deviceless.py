@@ -74,7 +74,7 @@ def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> l
 def _traced(spec: dict) -> tuple[Callable, tuple]:
   """``(loss, argument structs)`` of a row: the model built abstractly (no parameters are
   made)."""
-  s = frontier._shape(spec)  # pylint: disable=protected-access
+  s = frontier.model_stack.shape_of(spec)
   box = {}
 
   def make():
@@ -89,8 +89,8 @@ def predict(spec: dict, target: targets.Target) -> dict:
   """One row predicted for ``target``: the row's key, its layers and batch,
   ``compiled_temp_bytes`` and ``predicted_activation_bytes`` (the module doc), the
   compile's seconds; an ``error`` where it does not compile (tokamax not installed, ...)."""
-  key = frontier._key(spec)  # pylint: disable=protected-access
-  s = frontier._shape(spec)  # pylint: disable=protected-access
+  key = frontier.model_stack.row_key(spec)
+  s = frontier.model_stack.shape_of(spec)
   row = {**key, "layers": s.layers, "batch": s.batch}
   t0 = time.perf_counter()
   try:
@@ -116,9 +116,9 @@ def plan_row(stack: str, fields: dict, percent: int, default_bytes: int,
   and its compiled temp as ``predicted_activation_bytes``."""
   spec = {"stack": stack, "policy": "none", "invact": True, "dtype": dtype,
           "configuration": f"program plan {percent} %", **fields}
-  s = frontier._shape(spec)  # pylint: disable=protected-access
+  s = frontier.model_stack.shape_of(spec)
   budget = int(percent / 100 * default_bytes)
-  row = {**frontier._key(spec), "layers": s.layers, "batch": s.batch,  # pylint: disable=protected-access
+  row = {**frontier.model_stack.row_key(spec), "layers": s.layers, "batch": s.batch,
          "budget_bytes": budget}
   t0 = time.perf_counter()
   try:
@@ -148,7 +148,7 @@ def fitted(stack: str, target: targets.Target, device_rows: list[dict],
   fields = {"layers": s.layers, "batch": s.batch}
   field = frontier.FIT.get(stack)
   if field:
-    carried = frontier._carried_fit(device_rows, stack, field)  # pylint: disable=protected-access
+    carried = frontier.running.carried_fit(device_rows, stack, field)
     if carried is None:
       with targets.compiling_for(target):
         carried = frontier.layers_that_fit(stack, dtype, field=field)
@@ -226,7 +226,7 @@ def fsdp_rows(device: str = FSDP["device"], stack: str = FSDP["stack"],
 
   def row_of(spec, fn, structs, t0, **extra):
     m = memory.compiled(jax.value_and_grad(fn), *structs)
-    return {**frontier._key(spec), "layers": layers, "batch": batch,  # pylint: disable=protected-access
+    return {**frontier.model_stack.row_key(spec), "layers": layers, "batch": batch,
             "devices": len(target.devices), "temp_bytes": m.temp, "argument_bytes": m.argument,
             "output_bytes": m.output, "compile_s": round(time.perf_counter() - t0, 2), **extra}
 
@@ -247,7 +247,7 @@ def fsdp_rows(device: str = FSDP["device"], stack: str = FSDP["stack"],
           loss, structs = sharded(*_traced(spec))
           out.append(row_of(spec, loss, structs, t0))
       except Exception as e:  # pylint: disable=broad-except
-        out.append(child.error_row(e, **frontier._key(spec)))  # pylint: disable=protected-access
+        out.append(child.error_row(e, **frontier.model_stack.row_key(spec)))
       progress(f"fsdp {stack} x{len(target.devices)} {policy} invact={invact}: "
                + (f"{out[-1]['temp_bytes'] / 2**30:.3f} GiB temp per device"
                   if "error" not in out[-1] else out[-1]["error"]))
@@ -267,7 +267,7 @@ def fsdp_rows(device: str = FSDP["device"], stack: str = FSDP["stack"],
                           plan_program=rep.configuration, plan_keeps=list(rep.keep),
                           plan_policy=rep.policy, predicted_bytes=rep.predicted_bytes))
     except Exception as e:  # pylint: disable=broad-except  # infeasible, ...
-      out.append(child.error_row(e, **frontier._key(spec), budget_bytes=budget))  # pylint: disable=protected-access
+      out.append(child.error_row(e, **frontier.model_stack.row_key(spec), budget_bytes=budget))
     progress(f"fsdp {stack} {spec['configuration']}: "
              + (f"{out[-1]['temp_bytes'] / 2**30:.3f} GiB" if "error" not in out[-1]
                 else out[-1]["error"]))

@@ -60,15 +60,15 @@ def program(model: str, *, dtype: str, batch: int, seq_len: int,
   """``(build, args, depth, policies)`` of one project model: ``build(policy)`` its loss with
   the layer loop under a fixed policy (``"none"``: no remat) or a :data:`PRESETS` entry."""
   import jax  # pylint: disable=import-outside-toplevel
-  from invact_jax import program_planner as pp  # pylint: disable=import-outside-toplevel
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
   from models import options, presets  # pylint: disable=import-outside-toplevel
   # Names on (a plan keeping every name: the model's own remat, which a plan replaces).
   cfg = presets.model_config(model, dtype=dtype, scan_layers=True,
                              save_names=(options.TAGS,), **overrides)
   loss, params, x, y = presets.loss_and_inputs(cfg, batch, seq_len, jax.random.key(0))
-  apply = pp._apply  # pylint: disable=protected-access
+  apply = planner.apply_plan
   fixed = {"none": apply(loss, (), (), "none"), "full": apply(loss, (), ()),
-           **{p: apply(loss, (), (), p) for p in pp.FIXED_POLICIES},
+           **{p: apply(loss, (), (), p) for p in planner.FIXED_POLICIES},
            **{p: apply(loss, tags, ()) for p, tags in PRESETS.items()}}
   return fixed.__getitem__, (params, x, y), cfg.depth, list(fixed)
 

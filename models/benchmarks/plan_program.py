@@ -160,19 +160,19 @@ def rows(name: str, dtype: str = "float32", layers: int | None = None,
 
 
 def _maxtext() -> dict:
-  from invact_jax import program_planner as pp  # pylint: disable=import-outside-toplevel
-  return pp.MAXTEXT_PRESETS
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
+  return planner.MAXTEXT_PRESETS
 
 
 def _penzai(layers: int | None, dtype: str):
   """(policy -> loss, args, layers) of penzai's stacked Llama (size "plan")."""
-  from invact_jax import program_planner as pp  # pylint: disable=import-outside-toplevel
+  from invact_jax import planner  # pylint: disable=import-outside-toplevel
   from models import third_party  # pylint: disable=import-outside-toplevel
   if layers:
     raise ValueError("--layers: penzai-llama-stacked has the 8 layers of size 'plan'")
   loss, params = third_party.build("penzai_llama_stacked", "plan", jnp.dtype(dtype))
-  with_policy = {"none": loss, "full": pp._apply(loss, (), ()),  # pylint: disable=protected-access
-                 **{p: pp._apply(loss, (), (), p) for p in pp.FIXED_POLICIES}}  # pylint: disable=protected-access
+  with_policy = {"none": loss, "full": planner.apply_plan(loss, (), ()),
+                 **{p: planner.apply_plan(loss, (), (), p) for p in planner.FIXED_POLICIES}}
   return with_policy.get, (params,), third_party.SIZES["plan"][1]
 
 

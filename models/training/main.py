@@ -87,29 +87,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
   several = False
   try:
     several = args.coordinator is not None or args.distributed
-    if several and args.workdir is None:
-      raise errors.ConfigError("--workdir is required with several processes (the same "
-                                 "directory for all, on a shared file system)")
-    if several and args.compare:
-      raise errors.ConfigError("--compare runs in one process; drop --coordinator/--distributed")
-    if args.compare and args.stop_after is not None:
-      raise errors.ConfigError("--stop-after does not apply to --compare (it trains both "
-                                 "configurations to the end)")
+    _check_modes(args, several)
     cfg = cli.from_args(config.TrainConfig, args)  # every option checked before any work
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                            auto=args.distributed, timeout_s=args.distributed_timeout)
     dataset = data_lib.load_npz(args.data) if args.data else data_lib.load_digits(args.seed)
-    workdir = args.workdir
-    if workdir is None:
-      workdir = _latest_run(args.preset) if args.resume else (
-          ROOT / "runs" / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-      if workdir is None:
-        raise errors.ConfigError(f"--resume: no earlier run of preset {args.preset!r} under runs/")
+    workdir = _workdir(args)
     if several:  # every process must run the same job on the same data
-      distributed.agree({**run_dir.run_identity(cfg, data_lib.fingerprint(dataset)),
-                         "workdir": str(workdir), "resume": args.resume,
-                         "stop_after": args.stop_after, "shard_params": args.shard_params},
-                        timeout_s=args.distributed_timeout)
+      _agree(args, cfg, dataset, workdir)
     progress = not args.no_progress
     cli.say_on_stop(" before training started: nothing was saved; run the same command again")
     with errors.stop_on_signals():  # SIGINT/SIGTERM: the saves in flight complete, one line
@@ -125,10 +110,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                shard_params=args.shard_params)
     cli.say_on_stop(f" after training finished: the run is complete in {workdir}")
     distributed.finished()
-  except (data_lib.DataError, errors.ConfigError) as e:
-    return distributed.fail(str(e), 2)
-  except OSError as e:  # e.g. the disk filled up or the run directory went away mid-run
-    return distributed.fail(str(e), 2)
+  except (data_lib.DataError, errors.ConfigError, OSError) as e:  # (OSError: e.g. the disk
+    return distributed.fail(str(e), 2)                              # filled up mid-run)
   except errors.TrainingDiverged as e:
     return distributed.fail(str(e), 1)
   except errors.Interrupted as e:
@@ -152,10 +135,50 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return distributed.fail(f"unexpected {type(e).__name__}: {errors.first_line(e)} (the "
                             f"traceback is in process {jax.process_index()}'s output)", 1)
   if jax.process_index() == 0:
-    shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
-    print(json.dumps(shown, indent=1))
-    print(f"run directory: {workdir}")
+    _report(cfg, summary, workdir)
   return 0
+
+
+def _check_modes(args: argparse.Namespace, several: bool) -> None:
+  """One line for options that do not go together (before any work)."""
+  if several and args.workdir is None:
+    raise errors.ConfigError("--workdir is required with several processes (the same "
+                             "directory for all, on a shared file system)")
+  if several and args.compare:
+    raise errors.ConfigError("--compare runs in one process; drop --coordinator/--distributed")
+  if args.compare and args.stop_after is not None:
+    raise errors.ConfigError("--stop-after does not apply to --compare (it trains both "
+                             "configurations to the end)")
+
+
+def _workdir(args: argparse.Namespace) -> pathlib.Path:
+  """``--workdir``, or the latest run of the preset (``--resume``), or a new one under runs/."""
+  if args.workdir is not None:
+    return args.workdir
+  if not args.resume:
+    return ROOT / "runs" / f"{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+  workdir = _latest_run(args.preset)
+  if workdir is None:
+    raise errors.ConfigError(f"--resume: no earlier run of preset {args.preset!r} under runs/")
+  return workdir
+
+
+def _agree(args: argparse.Namespace, cfg: config.TrainConfig, dataset, workdir) -> None:
+  """Every process's job and data the same as process 0's, or one line naming the option."""
+  distributed.agree({**run_dir.run_identity(cfg, data_lib.fingerprint(dataset)),
+                     "workdir": str(workdir), "resume": args.resume,
+                     "stop_after": args.stop_after, "shard_params": args.shard_params},
+                    timeout_s=args.distributed_timeout)
+
+
+def _report(cfg: config.TrainConfig, summary: dict, workdir: pathlib.Path) -> None:
+  """The summary, the run directory and the line on what the run's activations cost."""
+  import jax  # pylint: disable=import-outside-toplevel
+  shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
+  print(json.dumps(shown, indent=1))
+  print(f"run directory: {workdir}")
+  if jax.process_count() == 1:  # (a second model compiled: one process's job)
+    print(compare.memory_line(cfg, compare.against_standard(summary["trainer"])))
 
 
 def exit_with(code: int) -> None:

@@ -188,6 +188,14 @@ class Trainer:
         self.cfg.seed, step))[0]))
     return loss_and_grad(self.params)
 
+  def activation_bytes(self) -> int:
+    """Bytes autodiff keeps for the loss's backward besides its arguments (the activations),
+    on the first batch."""
+    x, y = self.batch(0)
+    kept = memory.residuals(lambda p: self._loss(p, x, y, dropout_key(self.cfg.seed, 0))[0],
+                            self.params)
+    return sum(r.bytes for r in kept if not r.is_argument)
+
   def compiled_memory(self) -> memory.CompiledMemory:
     x, y = self.batch(0)
     return memory.compiled(self.train_step_fn, self.params, self.opt_state, x, y,

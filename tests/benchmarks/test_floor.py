@@ -1,4 +1,4 @@
-"""Issue 39's floor benchmark (models/benchmarks/floor.py): per layer and token, what the
+"""The floor benchmark (models/benchmarks/floor.py): per layer and token, what the
 hand-written layers and the project's models keep against the floor (residual sets, so no
 compilation: the benchmark's compiled figures follow them in a scanned stack)."""
 import functools

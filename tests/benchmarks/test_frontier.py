@@ -132,10 +132,10 @@ def test_layers_that_fit_stay_within_the_limit():
 def test_rows_plan_at_three_budgets_from_the_measured_policies(monkeypatch):
   real = frontier.measure
   synthetic = {(r["configuration"], r["invact"]): r for r in _synthetic(scale=1e4)}
-  monkeypatch.setattr(frontier, "measure", lambda spec: real(spec) if "runs" in spec else dict(
+  monkeypatch.setattr(frontier.measurement, "measure", lambda spec: real(spec) if "runs" in spec else dict(
       synthetic[("default" if spec["policy"] == "none" else spec["policy"], spec["invact"])]))
   rs = frontier.rows(["dry-llama"], dtype="float32", repeats=1, in_process=True,
-                     torch_configurations=(), policies=["none", *frontier._PLAN_POLICIES])
+                     torch_configurations=(), policies=["none", *frontier.planning.PLAN_POLICIES])
   plans = [r for r in rs if r["configuration"].startswith("plan")]
   assert len(plans) == 3
   for r in plans:
@@ -168,7 +168,7 @@ def test_a_deadline_leaves_error_rows_that_the_front_and_table_skip(monkeypatch)
   Pareto front raised KeyError on them, losing the whole section's JSON)."""
   import time  # pylint: disable=import-outside-toplevel
   synthetic = {(r["configuration"], r["invact"]): r for r in _synthetic(scale=1e4)}
-  policies = ["none", *frontier._PLAN_POLICIES]
+  policies = ["none", *frontier.planning.PLAN_POLICIES]
   now = [0.0]
   monkeypatch.setattr(time, "time", lambda: now[0])
 
@@ -177,7 +177,7 @@ def test_a_deadline_leaves_error_rows_that_the_front_and_table_skip(monkeypatch)
       now[0] = 100.0
     return dict(synthetic[("default" if spec["policy"] == "none" else spec["policy"],
                            spec["invact"])])
-  monkeypatch.setattr(frontier, "measure", measure)
+  monkeypatch.setattr(frontier.measurement, "measure", measure)
   rs = frontier.rows(["dry-llama"], dtype="float32", repeats=1, in_process=True,
                      torch_configurations=(), policies=policies, deadline=50.0)
   assert len(rs) == 2 * len(policies) + 3
@@ -231,7 +231,7 @@ def test_offloading_rows_make_offloading_a_planner_choice_and_a_run():
   assert spec["invact"] and spec["runs"] == [[2, ["query_proj", "key_proj", "value_proj",
                                                    "out_proj"], ["mlpwi_0", "mlpwi_1", "mlpwo"]]]
   offloading = [spec]
-  assert "offload" in frontier._plan_note({**offloading[0], "predicted_bytes": 1})
+  assert "offload" in frontier.report.plan_note({**offloading[0], "predicted_bytes": 1})
   s = frontier.STACKS["dry-llama"]
   loss, args = frontier.build(s, "plan", False, np.float32,
                               runs=[[2, ["query_proj"], ["mlpwi_0", "mlpwi_1"]]])
@@ -276,7 +276,7 @@ def test_a_language_model_runs_from_tokens_to_the_loss_whatever_the_policy_and_h
 
 def test_the_tokamax_head_or_its_error():
   s = frontier.STACKS["dry-llama3"]
-  if frontier._tokamax_loss() is None:  # pylint: disable=protected-access
+  if frontier.model_stack.tokamax_loss() is None:
     row = frontier.child_row({"stack": "dry-llama3", "policy": "full", "invact": False,
                           "dtype": "float32", "repeats": 1, "head": "tokamax"})
     assert "tokamax" in row["error"] and row["head"] == "tokamax", row
@@ -316,7 +316,7 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
     assert r["invact"] and r["plan_program"] in ("as written", "inverted"), r
     assert r["activation_bytes"] == r["plan_compiled_bytes"] <= r["budget_bytes"], r
     assert abs(r["prediction_error"]) <= 0.10 and r["planning_s"] > 0, r
-    assert frontier._plan_note(r).startswith("invact_jax.plan of ")  # pylint: disable=protected-access
+    assert frontier.report.plan_note(r).startswith("invact_jax.plan of ")
   measured = [r for r in first if "error" not in r]
   second = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
                          in_process=True, torch_configurations=(), date="2026-11-27", done=first)
@@ -348,8 +348,8 @@ def test_the_fit_runs_apart_from_the_rows(monkeypatch):
       "fit": s.batch}  # CPU: no limit, the stack's own
   seen = []
   real = frontier.layers_that_fit
-  monkeypatch.setattr(frontier, "FIT", {"dry-llama3": "batch"})
-  monkeypatch.setattr(frontier, "layers_that_fit",
+  monkeypatch.setattr(frontier.model_stack, "FIT", {"dry-llama3": "batch"})
+  monkeypatch.setattr(frontier.measurement, "layers_that_fit",
                       lambda *a, **k: seen.append((a, k)) or real(*a, **k))
   done = [{"model": "dry-llama3", "framework": "jax", "invact": False, "configuration": c,
            "head": "plain", "layers": s.layers, "batch": s.batch, "activation_bytes": 1,
@@ -367,7 +367,7 @@ def test_the_fit_runs_apart_from_the_rows(monkeypatch):
     frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
                   torch_configurations=(), done=earlier, deadline=0.0)
     assert seen == [(("dry-llama3", "float32"), {"field": "batch"})]
-  monkeypatch.setattr(frontier, "layers_that_fit", lambda *a, **k: 1 / 0)
+  monkeypatch.setattr(frontier.measurement, "layers_that_fit", lambda *a, **k: 1 / 0)
   (row,) = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
                          torch_configurations=(), done=mixed, deadline=0.0)
   assert row["error"].startswith("the batch that fits: ZeroDivisionError"), row
@@ -378,7 +378,7 @@ def test_a_jax_row_process_takes_the_allocator_pool_at_start(monkeypatch):
   took are not left behind for the step's temp to miss), whatever the parent's setting."""
   monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   calls = []
-  monkeypatch.setattr(frontier.child, "run_child",
+  monkeypatch.setattr(child, "run_child",
                       lambda module, spec, timeout_s, env=None: calls.append(
                           (module, spec, env)) or {"error": "not run"})
   rs = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=False,

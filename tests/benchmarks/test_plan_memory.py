@@ -43,7 +43,7 @@ def test_plans_of_a_project_model_fit_and_recompute_no_more_than_any_policy_that
   assert all(by.get(n) == "program" for n in ("query", "key", "value", "attn_out", "mlp_pre"))
   assert all(w == "program" or n.startswith("matmul_") for n, w in by.items()), by
   # (convert=True, the script's default, plans invert() of the model too: its choice is
-  # tests/test_program_planner.py's; here the project's models' own path, at CI cost.)
+  # tests/planner/test_api.py's; here the project's models' own path, at CI cost.)
   assert all(r["configuration"] == "as written" for r in rows)
   # no recompute where it fits: the program as written, or its layer without remat
   assert rows[-1]["as_written"] or rows[-1]["policy"] == "none", rows[-1]

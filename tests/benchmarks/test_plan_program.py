@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from invact_jax import program_planner as pp
+from invact_jax import planner
+from invact_jax.planner import cost_model, layer_loop
 from models.benchmarks import frontier, plan_program
 from tests import load_script
 
@@ -74,10 +75,10 @@ def test_maxtext_presets_are_weighed_where_the_layer_has_their_names():
   shape = frontier.Shape("llama", d=64, heads=2, ff=128, layers=4, seq=32, batch=2)
   loss, args = frontier.build(shape, "none", False, jnp.float32, named=True)
   closed = jax.make_jaxpr(loss)(*args)
-  loop = pp._read_by_the_backward(pp._loops(closed)[1][0])  # pylint: disable=protected-access
-  choices = pp._fixed_choices(loop)  # pylint: disable=protected-access
+  loop = layer_loop.read_by_the_backward(layer_loop.find_loops(closed)[1][0])  # pylint: disable=protected-access
+  choices = cost_model.fixed_choices(loop)  # pylint: disable=protected-access
   presets = {c.label: c.keep for c in choices[4:]}
   assert {"minimal", "save_qkv_proj", "save_out_proj"} <= set(presets)
-  assert presets["save_qkv_proj"] == tuple(n for n in pp.MAXTEXT_PRESETS["save_qkv_proj"]
+  assert presets["save_qkv_proj"] == tuple(n for n in planner.MAXTEXT_PRESETS["save_qkv_proj"]
                                            if n in presets["minimal"])
   assert len({frozenset(k) for k in presets.values()}) == len(presets)

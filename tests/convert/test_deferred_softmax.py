@@ -147,3 +147,37 @@ def test_the_online_forms_max_mask_is_what_the_reason_says():
     kept = [r.shape for r in memory.residuals(functools.partial(_online, blocks=4, stop=stop),
                                               *_args()) if not r.is_argument]
     assert kept.count((2, 16, 4)) == 4 * per_block, kept
+
+
+def test_a_local_softmax_combined_across_devices_is_this_form():
+  """Each device's keys: the local attention returns ``exp(s - m) @ v``, the row max and the
+  row sum unnormalized, combined across the mesh (``pmax``, rescale, ``psum``, divide; the
+  sequence-parallel form) — found (the local exponentials and the rescale factors), not
+  reported as unrecognized, with the reasons that hold: the max is read beyond its shift, so
+  its location mask is kept beside the probabilities (its gradient cannot be stopped); the
+  factors are per row."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((2,), ("x",))
+
+  def local(q, k, v):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) / 8.0
+    m = jnp.max(s, -1, keepdims=True)
+    p = jnp.exp(s - m)
+    o, l = jnp.einsum("bqk,bkd->bqd", p, v), jnp.sum(p, -1, keepdims=True)
+    c = jnp.exp(m - jax.lax.pmax(jax.lax.stop_gradient(m), "x"))  # (pmax has no derivative)
+    return jax.lax.psum(o * c, "x") / jax.lax.psum(l * c, "x")
+
+  def fn(q, k, v):
+    return jnp.sum(jnp.tanh(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "x"),
+                                                                      P(None, "x")),
+                                          out_specs=P())(q, k, v)))
+  q = _args()[0]
+  k, v = (jax.device_put(jax.random.normal(jax.random.key(i), (2, 32, 8)),
+                         NamedSharding(mesh, P(None, "x"))) for i in (1, 2))
+  inv = invact_jax.invert(fn)
+  np.testing.assert_array_equal(jax.jit(inv)(q, k, v), jax.jit(fn)(q, k, v))
+  assert [(what, why) for what, _, why in inv.last_report.left_alone] == [
+      ("softmax", MAX_MASK), ("softmax", AT_THE_FLOOR)], inv.last_report  # (p; the factors)
+  kept = [r.shape for r in memory.residuals(fn, q, k, v) if not r.is_argument]
+  # [q, k]-sized, per device (stacked over the 2): p and the max's location mask
+  assert kept.count((4, 16, 16)) == 2, kept

@@ -84,6 +84,43 @@ def test_a_new_rule_is_found_converted_and_reported(with_rule):
   assert only.last_report.replaced == {"squared_relu": 1}
 
 
+def test_the_floor_audit_sees_a_new_rule_as_its_rule_says(with_rule):
+  """The floor audit finds the ops by the same table: the new rule's output is a floor item
+  with its role (the rule's default floor: its output, once), and the converted program
+  keeps exactly it."""
+  args = (jnp.ones((16, 64)), jnp.ones((64, 16)), jnp.ones((8, 16)))
+  audit = invact_jax.floor_audit(invact_jax.invert(_mlp), *args)
+  assert [(i.what, i.shape) for i in audit.floor] == [("squared_relu output", (8, 64))]
+  assert [role for _, role in audit.kept] == ["squared_relu output"] and audit.ratio == 1.0
+
+
+def test_without_the_entry_the_floor_has_no_such_role():
+  """Without the entry the floor walks back through the squared ReLU, elementwise, to the
+  matmul output it is computed from: the same bytes, no rule's role."""
+  audit = invact_jax.floor_audit(_mlp, jnp.ones((16, 64)), jnp.ones((64, 16)),
+                                 jnp.ones((8, 16)))
+  assert [(i.what, i.bytes) for i in audit.floor] == [("matmul output", 8 * 64 * 4)], \
+      audit.table()
+
+
+def test_norms_false_leaves_norms_and_softmaxes_not_other_rules(with_rule):
+  """``invert(norms=False)`` converts the activations and the rules that are not about norms
+  and softmaxes (the new one, the LM head)."""
+  def f(w1, w2, s, x):
+    h = jnp.square(jnp.maximum(x @ w1, 0.0)) + 1.0  # (+ a residual stream)
+    h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + 1e-6) * s
+    return jnp.sum(h @ w2)
+  args = (jnp.ones((16, 64)), jnp.ones((64, 16)), jnp.ones((64,)), jnp.ones((8, 16)))
+  inv = invact_jax.invert(f, norms=False)
+  jax.jit(inv)(*args)
+  # (the norm left as asked, not reported as an unrecognized form)
+  assert inv.last_report.replaced == {"squared_relu": 1} and not inv.last_report.left_alone, \
+      inv.last_report
+  both = invact_jax.invert(f)
+  jax.jit(both)(*args)
+  assert both.last_report.replaced == {"squared_relu": 1, "rms_norm": 1}, both.last_report
+
+
 def test_without_the_entry_nothing_finds_it():
   inv = invact_jax.invert(_mlp)
   jax.jit(inv)(jnp.ones((16, 64)), jnp.ones((64, 16)), jnp.ones((8, 16)))

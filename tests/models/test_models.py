@@ -96,7 +96,7 @@ ALL = dict(norm_mode="fused", softmax_mode="inverted", dropout_mode="regenerate"
 @pytest.mark.parametrize("preset,norm_mode", [("bert-base", "fused"), ("gpt2", "inverted"),
                                                ("gpt2", "fused"), ("llama-small", "fused")])
 def test_output_saving_options_same_loss_and_gradients(preset, norm_mode):
-  """Issue 6 options: same parameters, same forward (to rounding), same gradients."""
+  """The models' options: same parameters, same forward (to rounding), same gradients."""
   cfg = text.PRESETS[preset].replace(**SMALL_TEXT, dropout=0.1, scan_layers=True)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 128)
   key = jax.random.key(3)

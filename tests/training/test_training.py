@@ -210,7 +210,7 @@ GRADIENT_RTOL = 2 * 6.5 * 2.0 ** -24
 
 def test_memory_budget_plans_the_model(digits):
   """--memory-budget: the loss planned by invact_jax.plan (the one planner path; its plans are
-  checked in tests/test_program_planner.py) at 65 % of the gradient's compiled temp as
+  checked in tests/planner/test_api.py) at 65 % of the gradient's compiled temp as
   written: within the budget, recomputing, with the unplanned loss and gradients, training;
   a budget nothing fits is one line naming the minimum."""
   scanned = dataclasses.replace(SMALL, scan_layers=True)

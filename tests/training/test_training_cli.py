@@ -223,7 +223,7 @@ def _npz(tmp_path, name, **over):
 
 
 def test_data_is_checked_before_training(tmp_path):
-  """Issue 15 (4): non-finite or unscaled pixels and absurd label ranges are refused."""
+  """Non-finite or unscaled pixels and absurd label ranges are refused."""
   x = np.random.default_rng(1).random((40, 8, 8), np.float32)
   cases = [
       (dict(x_train=np.where(np.arange(40)[:, None, None] == 3, np.nan, x)),
@@ -343,3 +343,30 @@ def test_script_inputs_are_checked_before_any_work(tmp_path, capsys):
       code = e.code
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert code == 2 and len(err) == 1 and pattern in err[0], (script, argv, err)
+
+
+def test_the_run_ends_with_what_its_activations_cost_against_standard(tmp_path, capsys):
+  """``make train``'s last line: the activations autodiff keeps with the run's configuration
+  beside the same model's with standard activations, and the train step's compiled temp both
+  ways, as the functions that measure them give them."""
+  from models.training import compare, trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  code = train_main.main(["--no-progress", "--steps", "4", "--batch-size", "32", "--workdir",
+                          str(tmp_path / "w")])
+  assert code == 0
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  m = re.fullmatch(r"activations kept for the backward: ([\d.,]+) MiB with the inverted "
+                   r"configuration vs ([\d.,]+) MiB standard \(([\d.]+)x\); the train step's "
+                   r"compiled temp ([\d.,]+) MiB vs ([\d.,]+) MiB", last)
+  assert m, last
+  ours, standard = (float(m.group(i).replace(",", "")) for i in (1, 2))
+  assert ours < standard and float(m.group(3)) == pytest.approx(ours / standard, abs=0.01)
+  cfg = dataclasses.replace(training.TrainConfig(), steps=4, batch_size=32)
+  standard_trainer = trainer_lib.Trainer(dataclasses.replace(cfg, configuration="standard"),
+                                         data_lib.load_digits(cfg.seed))
+  assert f"{standard_trainer.activation_bytes() / 2**20:,.2f}" == m.group(2)
+  assert compare.memory_line(dataclasses.replace(cfg, configuration="standard"), {
+      "activation_bytes": 2**20, "standard_activation_bytes": 2**20,
+      "compiled_temp_bytes": 2**21, "standard_compiled_temp_bytes": 2**21,
+      "device_peak_bytes": None}) == ("activations kept for the backward: 1.00 MiB with the "
+                                      "standard configuration; the train step's compiled temp "
+                                      "2.00 MiB")

@@ -9,10 +9,8 @@ wrapper over its entry in :mod:`.registry` (the math) and runs on one of
 """
 from __future__ import annotations
 
-from typing import Any
 
 import jax
-import numpy as np
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
@@ -20,6 +18,27 @@ from invact_jax.ops.activations import base
 from invact_jax.ops.activations import pallas
 from invact_jax.ops.activations import registry
 from invact_jax.ops.activations import triton
+from invact_jax.ops.activations.reference import gelu_reference as gelu_reference
+from invact_jax.ops.activations.reference import silu_reference as silu_reference
+from invact_jax.ops.activations.reference import swish_reference as swish_reference
+from invact_jax.ops.activations.reference import mish_reference as mish_reference
+from invact_jax.ops.activations.reference import sigmoid_reference as sigmoid_reference
+from invact_jax.ops.activations.reference import tanh_reference as tanh_reference
+from invact_jax.ops.activations.reference import softplus_reference as softplus_reference
+from invact_jax.ops.activations.reference import selu_reference as selu_reference
+from invact_jax.ops.activations.reference import celu_reference as celu_reference
+from invact_jax.ops.activations.reference import elu_reference as elu_reference
+from invact_jax.ops.activations.reference import hard_tanh_reference as hard_tanh_reference
+from invact_jax.ops.activations.reference import leaky_relu_reference as leaky_relu_reference
+from invact_jax.ops.activations.reference import hard_silu_reference as hard_silu_reference
+from invact_jax.ops.activations.reference import hard_swish_reference as hard_swish_reference
+from invact_jax.ops.activations.reference import hard_sigmoid_reference as hard_sigmoid_reference
+from invact_jax.ops.activations.reference import relu6_reference as relu6_reference
+from invact_jax.ops.activations.reference import relu_reference as relu_reference
+from invact_jax.ops.activations.reference import soft_sign_reference as soft_sign_reference
+from invact_jax.ops.activations.reference import squareplus_reference as squareplus_reference
+from invact_jax.ops.activations.reference import sparse_plus_reference as sparse_plus_reference
+from invact_jax.ops.activations.reference import sparse_sigmoid_reference as sparse_sigmoid_reference
 
 __all__ = ["gelu", "silu", "swish", "mish", "sigmoid", "tanh", "softplus", "selu", "celu", "elu",
            "hard_tanh", "leaky_relu", "hard_silu", "hard_swish", "hard_sigmoid", "relu6", "relu",
@@ -39,20 +58,6 @@ IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
 
 Array = jax.Array
 ImplementationLike = _implementation.ImplementationLike
-
-
-def _selector(public: str, arg: str, value) -> bool:
-  """A selector argument (``approximate``): a Python or NumPy bool, nothing else."""
-  if isinstance(value, (bool, np.bool_)):
-    return bool(value)
-  raise TypeError(f"invact_jax.{public}: argument `{arg}` must be True or False, got {value!r}")
-
-
-def _entry(public: str, selector: dict, params: dict) -> tuple[registry.Activation, tuple]:
-  """The registry entry ``invact_jax.<public>(**selector)`` runs, and its static params."""
-  sel = {k: _selector(public, k, v) for k, v in selector.items()}
-  entry = registry.by_public(public, **sel)
-  return entry, tuple((k, _common.static_scalar(public, k, v)) for k, v in params.items())
 
 
 def resolve(implementation: ImplementationLike, *, op: str = "gelu"
@@ -75,16 +80,10 @@ def resolve(implementation: ImplementationLike, *, op: str = "gelu"
 def _run(public: str, x, implementation, selector: dict | None = None, **params) -> Array:
   """``invact_jax.<public>``: check the arguments, pick the entry and the implementation."""
   x = _common.float_array(public, "x", x)
-  entry, bound = _entry(public, selector or {}, params)
+  entry, bound = registry.entry(public, selector or {}, params)
   impl = _implementation.resolve(implementation, op=public, implementations={
       k: IMPLEMENTATIONS[k] for k in entry.implementations})
   return base.apply(base.Op(entry, bound), impl, x)
-
-
-def _reference(public: str, x, selector: dict | None = None, **params) -> Array:
-  """``jax.nn``'s function for ``public`` (captured at import), JAX autodiff."""
-  entry, _ = _entry(public, selector or {}, {})
-  return entry.original(x, **(selector or {}), **params)
 
 
 # ------------------------------------------------------------------- the public ops
@@ -414,264 +413,27 @@ def sparse_sigmoid(x: Array, *, implementation: ImplementationLike = None) -> Ar
   return _run("sparse_sigmoid", x, implementation)
 
 
-# ---------------------------------------------------------------- the references
-def gelu_reference(x: Array, approximate: bool = True) -> Array:
-  """``jax.nn.gelu`` with JAX's own autodiff (keeps x): the baseline of :func:`gelu`.
-
-  Args:
-    x: floating-point array.
-    approximate: as for :func:`gelu`.
-
-  Returns:
-    ``jax.nn.gelu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("gelu", x, {"approximate": approximate})
-
-
-def silu_reference(x: Array) -> Array:
-  """``jax.nn.silu`` with JAX's own autodiff: the baseline of :func:`silu`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.silu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("silu", x)
-
-
-def swish_reference(x: Array) -> Array:
-  """``jax.nn.swish`` with JAX's own autodiff: the baseline of :func:`swish`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.swish`` of ``x``, differentiated by JAX.
-  """
-  return _reference("swish", x)
-
-
-def mish_reference(x: Array) -> Array:
-  """``jax.nn.mish`` with JAX's own autodiff: the baseline of :func:`mish`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.mish`` of ``x``, differentiated by JAX.
-  """
-  return _reference("mish", x)
-
-
-def sigmoid_reference(x: Array) -> Array:
-  """``jax.nn.sigmoid`` with JAX's own autodiff: the baseline of :func:`sigmoid`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.sigmoid`` of ``x``, differentiated by JAX.
-  """
-  return _reference("sigmoid", x)
-
-
-def tanh_reference(x: Array) -> Array:
-  """``jax.nn.tanh`` with JAX's own autodiff: the baseline of :func:`tanh`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.tanh`` of ``x``, differentiated by JAX.
-  """
-  return _reference("tanh", x)
-
-
-def softplus_reference(x: Array) -> Array:
-  """``jax.nn.softplus`` with JAX's own autodiff: the baseline of :func:`softplus`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.softplus`` of ``x``, differentiated by JAX.
-  """
-  return _reference("softplus", x)
-
-
-def selu_reference(x: Array) -> Array:
-  """``jax.nn.selu`` with JAX's own autodiff: the baseline of :func:`selu`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.selu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("selu", x)
-
-
-def celu_reference(x: Array, alpha: float = 1.0) -> Array:
-  """``jax.nn.celu`` with JAX's own autodiff: the baseline of :func:`celu`.
-
-  Args:
-    x: floating-point array.
-    alpha: as for :func:`celu`.
-
-  Returns:
-    ``jax.nn.celu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("celu", x, alpha=alpha)
-
-
-def elu_reference(x: Array, alpha: float = 1.0) -> Array:
-  """``jax.nn.elu`` with JAX's own autodiff: the baseline of :func:`elu`.
-
-  Args:
-    x: floating-point array.
-    alpha: as for :func:`elu`.
-
-  Returns:
-    ``jax.nn.elu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("elu", x, alpha=alpha)
-
-
-def hard_tanh_reference(x: Array) -> Array:
-  """``jax.nn.hard_tanh`` with JAX's own autodiff: the baseline of :func:`hard_tanh`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.hard_tanh`` of ``x``, differentiated by JAX.
-  """
-  return _reference("hard_tanh", x)
-
-
-def leaky_relu_reference(x: Array, negative_slope: float = 1e-2) -> Array:
-  """``jax.nn.leaky_relu`` with JAX's own autodiff: the baseline of :func:`leaky_relu`.
-
-  Args:
-    x: floating-point array.
-    negative_slope: as for :func:`leaky_relu`.
-
-  Returns:
-    ``jax.nn.leaky_relu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("leaky_relu", x, negative_slope=negative_slope)
-
-
-def hard_silu_reference(x: Array) -> Array:
-  """``jax.nn.hard_silu`` with JAX's own autodiff: the baseline of :func:`hard_silu`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.hard_silu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("hard_silu", x)
-
-
-def hard_swish_reference(x: Array) -> Array:
-  """``jax.nn.hard_swish`` with JAX's own autodiff: the baseline of :func:`hard_swish`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.hard_swish`` of ``x``, differentiated by JAX.
-  """
-  return _reference("hard_swish", x)
-
-
-def hard_sigmoid_reference(x: Array) -> Array:
-  """``jax.nn.hard_sigmoid`` with JAX's own autodiff: the baseline of :func:`hard_sigmoid`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.hard_sigmoid`` of ``x``, differentiated by JAX.
-  """
-  return _reference("hard_sigmoid", x)
-
-
-def relu6_reference(x: Array) -> Array:
-  """``jax.nn.relu6`` with JAX's own autodiff: the baseline of :func:`relu6`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.relu6`` of ``x``, differentiated by JAX.
-  """
-  return _reference("relu6", x)
-
-
-def relu_reference(x: Array) -> Array:
-  """``jax.nn.relu`` with JAX's own autodiff: the baseline of :func:`relu`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.relu`` of ``x``, differentiated by JAX.
-  """
-  return _reference("relu", x)
-
-
-def soft_sign_reference(x: Array) -> Array:
-  """``jax.nn.soft_sign`` with JAX's own autodiff: the baseline of :func:`soft_sign`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.soft_sign`` of ``x``, differentiated by JAX.
-  """
-  return _reference("soft_sign", x)
-
-
-def squareplus_reference(x: Array, b: float = 4.0) -> Array:
-  """``jax.nn.squareplus`` with JAX's own autodiff: the baseline of :func:`squareplus`.
-
-  Args:
-    x: floating-point array.
-    b: as for :func:`squareplus`.
-
-  Returns:
-    ``jax.nn.squareplus`` of ``x``, differentiated by JAX.
-  """
-  return _reference("squareplus", x, b=b)
-
-
-def sparse_plus_reference(x: Array) -> Array:
-  """``jax.nn.sparse_plus`` with JAX's own autodiff: the baseline of :func:`sparse_plus`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.sparse_plus`` of ``x``, differentiated by JAX.
-  """
-  return _reference("sparse_plus", x)
-
-
-def sparse_sigmoid_reference(x: Array) -> Array:
-  """``jax.nn.sparse_sigmoid`` with JAX's own autodiff: the baseline of :func:`sparse_sigmoid`.
-
-  Args:
-    x: floating-point array.
-
-  Returns:
-    ``jax.nn.sparse_sigmoid`` of ``x``, differentiated by JAX.
-  """
-  return _reference("sparse_sigmoid", x)
-
-
 #: public name -> (the op, its reference); a test checks its names against :data:`registry.PUBLIC`.
-OPS = {name: (globals()[name], globals()[f"{name}_reference"]) for name in __all__
-          if not name.endswith("_reference")}
+OPS = {
+    "gelu": (gelu, gelu_reference),
+    "silu": (silu, silu_reference),
+    "swish": (swish, swish_reference),
+    "mish": (mish, mish_reference),
+    "sigmoid": (sigmoid, sigmoid_reference),
+    "tanh": (tanh, tanh_reference),
+    "softplus": (softplus, softplus_reference),
+    "selu": (selu, selu_reference),
+    "celu": (celu, celu_reference),
+    "elu": (elu, elu_reference),
+    "hard_tanh": (hard_tanh, hard_tanh_reference),
+    "leaky_relu": (leaky_relu, leaky_relu_reference),
+    "hard_silu": (hard_silu, hard_silu_reference),
+    "hard_swish": (hard_swish, hard_swish_reference),
+    "hard_sigmoid": (hard_sigmoid, hard_sigmoid_reference),
+    "relu6": (relu6, relu6_reference),
+    "relu": (relu, relu_reference),
+    "soft_sign": (soft_sign, soft_sign_reference),
+    "squareplus": (squareplus, squareplus_reference),
+    "sparse_plus": (sparse_plus, sparse_plus_reference),
+    "sparse_sigmoid": (sparse_sigmoid, sparse_sigmoid_reference),
+}

@@ -20,11 +20,13 @@ import functools
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
+from invact_jax.ops import _common
 from invact_jax.ops.activations import math as _math
 from invact_jax.ops.activations import oracles as _oracles
 
-__all__ = ["Activation", "ACTIVATIONS", "PUBLIC", "get", "by_public", "nonmonotone",
+__all__ = ["Activation", "ACTIVATIONS", "PUBLIC", "get", "by_public", "entry", "nonmonotone",
            "monotone"]
 
 # jax.nn's functions, captured at import: the attribute conversion (``inverted()``) swaps
@@ -246,3 +248,16 @@ def nonmonotone() -> tuple[str, ...]:
 def monotone() -> tuple[str, ...]:
   return tuple(n for n, a in ACTIVATIONS.items() if not a.nonmonotone)
 
+
+def _selector(public: str, arg: str, value) -> bool:
+  """A selector argument (``approximate``): a Python or NumPy bool, nothing else."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise TypeError(f"invact_jax.{public}: argument `{arg}` must be True or False, got {value!r}")
+
+
+def entry(public: str, selector: dict, params: dict) -> tuple[Activation, tuple]:
+  """The registry entry ``invact_jax.<public>(**selector)`` runs, and its static params."""
+  sel = {k: _selector(public, k, v) for k, v in selector.items()}
+  found = by_public(public, **sel)
+  return found, tuple((k, _common.static_scalar(public, k, v)) for k, v in params.items())

@@ -35,7 +35,7 @@ from invact_jax.ops.cross_entropy import base
 
 __all__ = ["weighted_sum", "reduced", "GRADIENT_NAME"]
 
-#: The ``checkpoint_name`` of the gradients this mode keeps (:func:`invact_jax.memory.floor_audit`
+#: The ``checkpoint_name`` of the gradients this mode keeps (:func:`invact_jax.floor_audit`
 #: tells them from activations by it).
 GRADIENT_NAME = "linear_cross_entropy gradient"
 

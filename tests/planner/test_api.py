@@ -13,7 +13,7 @@ import pytest
 
 import invact_jax
 from invact_jax import memory, planner
-from invact_jax import program_planner as pp
+from invact_jax.planner import api, apply, cost_model, layer_loop
 
 D, B, T, W, H, F = 4, 2, 16, 32, 4, 64
 
@@ -56,7 +56,7 @@ ARGS = (_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (B, T, 
 
 def _loop(closed):
   """The program's layer loop as ``plan`` profiles it."""
-  return pp._read_by_the_backward(pp._loops(closed)[1][0])  # pylint: disable=protected-access
+  return layer_loop.read_by_the_backward(layer_loop.find_loops(closed)[1][0])  # pylint: disable=protected-access
 
 
 def _grads(fn, *args):
@@ -113,9 +113,9 @@ def test_automatic_names_are_the_matmuls_in_program_order_and_stable(generous):
   assert operands["matmul_0_lhs"].shape == (B, T, W) and "matmul_1_lhs" not in operands
   assert any(t.shape == (B, H, T, T) for t in operands.values())  # the probabilities
   assert any(t.shape == (B, T, F) for t in operands.values())  # the SwiGLU product
-  assert all(t.named_by == "invact_jax" and "test_program_planner.py" in t.where
+  assert all(t.named_by == "invact_jax" and "planner/test_api.py" in t.where
              for t in first.tensors)
-  assert "test_program_planner.py" in first.loop and first.depth == D
+  assert "planner/test_api.py" in first.loop and first.depth == D
 
 
 def test_the_programs_own_names_are_used_and_their_matmuls_not_named_again():
@@ -159,7 +159,7 @@ TOY = (jax.random.normal(jax.random.key(2), (6, 4, 32, 32)) / 6,
 def _matmul_outputs_only(monkeypatch):
   """The toy's candidates: its three matmul outputs (not the operands computed for the next
   matmul: the tanh's and sin's outputs), so that every choice can be compiled."""
-  monkeypatch.setattr(pp, "_operands", lambda *a: None)
+  monkeypatch.setattr(layer_loop, "_operands", lambda *a: None)
 
 
 def test_every_choice_compiled_is_near_its_prediction_and_plans_fit(monkeypatch):
@@ -170,9 +170,9 @@ def test_every_choice_compiled_is_near_its_prediction_and_plans_fit(monkeypatch)
   loop = _loop(jax.make_jaxpr(_toy_loss)(*TOY))
   names = [t.name for t in loop.tensors]
   assert names == ["matmul_0", "matmul_1", "matmul_2"]  # matmul_3's output is never read
-  temps = {keep: _temp(pp._apply(_toy_loss, keep, ()), *TOY)  # pylint: disable=protected-access
+  temps = {keep: _temp(apply.apply_plan(_toy_loss, keep, ()), *TOY)  # pylint: disable=protected-access
            for n in range(len(names) + 1) for keep in itertools.combinations(names, n)}
-  profile = pp._profile(loop, temps[()], None)  # pylint: disable=protected-access
+  profile = cost_model.layer_profile(loop, temps[()], None)  # pylint: disable=protected-access
   for keep, temp in temps.items():
     assert abs(profile.peak((keep,) * loop.length) / temp - 1) <= 0.10, (keep, temp)
   low, high = temps[()], temps[tuple(names)]
@@ -187,11 +187,11 @@ def test_the_integer_program_matches_brute_force_over_keep_recompute_offload(mon
   """The toy's profile (its FLOPs from XLA, a stand-in offload cost): at every budget the
   solver's choice costs what the cheapest of all 27 keep / recompute / offload assignments
   predicted to fit costs."""
-  monkeypatch.setattr(pp, "_has_pinned_host", lambda: True)
+  monkeypatch.setattr(cost_model, "_has_pinned_host", lambda: True)
   _matmul_outputs_only(monkeypatch)
   loop = _loop(jax.make_jaxpr(_toy_loss)(*TOY))
-  rate = pp._offload_rate(None, host_bandwidth=1e9, flop_rate=4e9)  # pylint: disable=protected-access
-  profile = pp._profile(loop, 100_000, rate)  # pylint: disable=protected-access
+  rate = cost_model.offload_rate(None, host_bandwidth=1e9, flop_rate=4e9)  # pylint: disable=protected-access
+  profile = cost_model.layer_profile(loop, 100_000, rate)  # pylint: disable=protected-access
   layers = loop.length
   assignments = []
   for what in itertools.product("kro", repeat=len(profile.tags)):
@@ -210,7 +210,7 @@ def test_the_integer_program_matches_brute_force_over_keep_recompute_offload(mon
 def test_gradients_are_the_originals_bit_for_bit(bounds, generous):
   low, _ = bounds
   everything = [t.name for t in generous.tensors]
-  most = _temp(pp._apply(_loss(), everything, ()), *ARGS)  # pylint: disable=protected-access
+  most = _temp(apply.apply_plan(_loss(), everything, ()), *ARGS)  # pylint: disable=protected-access
   planned = invact_jax.plan(_loss(), *ARGS, budget=(low + most) // 2)
   assert 0 < len(planned.report.keep) < len(planned.report.tensors)
   for a, b in zip(jax.tree.leaves(_grads(_loss(), *ARGS)), jax.tree.leaves(_grads(planned, *ARGS))):
@@ -238,8 +238,8 @@ def test_degenerate_budgets_are_one_line_errors(budget, message):
 def test_any_size_of_integer_budget_is_taken_exactly():
   """A budget of 10**400 bytes (no float holds it) plans as any budget above every need:
   the program as written."""
-  assert pp.parse_budget(10**400) == 10**400
-  assert pp.parse_budget("3KiB") == 3072 and pp.parse_budget(2.7) == 2
+  assert planner.parse_budget(10**400) == 10**400
+  assert planner.parse_budget("3KiB") == 3072 and planner.parse_budget(2.7) == 2
   assert invact_jax.plan(_loss(), *ARGS, budget=10**400).report.as_written
 
 
@@ -281,11 +281,11 @@ def test_a_budget_below_keeping_nothing_names_the_minimum_and_above_runs_as_writ
   _, high = bounds
   r = generous
   assert r.as_written and r.compiled_bytes == high and r.predicted_recompute_flops == 0
-  assert r.minimum_bytes == _temp(pp._apply(_loss(), (), ()), *ARGS)  # pylint: disable=protected-access
+  assert r.minimum_bytes == _temp(apply.apply_plan(_loss(), (), ()), *ARGS)  # pylint: disable=protected-access
   with pytest.raises(planner.InfeasibleBudget,
                      match=f"minimum feasible budget is {r.minimum_bytes:,}"):
     invact_jax.plan(_loss(), *ARGS, budget=r.minimum_bytes - 1)
-  assert pp.parse_budget("1.5 KiB") == 1536 and pp.parse_budget("2GB") == 2 * 10**9
+  assert planner.parse_budget("1.5 KiB") == 1536 and planner.parse_budget("2GB") == 2 * 10**9
 
 
 def test_a_program_without_a_layer_loop_and_bad_arguments_say_so():
@@ -416,16 +416,16 @@ def test_offloading_is_costed_where_the_device_has_host_memory(monkeypatch):
   """A stand-in device with pinned_host: each tensor's offload cost is its bytes at the given
   bandwidth in FLOPs of the given rate, and a tight budget offloads rather than recomputes
   where that is cheaper."""
-  monkeypatch.setattr(pp, "_has_pinned_host", lambda: True)
+  monkeypatch.setattr(cost_model, "_has_pinned_host", lambda: True)
   loop = _loop(jax.make_jaxpr(_loss())(*ARGS))
-  rate = pp._offload_rate(None, host_bandwidth=1e9, flop_rate=1e3)  # pylint: disable=protected-access
+  rate = cost_model.offload_rate(None, host_bandwidth=1e9, flop_rate=1e3)  # pylint: disable=protected-access
   assert rate == 2.0 * 1e3 / 1e9
-  profile = pp._profile(loop, 10_000, rate)  # pylint: disable=protected-access
+  profile = cost_model.layer_profile(loop, 10_000, rate)  # pylint: disable=protected-access
   assert profile.tag_offload_cost == tuple(rate * t.bytes for t in loop.tensors)
   p = planner.solve([profile], profile.base_bytes + max(profile.tag_bytes), uniform=True)
   assert p.offload and set(p.offload[0]) | set(p.keep[0])
   with pytest.raises(ValueError, match="argument `flop_rate` must be a positive number"):
-    pp._offload_rate(None, host_bandwidth=1e9, flop_rate=-1.0)  # pylint: disable=protected-access
+    cost_model.offload_rate(None, host_bandwidth=1e9, flop_rate=-1.0)  # pylint: disable=protected-access
 
 
 def test_of_two_layer_loops_the_heavier_is_planned_and_the_other_named():
@@ -446,7 +446,7 @@ def test_of_two_layer_loops_the_heavier_is_planned_and_the_other_named():
   args = ((wide, narrow), jnp.ones((16, 32)))
   r = invact_jax.plan(loss, *args, budget="64MiB").report
   assert {t.shape for t in r.tensors} == {(16, 128)} and len(r.other_loops) == 1
-  assert "test_program_planner.py" in r.other_loops[0]
+  assert "planner/test_api.py" in r.other_loops[0]
 
 
 def test_convert_plans_the_inverted_program_too_and_takes_it_where_only_it_fits():
@@ -464,7 +464,7 @@ def test_convert_plans_the_inverted_program_too_and_takes_it_where_only_it_fits(
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   args = ({"layers": ARGS[0], "embed": embed}, tokens)
   # each program's least temp: its layers keeping nothing
-  plain, inverted = (_temp(pp._apply(f, (), ()), *args)  # pylint: disable=protected-access
+  plain, inverted = (_temp(apply.apply_plan(f, (), ()), *args)  # pylint: disable=protected-access
                      for f in (lm, invact_jax.invert(lm)))
   assert inverted < plain
   budget = (inverted + plain) // 2
@@ -493,7 +493,7 @@ def test_convert_chooses_the_program_whose_step_does_fewer_flops(monkeypatch, le
   whose step recomputing nothing does at least the FLOPs of a plan already made is not
   planned (its compiles spared)."""
   def report(configuration, recompute, step):
-    return pp.PlanReport(loop="l", depth=4, other_loops=(), tensors=(), keep=(), offload=(),
+    return planner.PlanReport(loop="l", depth=4, other_loops=(), tensors=(), keep=(), offload=(),
                          recompute=(), budget=10, predicted_bytes=9, compiled_bytes=9,
                          minimum_bytes=1, predicted_recompute_flops=recompute, rounds=1,
                          configuration=configuration, step_flops=step)
@@ -503,8 +503,8 @@ def test_convert_chooses_the_program_whose_step_does_fewer_flops(monkeypatch, le
     asked.append((configuration, with_step))
     return {"as written": report("as written", 166.0, 1000.0),
             "inverted": report("inverted", 120.0, 1080.0)}[configuration]
-  monkeypatch.setattr(pp, "_plan_one", plan_one)
-  monkeypatch.setattr(pp, "_least_step_flops", lambda fn, args, grad, **_: least[
+  monkeypatch.setattr(api, "plan_loop", plan_one)
+  monkeypatch.setattr(cost_model, "least_step_flops", lambda fn, args, grad, **_: least[
       "inverted" if hasattr(fn, "last_report") else "as written"])
   r = invact_jax.plan(_toy_loss, *TOY, budget=10, convert=True).report
   assert asked == [(c, True) for c in planned]
@@ -524,13 +524,13 @@ def test_the_least_step_flops_bound_the_planned_steps_flops():
   a loop's body once, which made the converted head look 2.3 times cheaper than the plain
   one in the test below)."""
   grad = jax.value_and_grad
-  least = pp._least_step_flops(_loss(), ARGS, grad)  # pylint: disable=protected-access
+  least = cost_model.least_step_flops(_loss(), ARGS, grad)  # pylint: disable=protected-access
   # (the layer re-bound under a remat saving everything: its residuals as JAX's remat picks
   # them, a few products of the norm's more than the program without remat: 0.9 %)
   assert least == pytest.approx(
       memory.jaxpr_flops(jax.make_jaxpr(grad(_loss()))(*ARGS), per_iteration=True), rel=0.02)
   for keep in ((), ("matmul_0",)):
-    planned = pp._apply(_loss(), keep, ())  # pylint: disable=protected-access
+    planned = apply.apply_plan(_loss(), keep, ())  # pylint: disable=protected-access
     assert least < memory.jaxpr_flops(jax.make_jaxpr(grad(planned))(*ARGS), per_iteration=True)
 
 
@@ -542,9 +542,9 @@ def test_a_layers_flops_from_its_linearization_are_its_gradients():
     loop = _loop(jax.make_jaxpr(fn)(*ARGS))
     names = [t.name for t in loop.tensors]
     for keep, fixed in [((), None), ((names[0],), None), (tuple(names), None),
-                        *[((), f) for f in [*pp.FIXED_POLICIES, "everything"]]]:
-      assert pp._layer_flops(loop, keep, fixed) == pytest.approx(  # pylint: disable=protected-access
-          pp._count_layer_flops(loop, keep, fixed, transposed=True), rel=1e-12)
+                        *[((), f) for f in [*planner.FIXED_POLICIES, "everything"]]]:
+      assert cost_model.layer_flops(loop, keep, fixed) == pytest.approx(  # pylint: disable=protected-access
+          cost_model.count_layer_flops(loop, keep, fixed, transposed=True), rel=1e-12)
 
 
 def test_auxiliary_outputs_and_other_argnums(bounds):
@@ -573,9 +573,9 @@ def test_a_figure_just_above_the_budget_is_measured_again_exactly(monkeypatch):
   monkeypatch.setattr(memory, "analysed",
                       lambda *a, exact=False: calls.append(exact) or real(*a, exact=exact))
   monkeypatch.setattr(memory, "analysis_excess", lambda t: 1024)
-  assert pp._measured(grad, ARGS, temp) == temp  # pylint: disable=protected-access
-  assert pp._measured(grad, ARGS, temp - 1024) == temp  # pylint: disable=protected-access
-  assert pp._measured(grad, ARGS, temp - 1025) == temp  # pylint: disable=protected-access
+  assert cost_model.measured_temp(grad, ARGS, temp) == temp  # pylint: disable=protected-access
+  assert cost_model.measured_temp(grad, ARGS, temp - 1024) == temp  # pylint: disable=protected-access
+  assert cost_model.measured_temp(grad, ARGS, temp - 1025) == temp  # pylint: disable=protected-access
   assert calls == [False, False, True, False]
 
 
@@ -602,13 +602,13 @@ def test_a_custom_vjps_residuals_are_one_candidate_that_spares_its_forward():
   assert attention.bytes == B * T * W * 4 + B * H * T * 4  # o and the float32 row lse
   every = [t.name for t in loop.tensors]
   without = [n for n in every if n != "custom_vjp_0"]
-  flops = functools.partial(pp._layer_flops, loop)  # pylint: disable=protected-access
+  flops = functools.partial(cost_model.layer_flops, loop)  # pylint: disable=protected-access
   # the forward's two matmuls (2 B T T W FLOPs each): re-run without it and under JAX's
   # dots_no_batch; with it only elementwise work (the norm's, SiLU's) is, less than one
   matmul = 2 * B * T * T * W
   assert flops(every) - flops((), "everything") < matmul
   assert min(flops(without), flops((), "dots_no_batch")) - flops(every) >= 2 * matmul
-  planned = pp._apply(_flash_loss, every, ())  # pylint: disable=protected-access
+  planned = apply.apply_plan(_flash_loss, every, ())  # pylint: disable=protected-access
   for a, b in zip(jax.tree.leaves(_grads(planned, *ARGS)),
                   jax.tree.leaves(_grads(_flash_loss, *ARGS))):
     np.testing.assert_array_equal(a, b)
@@ -632,7 +632,7 @@ def test_a_custom_vjp_traced_inside_a_shard_map_is_named_as_why_its_loop_is_not_
 def _xla_recompute(fn, args, depth: int) -> float:
   """XLA's count of what ``fn``'s compiled gradient step recomputes: its FLOPs less the step
   without remat's (a loop's body counted once, so times the layers)."""
-  unremated = pp._apply(fn, (), (), "none")  # pylint: disable=protected-access
+  unremated = apply.apply_plan(fn, (), (), "none")  # pylint: disable=protected-access
   return depth * (memory.flops(jax.value_and_grad(fn), *args)
                   - memory.flops(jax.value_and_grad(unremated), *args))
 
@@ -645,10 +645,10 @@ def test_the_plan_is_never_worse_than_any_keep_set_or_fixed_policy(monkeypatch):
   _matmul_outputs_only(monkeypatch)
   loop = _loop(jax.make_jaxpr(_toy_loss)(*TOY))
   names = [t.name for t in loop.tensors]
-  choices = {keep: pp._apply(_toy_loss, keep, ())  # pylint: disable=protected-access
+  choices = {keep: apply.apply_plan(_toy_loss, keep, ())  # pylint: disable=protected-access
              for n in range(len(names) + 1) for keep in itertools.combinations(names, n)}
-  choices.update({p: pp._apply(_toy_loss, (), (), p)  # pylint: disable=protected-access
-                  for p in ("none", *pp.FIXED_POLICIES)})
+  choices.update({p: apply.apply_plan(_toy_loss, (), (), p)  # pylint: disable=protected-access
+                  for p in ("none", *planner.FIXED_POLICIES)})
   costs = {c: (_temp(f, *TOY), _xla_recompute(f, TOY, loop.length)) for c, f in choices.items()}
   low, high, full = costs[()][0], costs["none"][0], costs[()][1]
   for frac in (0.2, 0.4, 0.6, 0.8):
@@ -667,13 +667,13 @@ def test_every_choice_weighed_is_reported_and_a_fixed_one_taken_where_it_recompu
   """A solved plan that recomputes more than JAX's dots policy (the profile's gains made
   worthless) loses to dots where dots fits compiled: the report says so and lists every
   choice weighed."""
-  real = pp._profile  # pylint: disable=protected-access
+  real = cost_model.layer_profile  # pylint: disable=protected-access
 
   def worthless(*a, **k):
     p = real(*a, **k)
     return dataclasses.replace(p, tag_gain=(0.0,) * len(p.tags))
-  monkeypatch.setattr(pp, "_profile", worthless)
-  dots = _temp(pp._apply(_loss(), (), (), "dots"), *ARGS)  # pylint: disable=protected-access
+  monkeypatch.setattr(cost_model, "layer_profile", worthless)
+  dots = _temp(apply.apply_plan(_loss(), (), (), "dots"), *ARGS)  # pylint: disable=protected-access
   r = invact_jax.plan(_loss(), *ARGS, budget=dots).report
   assert r.policy == "dots" and r.compiled_bytes == dots and not r.keep
   assert "JAX's dots policy fits and recomputes least" in str(r)
@@ -687,7 +687,7 @@ def test_a_layer_without_maxtexts_names_has_no_preset_choices():
   Llama, which has them: tests/benchmarks/test_plan_program.py)."""
   closed = jax.make_jaxpr(_loss(names=True))(*ARGS)
   loop = _loop(closed)
-  labels = [c.label for c in pp._fixed_choices(loop)]  # pylint: disable=protected-access
+  labels = [c.label for c in cost_model.fixed_choices(loop)]  # pylint: disable=protected-access
   assert labels[:4] == ["none", "full", "dots", "dots_no_batch"] and len(labels) == 4
 
 
@@ -697,7 +697,7 @@ def test_a_plan_of_runs_of_layers_computes_the_originals_gradient():
   are the original's, to rounding."""
   names = [t.name for t in _loop(jax.make_jaxpr(_loss())(*ARGS)).tensors]
   runs = ((tuple(names[:2]), (), 2), ((), (), 2))
-  planned = pp._apply(_loss(), (), (), None, runs)  # pylint: disable=protected-access
+  planned = apply.apply_plan(_loss(), (), (), None, runs)  # pylint: disable=protected-access
   closed = jax.make_jaxpr(jax.grad(planned))(*ARGS)
   assert sum(e.primitive.name == "scan" for e in closed.jaxpr.eqns) >= 2
   assert float(jax.jit(planned)(*ARGS)) == pytest.approx(float(jax.jit(_loss())(*ARGS)),
@@ -706,7 +706,7 @@ def test_a_plan_of_runs_of_layers_computes_the_originals_gradient():
 
   def backwards(params, x):  # the layers scanned last to first
     return jnp.mean(jax.lax.scan(_layer(False), x, params, reverse=True)[0] ** 2)
-  planned = pp._apply(backwards, (), (), None, runs)  # pylint: disable=protected-access
+  planned = apply.apply_plan(backwards, (), (), None, runs)  # pylint: disable=protected-access
   _assert_within_the_originals_error(backwards, planned, *ARGS)
   report = dataclasses.replace(invact_jax.plan(_loss(), *ARGS, budget="1GiB").report,
                                as_written=False, runs=runs)

@@ -1,0 +1,304 @@
+"""The frontier's stacks: their shapes (:data:`STACKS`), the transformer blocks
+under a policy (JAX's and MaxText's, :data:`POLICIES`), the language models' heads, and
+:func:`build` (a stack's loss and inputs)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
+
+import invact_jax
+from invact_jax import planner, targets
+from invact_jax.planner import MAXTEXT_PRESETS
+from models import reference_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A stack's shape: ``kind`` (``llama``, ``gpt2``, ``vit``), width, heads, MLP width,
+  layers, sequence, batch; for a full language model also the key/value heads (0: as many
+  as the query heads), the vocabulary (0: a stack without embedding or head, its loss the
+  mean square of its output), whether the head is the embedding table (``tied``) and the
+  parameters' dtype ("": the compute dtype)."""
+  kind: str
+  d: int
+  heads: int
+  ff: int
+  layers: int
+  seq: int
+  batch: int
+  kv_heads: int = 0
+  vocab: int = 0
+  tied: bool = True
+  param_dtype: str = ""
+
+  @property
+  def tokens(self) -> int:
+    return self.seq * self.batch
+
+  @property
+  def kv_width(self) -> int:
+    return (self.kv_heads or self.heads) * (self.d // self.heads)
+
+
+#: The stacks and models; "dry" ones run on a CPU in seconds (the test suite's).
+STACKS = {
+    "llama3-1b": Shape("llama", 2048, 32, 8192, 16, 8192, 1, kv_heads=8, vocab=128256,
+                       tied=True, param_dtype="float32"),
+    "llama3-8b": Shape("llama", 4096, 32, 14336, 4, 4096, 1, kv_heads=8, vocab=128256,
+                       tied=False, param_dtype="float32"),
+    "llama-7b": Shape("llama", 4096, 32, 11008, 4, 4096, 1),
+    "llama": Shape("llama", 1024, 16, 2816, 12, 1024, 24),
+    "gpt2-medium": Shape("gpt2", 1024, 16, 4096, 24, 1024, 8),
+    "vit-l16": Shape("vit", 1024, 16, 4096, 24, 197, 64),
+    "dry-llama": Shape("llama", 64, 4, 176, 2, 16, 2),
+    "dry-gpt2": Shape("gpt2", 64, 4, 256, 2, 16, 2),
+    "dry-llama3": Shape("llama", 64, 4, 176, 2, 32, 2, kv_heads=2, vocab=2048, tied=True,
+                        param_dtype="float32"),
+}
+
+
+#: Stacks sized on a GPU to what fits the JAX default step (:func:`layers_that_fit`): as
+#: many layers, or the largest batch; elsewhere they keep their shape.
+FIT = {"llama-7b": "layers", "llama3-8b": "layers", "llama3-1b": "batch"}
+
+
+#: A JAX row's process takes the allocator's whole pool at start (one region).  Grown on
+#: demand, XLA's BFC allocator keeps every region it took (no garbage collection), those of
+#: compiling's autotuning too, and a step's one large temp allocation can then find no room
+#: beside them though it fits the pool (llama3-1b's JAX default, docs/gpu-report.md).
+ROW_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+
+
+#: The planner's budgets, as fractions of JAX default's activation bytes of the stack.
+PLAN_BUDGETS = (0.25, 0.5, 0.75)
+
+
+_PROJECTIONS = MAXTEXT_PRESETS["minimal"]
+
+
+#: MaxText's presets the frontier runs (and ``full``): the ``checkpoint_name`` s each saves.
+SAVED = {"full": (), **{name: MAXTEXT_PRESETS[name] for name in (
+    "minimal", "save_qkv_proj", "save_dot_except_mlp", "save_out_proj")}}
+
+
+def offloaded():
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(_PROJECTIONS),
+      offload_src="device", offload_dst="pinned_host")
+
+
+#: policy name -> a ``jax.checkpoint`` policy (None: no remat), or a factory (offload).
+POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    **{name: jax.checkpoint_policies.save_only_these_names(*saved)
+       for name, saved in SAVED.items() if saved},
+    "minimal_offloaded": offloaded,
+}
+
+
+def has_memory_kinds() -> bool:
+  """Whether the device can offload to ``pinned_host`` (a GPU; not XLA:CPU; compiling for a
+  GPU without one, its figures are the compiler's: yes)."""
+  if targets.current().deviceless:
+    return targets.platform() == "gpu"
+  try:
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return jax.default_backend() != "cpu" and "pinned_host" in kinds
+
+
+def _attention(q, k, v, causal: bool):
+  """cuDNN's flash attention compiling for a GPU (:func:`invact_jax.targets.platform`) in 16
+  bits (grouped-query: fewer key/value heads); elsewhere the flash-style custom_vjp of
+  :mod:`models.reference_layers` (the same residuals: q, k, v, o, a row log-sum-exp), the
+  key/value heads repeated."""
+  if targets.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+  if k.shape[2] != q.shape[2]:
+    k, v = (jnp.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
+  return reference_layers.flash_attention(q, k, v, causal)
+
+
+def _block(s: Shape, named: bool = True):
+  """``layer(p, x)`` of kind ``s.kind`` with MaxText's checkpoint names (``named``), or
+  with none (a layer as most hand-written code is)."""
+  dh = s.d // s.heads
+  checkpoint_name = _checkpoint_name if named else (lambda x, name: x)
+
+  def attention(p, h, causal, rotary):
+    b, t, _ = h.shape
+    split = lambda y: y.reshape(b, t, y.shape[-1] // dh, dh)  # noqa: E731
+    q = split(checkpoint_name(h @ p["wq"], "query_proj"))
+    k = split(checkpoint_name(h @ p["wk"], "key_proj"))
+    v = split(checkpoint_name(h @ p["wv"], "value_proj"))
+    if rotary:
+      q, k = reference_layers.rope(q), reference_layers.rope(k)
+    o = _attention(q, k, v, causal).reshape(b, t, s.d)
+    return checkpoint_name(o @ p["wo"], "out_proj")
+
+  def llama(p, x):
+    x = x + attention(p, reference_layers.rms_norm(x, p["n1"]), True, True)
+    h = reference_layers.rms_norm(x, p["n2"])
+    g = checkpoint_name(h @ p["wg"], "mlpwi_0")
+    u = checkpoint_name(h @ p["wu"], "mlpwi_1")
+    return x + checkpoint_name((jax.nn.silu(g) * u) @ p["wd"], "mlpwo")
+
+  def gpt2(p, x, causal=True):
+    x = x + attention(p, reference_layers.layer_norm(x, p["g1"], p["b1"]), causal, False)
+    h = reference_layers.layer_norm(x, p["g2"], p["b2"])
+    a = jax.nn.gelu(checkpoint_name(h @ p["w1"], "mlpwi") + p["c1"], approximate=True)
+    return x + checkpoint_name(a @ p["w2"], "mlpwo") + p["c2"]
+
+  if s.kind == "llama":
+    return llama
+  return gpt2 if s.kind == "gpt2" else (lambda p, x: gpt2(p, x, causal=False))
+
+
+def tags(s: Shape) -> tuple[str, ...]:
+  """The ``checkpoint_name`` s a layer of ``s`` tags (MaxText's)."""
+  if s.kind == "llama":
+    return ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+  return ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
+
+
+#: An LM's head: the plain logits + optax, tokamax's chunked loss (invact: invert's).
+HEADS = ("plain", "tokamax")
+
+
+def tokamax_loss():
+  """tokamax's ``linear_softmax_cross_entropy_loss`` (chunked XLA), or None where tokamax
+  (with it) is not installed."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if importlib.util.find_spec("tokamax") is None:
+    return None
+  import tokamax  # pylint: disable=import-outside-toplevel
+  return getattr(tokamax, "linear_softmax_cross_entropy_loss", None)
+
+
+def _head_loss(s: Shape, head: str, h, w, labels):
+  """The mean cross-entropy of the final hidden states ``h`` [B, T, d] against ``labels``,
+  the head weight ``w`` ([V, d] tied, else [d, V]) in the compute dtype."""
+  if head == "tokamax":
+    fn = tokamax_loss()
+    if fn is None:
+      raise RuntimeError("tokamax (with linear_softmax_cross_entropy_loss) is not installed")
+    return fn(h.reshape(-1, s.d), labels.reshape(-1), w.T if s.tied else w, reduction="mean",
+              implementation="chunked_xla")
+  logits = h @ w.T if s.tied else h @ w  # what users write: the logits in the compute dtype
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels).mean()
+
+
+def _params(s: Shape, dtype):
+  """The stacked layers' parameters (and, for a language model, the embedding, the final
+  norm and an untied head) in the parameters' dtype."""
+  kind = "llama" if s.kind == "llama" else "gpt2"
+  pdtype = jnp.dtype(s.param_dtype or dtype)
+  keys = jax.random.split(jax.random.key(0), s.layers + 2)
+  layers = [reference_layers.init_layer(kind, s.d, s.ff, pdtype, k, s.kv_width) for k in keys[:-2]]
+  params = {"layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+  if s.vocab:
+    params["embed"] = (jax.random.normal(keys[-2], (s.vocab, s.d)) / math.sqrt(s.d)).astype(pdtype)
+    params["norm"] = jnp.ones((s.d,), pdtype)
+    if not s.tied:
+      params["head"] = (jax.random.normal(keys[-1], (s.d, s.vocab)) / math.sqrt(s.d)).astype(pdtype)
+  return params
+
+
+def build(s: Shape, policy: str, invact: bool, dtype,
+          runs: list | None = None, head: str = "plain", named: bool = True
+          ) -> tuple[Callable, tuple]:
+  """``(loss(params, inputs...), (params, inputs...))``: the stack under ``lax.scan``, each
+  layer under ``jax.checkpoint(policy)``; for a language model (``s.vocab``) from tokens
+  through the embedding, the final norm and ``head`` to the mean cross-entropy.  ``invact``:
+  ``invert`` of the layer (a stack) or of the whole loss (a language model: its head too).
+  ``runs`` (a plan; ``policy`` is then ignored): ``[[layers, [tags kept], [tags offloaded]],
+  ...]`` in forward order (the third entry optional), each run a ``lax.scan`` of its own over
+  its slice of the parameters, its layers under ``save_only_these_names(*kept)`` or, where it
+  offloads, ``save_and_offload_only_these_names`` to ``pinned_host``.  ``named``: the
+  layers tag their projections with MaxText's ``checkpoint_name`` s (else no names)."""
+  dtype = jnp.dtype(dtype)
+  params = _params(s, dtype)
+  block = _block(s, named)
+  if s.param_dtype and jnp.dtype(s.param_dtype) != dtype:  # cast where used, as MaxText
+    layer_fn = block
+    block = lambda p, x: layer_fn(jax.tree.map(lambda a: a.astype(dtype), p), x)  # noqa: E731
+  if invact and not s.vocab:
+    block = invact_jax.invert(block)
+
+  def remat(pol, none: bool = False):
+    if callable(pol) and pol is offloaded:
+      pol = pol()
+    return block if none else jax.checkpoint(block, policy=pol, prevent_cse=False)
+  if runs is None:
+    plan = [(s.layers, remat(POLICIES[policy], none=policy == "none"))]
+  else:
+    if sum(r[0] for r in runs) != s.layers:
+      raise ValueError(f"argument `runs`: {sum(r[0] for r in runs)} layers for a stack of "
+                       f"{s.layers}")
+    plan = [(r[0], remat(planner.policy(r[1], r[2] if len(r) > 2 else ()))) for r in runs]
+
+  def layers(stacked, h):
+    start = 0
+    for n, layer in plan:
+      run = jax.tree.map(lambda a, i=start, n=n: a[i:i + n], stacked)
+      h, _ = jax.lax.scan(lambda h, p, layer=layer: (layer(p, h), None), h, run)
+      start += n
+    return h
+
+  if not s.vocab:
+    x = (jax.random.normal(jax.random.key(1), (s.batch, s.seq, s.d), jnp.float32)).astype(dtype)
+
+    def loss(params, x):
+      return jnp.mean(layers(params["layers"], x).astype(jnp.float32) ** 2)
+    return loss, (params, x)
+
+  tokens = jax.random.randint(jax.random.key(1), (s.batch, s.seq + 1), 0, s.vocab)
+
+  def lm_loss(params, tokens):
+    h = params["embed"][tokens[:, :-1]].astype(dtype)
+    h = reference_layers.rms_norm(layers(params["layers"], h), params["norm"].astype(dtype))
+    w = params["embed"] if s.tied else params["head"]
+    return _head_loss(s, head, h, w.astype(dtype), tokens[:, 1:])
+  return (invact_jax.invert(lm_loss) if invact else lm_loss), (params, tokens)
+
+
+def shape_of(spec: dict) -> Shape:
+  s = STACKS[spec["stack"]]
+  return dataclasses.replace(s, **{k: spec[k] for k in ("layers", "batch") if spec.get(k)})
+
+
+def head_of(spec: dict) -> str:
+  """A row's head: "" for a stack without one, invert's ("invact") with invact, else the
+  spec's ("plain" by default)."""
+  if not STACKS[spec["stack"]].vocab:
+    return ""
+  return "invact" if spec["invact"] else spec.get("head", "plain")
+
+
+def row_key(spec: dict) -> dict:
+  """The fields that name a JAX row (``configuration`` "default": no remat; a plan's
+  ``configuration`` is given)."""
+  configuration = spec.get("configuration") or (
+      "default" if spec["policy"] == "none" else spec["policy"])
+  return {"model": spec["stack"], "framework": "jax", "invact": spec["invact"],
+          "configuration": configuration, "head": head_of(spec), "dtype": spec["dtype"]}
+
+
+def head_tiles(s: Shape, platform: str) -> dict:
+  """The tiles :func:`invact_jax.invert` gives a language model's head on ``platform``
+  (:func:`invact_jax.ops.cross_entropy.base.default_tiles`, per gradient mode): an invact
+  row records them, and a later run carries it over only while they are the same."""
+  from invact_jax.ops.cross_entropy import base  # pylint: disable=import-outside-toplevel
+  return {"platform": platform, **{m: list(base.default_tiles(s.tokens, s.vocab, m, platform))
+                                   for m in base.GRADIENTS}}
