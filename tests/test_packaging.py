@@ -166,3 +166,39 @@ def test_the_library_has_no_function_over_80_lines_and_a_short_program_module():
           long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
   assert not long, long
   assert len((ROOT / "invact_jax/convert/_program.py").read_text().splitlines()) <= 400
+
+
+def test_files_a_newcomer_can_hold_in_their_head():
+  """No file in invact_jax/ or models/ over 600 lines, no class in invact_jax/ over 300, no
+  function in models/ over 80 (invact_jax's: the test above)."""
+  import ast  # pylint: disable=import-outside-toplevel
+  big = []
+  for pkg in ("invact_jax", "models"):
+    for path in (ROOT / pkg).rglob("*.py"):
+      text = path.read_text()
+      if len(text.splitlines()) > 600:
+        big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+      for node in ast.walk(ast.parse(text)):
+        size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+        if isinstance(node, ast.ClassDef) and pkg == "invact_jax" and size > 300:
+          big.append(f"{path.relative_to(ROOT)}:{node.lineno} class {node.name}: {size}")
+        if isinstance(node, ast.FunctionDef) and pkg == "models" and size > 80:
+          big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {size}")
+  assert not big, big
+
+
+def test_one_description_per_kind_in_the_layout():
+  """memory imports nothing from convert (the floor audit is convert's); one planner package;
+  the public API written out (no lazy ``__getattr__``, ``import_module`` or ``globals()`` in
+  ``invact_jax/__init__.py`` or the ops' api modules); no issue numbers in code."""
+  memory_text = (ROOT / "invact_jax" / "memory.py").read_text()
+  assert not re.search(r"^\s*(?:from|import)\s+invact_jax(?:\.convert\b|\s+import\s.*\bconvert\b)",
+                       memory_text, re.M)
+  assert not (ROOT / "invact_jax" / "program_planner.py").exists()
+  assert (ROOT / "invact_jax" / "planner" / "__init__.py").exists()
+  for path in [ROOT / "invact_jax" / "__init__.py", *(ROOT / "invact_jax" / "ops").rglob("api.py")]:
+    text = path.read_text()
+    assert not re.search(r"\bglobals\(\)|import_module|^def __getattr__", text, re.M), path
+  for pkg in ("invact_jax", "models", "scripts", "pallas_kernels", "tests"):
+    for path in (ROOT / pkg).rglob("*.py"):
+      assert not re.search(r"\b[Ii]ssue \d+|#\d\d\b", path.read_text()), path

@@ -13,10 +13,12 @@ The pipeline of :func:`invert`, one file per stage:
    prepare the graph (the LM head inlines a ``custom_jvp``/``custom_vjp`` call its
    cross-entropy is computed through, ``_graph.inline``), then finds its
    matches outside what earlier rules claimed and builds the ``custom_vjp`` unit of each —
-   the LM head (``_rule_head.py`` over ``_cross_entropy.py``), norms (``_rule_norm.py``) and
-   softmaxes (``_rule_softmax.py``) by their algebra (``_algebra.py``), activations and
-   softmax calls as traced forms (``_rule_forms.py`` over ``_forms.py`` and the matcher
-   ``_match.py``);
+   the LM head (``_rule_head.py`` over ``_head_find.py``: its loss followed by
+   ``_head_follow.py`` with a rule per primitive, ``_head_rules.py``; the reduction folded in,
+   ``_head_fold.py``), norms (``_rule_norm.py``) and softmaxes (``_rule_softmax.py``) by
+   their algebra (``_algebra.py``; the values followed by ``_algebra_follow.py`` with a rule
+   per primitive, ``_algebra_rules.py``), activations and softmax calls as traced forms
+   (``_rule_forms.py`` over ``_forms.py`` and the matcher ``_match.py``);
 3. the floor pass (``_fusion.py``): matmuls keep what their neighbours keep;
 4. evaluate the graph with the units swapped in, nested bodies through the same pass
    (``_pass.py``); ``fallback="temp"`` measures and changes sites (``_fallback.py``); the

@@ -30,14 +30,14 @@ float32 or in the input dtype; anything else computed from ``x`` (a ``stop_gradi
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from invact_jax.convert import _algebra_follow
 from invact_jax.convert import _graph
+from invact_jax.convert import _polynomial
 from invact_jax.convert import _match
 from invact_jax.convert import _primitives
 from invact_jax.convert._graph import Lit
@@ -45,82 +45,8 @@ from invact_jax.convert._graph import Lit
 __all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
            "to_x", "from_x"]
 
-_MAX_TERMS = 48
-_REL_TOL = 1e-6
-
-X, M1, M2 = ("x",), ("m1",), ("m2",)
-
 
 # ------------------------------------------------------------------------ polynomials
-def _mono(*pairs) -> tuple:
-  out: dict = {}
-  for s, e in pairs:
-    out[s] = out.get(s, 0) + e
-  return tuple(sorted((s, e) for s, e in out.items() if e))
-
-
-def _const(c: float) -> dict:
-  return {(): float(c)} if c else {}
-
-
-def _add(a: dict, b: dict, sign: float = 1.0) -> dict:
-  out = dict(a)
-  for m, c in b.items():
-    total = out.get(m, 0.0) + sign * c
-    if abs(total) <= _REL_TOL * max(abs(out.get(m, 0.0)), abs(c)):
-      out.pop(m, None)
-    else:
-      out[m] = total
-  return out
-
-
-def _mul(a: dict, b: dict) -> dict | None:
-  out: dict = {}
-  for ma, ca in a.items():
-    for mb, cb in b.items():
-      m = _mono(*ma, *mb)
-      out = _add(out, {m: ca * cb})
-  return out if len(out) <= _MAX_TERMS else None
-
-
-def _scale(a: dict, c: float) -> dict:
-  return {m: v * c for m, v in a.items()} if c else {}
-
-
-def _syms(p: dict) -> set:
-  return {s for m in p for s, _ in m}
-
-
-def _is_row(s) -> bool:
-  return s in (M1, M2) or s[0] in ("r", "q", "f")
-
-
-def _power(p: dict, n: int) -> dict | None:
-  if n == 0:
-    return _const(1.0)
-  if n < 0:
-    if len(p) != 1:  # only a monomial of row symbols and constants can be inverted
-      return None
-    (m, c), = p.items()
-    if c == 0 or any(not _is_row(s) for s, _ in m):
-      return None
-    return {_mono(*((s, -e * -n) for s, e in m)): c ** n}
-  out = _const(1.0)
-  for _ in range(n):
-    out = _mul(out, p)
-    if out is None:
-      return None
-  return out
-
-
-def _by_x_power(p: dict) -> dict:
-  """{power of x: the polynomial multiplying it}."""
-  out: dict = {}
-  for m, c in p.items():
-    k = dict(m).get(X, 0)
-    rest = tuple((s, e) for s, e in m if s != X)
-    out.setdefault(k, {})[rest] = c
-  return out
 
 
 # ------------------------------------------------------------------------------ match
@@ -175,495 +101,9 @@ class NormMatch:
   def name(self) -> str:
     kind = "RMSNorm" if self.rms else "LayerNorm"
     affine = [w for w, p in (("scale", self.scale), ("bias", self.bias))
-              if _syms(p)] + ([_EPS_MODES[self.eps_mode]] if self.eps_mode != "var" else [])
+              if _polynomial.syms(p)]
+    affine += [_EPS_MODES[self.eps_mode]] if self.eps_mode != "var" else []
     return f"{kind} by its algebra (axes {self.axes}{', ' if affine else ''}{', '.join(affine)})"
-
-
-def _numeric(dtype) -> bool:
-  """A NumPy-representable number type (not a PRNG key or another extended dtype)."""
-  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-
-
-class _Analysis:
-  """The symbolic values of everything computed from ``x`` (one candidate ``x``, ``axes``)."""
-
-  def __init__(self, graph: _graph.Graph, x, axes: tuple):
-    self.g, self.x, self.axes = graph, x, tuple(sorted(int(a) for a in axes))
-    self.shape = tuple(_shape(graph, x))
-    self.n = math.prod(self.shape[a] for a in self.axes)
-    self.vals: dict = {x: {((X, 1),): 1.0}}
-    # Layout of each value: per dimension, the axis of x it runs along (None: a new axis of
-    # size 1).  Transposes, broadcasts and reshapes move axes; statistics are over ``axes``.
-    self.layout: dict = {x: tuple(range(len(self.shape)))}
-    self._cur = self.layout[x]  # the layout of the node being read (for its parameters)
-    # Row symbols of row polynomials p, per kind: "r" p^(-1/2) (definition p), "q" 1 / p
-    # (p of several terms), "f" max(p, c) (definition (p, c), c > 0).
-    self.symbols: dict = {}    # (kind, canonical definition) -> the symbol
-    self.defs: dict = {"r": [], "q": [], "f": []}  # kind -> definitions, by symbol index
-    self.params: list = []     # (source ref, chain) per parameter symbol
-    self.param_ids: dict = {}  # ref -> symbol index
-    self.opaque: set = set()   # vars computed from x that are not polynomials
-    self.consts: dict = {}     # small values computed from literals alone (folded)
-    self.final: set = set()    # outputs of a narrowing cast: a norm may end there, not pass it
-
-  # -- layouts
-  def _valid(self, layout, shape, full: bool) -> bool:
-    """A value computed from x in ``layout``: ``full`` ones run along every axis of x (in any
-    order); every dimension of size above 1 along a distinct axis of x."""
-    if layout is None or len(layout) != len(shape):
-      return False
-    big = [a for a, d in zip(layout, shape) if d != 1]
-    if None in big or len(set(big)) != len(big):
-      return False
-    if full:
-      return set(big) == {a for a, d in enumerate(self.shape) if d != 1}
-    return True  # a row statistic, or one times a parameter (r * gamma): it may run along axes
-
-  def _layout_of(self, node) -> tuple | None:  # pylint: disable=too-many-return-statements
-    """The layout of ``node``'s output from its symbolic operands' layouts, or None."""
-    name = node.prim.name
-    out_shape = tuple(self.g.avals[node.outs[0]].shape)
-    ins = [r for r in node.ins if r is self.x or (not isinstance(r, Lit) and r in self.vals)]
-    layouts = [self.layout[r] for r in ins]
-    if not layouts:
-      return None
-    m = layouts[0]
-    if name == "reduce_sum":
-      red = [int(a) for a in node.params["axes"]]
-      if {m[i] for i in red} != set(self.axes) or len(red) != len(self.axes):
-        return None
-      return tuple(a for i, a in enumerate(m) if i not in red)
-    if name == "transpose":
-      return tuple(m[p] for p in node.params["permutation"])
-    if name == "broadcast_in_dim":
-      out = [None] * len(out_shape)
-      for j, d in enumerate(node.params["broadcast_dimensions"]):
-        out[d] = m[j]
-      for i, d in enumerate(out_shape):
-        if out[i] is None and d != 1:  # a row value spread along a reduced axis
-          options = [a for a in self.axes if self.shape[a] == d and a not in out]
-          if len(options) != 1:
-            return None
-          out[i] = options[0]
-      return tuple(out)
-    if name in ("reshape", "squeeze", "expand_dims"):
-      src = tuple(_shape(self.g, ins[0]))
-      big_s = [j for j, d in enumerate(src) if d != 1]
-      big_t = [j for j, d in enumerate(out_shape) if d != 1]
-      if [src[j] for j in big_s] != [out_shape[j] for j in big_t]:
-        return None
-      out = [None] * len(out_shape)
-      for js, jt in zip(big_s, big_t):
-        out[jt] = m[js]
-      return tuple(out)
-    # elementwise: operands of the output's rank, agreeing where they are not size 1
-    out = [None] * len(out_shape)
-    for r, lay in zip(ins, layouts):
-      shape = tuple(_shape(self.g, r))
-      if len(lay) != len(out_shape):
-        if shape == () or len(lay) == 0:
-          continue
-        return None
-      for i, (a, d) in enumerate(zip(lay, shape)):
-        if d != 1 and out[i] is not None and out[i] != a:
-          return None
-        if out[i] is None and (d != 1 or a is not None):
-          out[i] = a if d != 1 or out[i] is None else out[i]
-    for i, d in enumerate(out_shape):  # an extent only a parameter gives: a reduced axis
-      if d != 1 and (out[i] is None or self.shape[out[i]] != d):
-        options = [a for a in self.axes if self.shape[a] == d and a not in out]
-        if out[i] is not None or len(options) != 1:
-          return None
-        out[i] = options[0]
-    return tuple(out)
-
-  def _column_chain(self, ref):
-    """``(source, nodes)``: the parameter ``ref``, read in the current node's layout, is (a
-    reshape, broadcast or cast of) the value ``source``, constant across rows; None when it
-    varies across rows.  The reduced axes are followed through each step."""
-    if isinstance(ref, Lit):
-      return None
-    layout = self._cur
-    shape = tuple(self.g.avals[ref].shape)
-    if len(shape) > len(layout):
-      return None
-    offset = len(layout) - len(shape)
-    axes = {i - offset for i in range(offset, len(layout)) if layout[i] in self.axes}
-    ok = all(d == 1 or i in axes for i, d in enumerate(shape))
-    nodes = []
-    for _ in range(8):
-      if ref not in self.g.producer:
-        break
-      i, _ = self.g.producer[ref]
-      node = self.g.nodes[i]
-      ins = [r for r in node.ins if not isinstance(r, Lit)]
-      name = node.prim.name
-      if name not in ("broadcast_in_dim", "convert_element_type", "reshape") or len(ins) != 1:
-        break
-      src = tuple(self.g.avals[ins[0]].shape)
-      out = tuple(self.g.avals[ref].shape)
-      if name == "broadcast_in_dim":
-        dims = node.params["broadcast_dimensions"]
-        src_axes = {j for j in range(len(src)) if dims[j] in axes}
-      elif name == "reshape":
-        big_src = [j for j, d in enumerate(src) if d != 1]
-        big_out = [j for j, d in enumerate(out) if d != 1]
-        if [src[j] for j in big_src] != [out[j] for j in big_out]:
-          break
-        src_axes = {js for js, jo in zip(big_src, big_out) if jo in axes}
-      else:
-        src_axes = axes
-      if any(d != 1 and j not in src_axes for j, d in enumerate(src)):
-        break
-      nodes.insert(0, i)
-      ref, ok, axes = ins[0], True, src_axes
-    return (ref, nodes) if ok else None
-
-  def _param(self, ref) -> dict | None:
-    """The parameter symbol of an outside value (a column constant), or a constant."""
-    if not isinstance(ref, Lit) and ref in self.consts:
-      ref = Lit(self.consts[ref])
-    if isinstance(ref, Lit):
-      v = np.asarray(ref.val)
-      if v.ndim == 0 or v.size == 1:
-        return _const(float(v.reshape(())))
-      layout = self._cur
-      offset = len(layout) - v.ndim
-      if offset < 0 or any(d != 1 and layout[i + offset] not in self.axes
-                           for i, d in enumerate(v.shape)):
-        return None
-      # one symbol per constant array, however many literals of it the program holds
-      key = ("lit", v.shape, v.dtype.str, v.tobytes()) if v.size <= 1 << 16 else ("lit", id(ref.val))
-      if key not in self.param_ids:  # a constant array (a closed-over weight): its value
-        self.param_ids[key] = len(self.params)
-        self.params.append((ref, (ref, []), layout))
-      return {((("c", self.param_ids[key]), 1),): 1.0}
-    folded = self._literal_spread(ref)
-    if folded is not None:
-      return self._param(folded)
-    chain = self._column_chain(ref)
-    if chain is None:
-      return None
-    key = chain[0]  # one symbol per parameter, however many broadcasts of it the code makes
-    if key not in self.param_ids:
-      self.param_ids[key] = len(self.params)
-      self.params.append((ref, chain, self._cur))
-    return {((("c", self.param_ids[key]), 1),): 1.0}
-
-  def _literal_spread(self, ref) -> Lit | None:
-    """A constant array spread by broadcasts, casts and reshapes (a closed-over scale): the
-    constant in the broadcasts' output rank with size-1 axes where they spread it, so one
-    constant is one parameter symbol however many times the program broadcasts it."""
-    nodes = []
-    while not isinstance(ref, Lit) and ref in self.g.producer:
-      node = self.g.nodes[self.g.producer[ref][0]]
-      if node.prim.name not in ("broadcast_in_dim", "convert_element_type", "reshape") \
-          or len(node.ins) != 1:
-        return None
-      nodes.insert(0, node)
-      ref = node.ins[0]
-    if not nodes or not isinstance(ref, Lit) or isinstance(ref.val, jax.core.Tracer):
-      return None
-    v, spread = np.asarray(ref.val), False
-    for node in nodes:
-      out = self.g.avals[node.outs[0]]
-      if node.prim.name == "convert_element_type":
-        v = v.astype(out.dtype)
-      elif node.prim.name == "broadcast_in_dim":
-        shape = [1] * len(out.shape)
-        for j, d in zip(node.params["broadcast_dimensions"], v.shape):
-          shape[j] = d
-        v, spread = v.reshape(shape), True
-      elif spread:
-        return None  # a reshape after a broadcast: not followed
-      else:
-        v = v.reshape(out.shape)
-    return Lit(v)
-
-  def _symbol(self, kind: str, p: dict, c: float | None = None) -> tuple | None:
-    """The row symbol of ``kind`` (see ``self.defs``) of the row polynomial ``p`` (and the
-    floor ``c``), the same for the same definition; None where ``p`` is not a row
-    polynomial."""
-    if any(not _is_row(s) for s in _syms(p)):
-      return None
-    key = (kind, tuple(sorted((m, round(v, 12)) for m, v in p.items())),
-           None if c is None else round(c, 12))
-    if key not in self.symbols:
-      self.symbols[key] = (kind, len(self.defs[kind]))
-      self.defs[kind].append(p if c is None else (p, c))
-    return self.symbols[key]
-
-  def _radical(self, p: dict) -> tuple | None:
-    """The symbol ``r`` with ``r = p^(-1/2)`` for a row polynomial ``p``."""
-    return self._symbol("r", p)
-
-  def _reciprocal(self, p: dict) -> dict | None:
-    """``{q: 1}``, the symbol ``q = 1 / p`` of a row polynomial ``p`` of several terms (a
-    standard deviation plus epsilon, ``sqrt(var) + eps``)."""
-    q = self._symbol("q", p)
-    return None if q is None else {((q, 1),): 1.0}
-
-  def _floor(self, p: dict, c: float) -> dict:
-    """``{f: 1}``, the symbol ``f = max(p, c)`` of a row polynomial ``p`` and a constant
-    ``c > 0`` (a variance or norm kept from falling below ``c``)."""
-    return {((self._symbol("f", p, c), 1),): 1.0}
-
-  # -- one node
-  def _value(self, ref):
-    if ref is self.x or (not isinstance(ref, Lit) and ref in self.vals):
-      return self.vals[ref]
-    return self._param(ref)
-
-  def _symbolic(self, ref) -> bool:
-    return ref is self.x or (not isinstance(ref, Lit) and (ref in self.vals or ref in self.opaque))
-
-  def _fold(self, node) -> None:
-    """A small value computed from literals alone (Keras's ``n - ddof``, a clip's 0)."""
-    if not node.ins or node.prim.multiple_results or len(node.outs) != 1:
-      return
-    if any(r is self.x or (not isinstance(r, Lit) and r not in self.consts) for r in node.ins):
-      return
-    if node.params.get("jaxpr") is not None:
-      return
-    vals = [r.val if isinstance(r, Lit) else self.consts[r] for r in node.ins]
-    if any(isinstance(v, jax.core.Tracer) for v in vals):
-      return
-    if any(not _numeric(v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
-           for v in vals) or \
-        not _numeric(self.g.avals[node.outs[0]].dtype):
-      return  # PRNG keys and other extended dtypes pass through untouched
-    if node.prim.name in _primitives.SHAPE | _primitives.IDENTITY and np.size(vals[0]) == 1:
-      # a broadcast of one number (Flax's zero mean of an RMSNorm): that number, any shape
-      self.consts[node.outs[0]] = np.asarray(vals[0]).reshape(()).astype(
-          self.g.avals[node.outs[0]].dtype)
-      return
-    if math.prod(self.g.avals[node.outs[0]].shape) != 1:
-      return  # scalars only: an array computed from constants stays a parameter
-    try:
-      with jax.ensure_compile_time_eval():
-        out = _graph.bind(node, vals)[0]
-    except (TypeError, ValueError, NotImplementedError):
-      return
-    if not isinstance(out, jax.core.Tracer):
-      self.consts[node.outs[0]] = np.asarray(out)
-
-  def step(self, i: int) -> None:
-    node = self.g.nodes[i]
-    if not any(self._symbolic(r) for r in node.ins):
-      self._fold(node)
-      return
-    out = None
-    blocked = any(not isinstance(r, Lit) and (r in self.opaque or r in self.final)
-                  for r in node.ins)
-    layout = None
-    if not blocked and len(node.outs) == 1:
-      layout = self._layout_of(node)
-      if layout is not None:
-        self._cur = layout
-        out = self._rule(node)
-    o = node.outs[0] if node.outs else None
-    if out is None:
-      self.opaque.update(node.outs)
-      return
-    shape = tuple(self.g.avals[o].shape)
-    if not self._valid(layout, shape, X in _syms(out)):
-      self.opaque.add(o)
-      return
-    self.vals[o] = out
-    self.layout[o] = layout
-    if node.prim.name == "convert_element_type" and not isinstance(node.ins[0], Lit):
-      src, dst = self.g.avals[node.ins[0]].dtype, self.g.avals[o].dtype
-      if not (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)):
-        self.opaque.add(o)
-        self.vals.pop(o)
-        return
-      # Past a narrowing cast JAX's own backward rounds the cotangent to the narrow dtype;
-      # a norm that swallowed the cast would not, so the norm's output is the cast.
-      if jnp.finfo(dst).nmant < jnp.finfo(src).nmant and X in _syms(out):
-        self.final.add(o)
-
-  def _rule(self, node) -> dict | None:  # pylint: disable=too-many-return-statements,too-many-branches
-    name, ins = node.prim.name, node.ins
-    vals = [self._value(r) for r in ins]
-    if name in _primitives.IDENTITY or name in _primitives.SHAPE or name == "transpose":
-      return vals[0]
-    if name == "select_n":
-      pred = ins[0]
-      if not isinstance(pred, Lit) and pred in self.consts:
-        pred = Lit(self.consts[pred])
-      if isinstance(pred, Lit) and np.ndim(pred.val) == 0 and not isinstance(pred.val, jax.core.Tracer):
-        return vals[1 + int(np.asarray(pred.val))]
-      return None
-    if any(v is None for v in vals):
-      return None
-    if name == "neg":
-      return _scale(vals[0], -1.0)
-    if name in ("add", "sub"):
-      return _add(vals[0], vals[1], 1.0 if name == "add" else -1.0)
-    if name == "mul":
-      return _mul(vals[0], vals[1])
-    if name == "square":
-      return _mul(vals[0], vals[0])
-    if name == "integer_pow":
-      return self._pow(vals[0], node.params["y"])
-    if name == "pow":
-      e = ins[1]
-      if not isinstance(e, Lit) or np.ndim(e.val) != 0:
-        return None
-      return self._pow(vals[0], float(np.asarray(e.val)))
-    if name == "div":
-      inv = self._pow(vals[1], -1)
-      return None if inv is None else _mul(vals[0], inv)
-    if name == "rsqrt":
-      r = self._radical(vals[0])
-      return None if r is None else {((r, 1),): 1.0}
-    if name == "sqrt":
-      r = self._radical(vals[0])
-      return None if r is None else {((r, -1),): 1.0}
-    if name == "max":  # a clip of a row statistic at a constant below it (the variance at 0)
-      a, b = vals  # or a floor above 0: the symbol max(p, c)
-      for v, c in ((a, b), (b, a)):
-        if not (X in _syms(v)) and set(c) <= {()} and _syms(v):
-          if c.get((), 0.0) <= 0.0:
-            return v
-          if all(_is_row(s) for s in _syms(v)):
-            return self._floor(v, c[()])
-      return None
-    if name == "reduce_sum":  # over the reduced axes: checked by its layout
-      return self._sum(vals[0])
-    return None
-
-  def _pow(self, p: dict, y: float) -> dict | None:
-    if y == -1 and len(p) > 1:
-      return self._reciprocal(p)
-    if float(y).is_integer():
-      return _power(p, int(y))
-    if y == -0.5:
-      r = self._radical(p)
-      return None if r is None else {((r, 1),): 1.0}
-    if y == 0.5:
-      r = self._radical(p)
-      return None if r is None else {((r, -1),): 1.0}
-    return None
-
-  def _sum(self, p: dict) -> dict | None:
-    out: dict = {}
-    for m, c in p.items():
-      d = dict(m)
-      k = d.pop(X, 0)
-      if any(not _is_row(s) for s in d):
-        return None  # a sum over a parameter: not a statistic of x
-      rest = tuple(sorted(d.items()))
-      if k == 0:
-        out = _add(out, {rest: c * self.n})
-      elif k in (1, 2):
-        out = _add(out, {_mono(*rest, (M1 if k == 1 else M2, 1)): c * self.n})
-      else:
-        return None
-    return out
-
-  # -- the norm test
-  def _std_plus_eps(self, q) -> tuple | None:
-    """``(radical r, a, e)`` where ``1 / q = a * r^-1 + e`` (``a > 0``): a standard deviation
-    (``r``'s definition free of constants) scaled by ``a``, plus ``e``; else None."""
-    definition = self.defs["q"][q[1]]
-    e = definition.get((), 0.0)
-    rest = [(m, c) for m, c in definition.items() if m != ()]
-    if len(rest) != 1 or len(rest[0][0]) != 1:
-      return None
-    ((r, power),), a = rest[0]
-    if r[0] != "r" or power != -1 or not a > 0.0 or self.defs["r"][r[1]].get((), 0.0):
-      return None
-    return r, a, e
-
-  def _statistic(self, symbol, power: int) -> tuple | None:
-    """``(mode, var, unit, eps)`` of the row symbol a norm's output is ``x`` times (to
-    ``power``): ``var`` the row polynomial its variance is (a constant factor included),
-    ``unit`` the factor that statistic comes with and ``eps`` the constant, for ``mode``
-    (:attr:`NormMatch.eps_mode`) "var" ``(unit var + eps)^-1/2``, "std" ``1 / (unit
-    sqrt(var) + eps)``, "floor_var" ``(unit max(var, eps))^-1/2`` and "floor_std" ``1 /
-    max(unit sqrt(var), eps)``; None for anything else."""
-    kind = symbol[0]
-    if kind == "r" and power == 1:
-      definition = self.defs["r"][symbol[1]]
-      (m, unit), = definition.items() if len(definition) == 1 else ((None, 0.0),)
-      if m is not None and len(m) == 1 and m[0][0][0] == "f" and m[0][1] == 1 and unit > 0:
-        var, eps = self.defs["f"][m[0][0][1]]
-        return "floor_var", var, unit, eps
-      return "var", {k: c for k, c in definition.items() if k != ()}, 1.0, \
-          definition.get((), 0.0)
-    if kind == "q" and power == 1:
-      found = self._std_plus_eps(symbol)
-      if found is None:
-        return None
-      r, unit, eps = found
-      return "std", self.defs["r"][r[1]], unit, eps
-    if kind == "f" and power == -1:
-      inner, eps = self.defs["f"][symbol[1]]
-      if len(inner) != 1:
-        return None
-      (m, unit), = inner.items()
-      if len(m) != 1 or m[0][0][0] != "r" or m[0][1] != -1 or not unit > 0:
-        return None
-      definition = self.defs["r"][m[0][0][1]]
-      if definition.get((), 0.0):
-        return None
-      return "floor_std", definition, unit, eps
-    return None
-
-  def norm(self, p: dict) -> tuple | None:
-    """``(rms, eps, scale, bias, eps_mode)`` when ``p`` is a norm's output polynomial (see
-    :attr:`NormMatch.eps_mode`), else None."""
-    parts = _by_x_power(p)
-    if set(parts) - {0, 1} or 1 not in parts:
-      return None
-    lin, free = parts[1], parts.get(0, {})
-    rows = {(s, e) for m in lin for s, e in m if _is_row(s)}
-    if len(rows) != 1:
-      return None
-    ((symbol, power),) = rows
-    scale: dict = {}
-    for m, c in lin.items():
-      d = dict(m)
-      if d.pop(symbol, 0) != power or any(_is_row(s) for s in d):
-        return None
-      scale[tuple(sorted(d.items()))] = c
-    found = self._statistic(symbol, power)
-    if found is None:
-      return None
-    mode, var, unit, eps = found
-    m1sq = _mono((M1, 2))
-    # the statistic up to a constant factor k > 0 (a sum of squares, jnp.linalg.norm's, is
-    # k = n times their mean): x * rsqrt(k var + eps) is the norm of epsilon eps / k, its
-    # scale times k ** -1/2
-    k = var.get(((M2, 1),), 0.0)
-    if not k > 0.0:
-      return None
-    if _close(var, {((M2, 1),): k}):
-      rms = True
-    elif _close(var, {((M2, 1),): k, m1sq: -k}):
-      rms = False
-    else:
-      return None
-    if not eps >= 0.0:
-      return None
-    centre = {} if rms else _mul({_mono((M1, 1), (symbol, power)): -1.0}, scale)
-    if centre is None:
-      return None
-    bias = _add(free, centre, -1.0)
-    if any(_is_row(s) for s in _syms(bias)):
-      return None
-    if mode in ("std", "floor_std"):  # 1 / (a sqrt(k var) + e) = (std + e / a')^-1 / a'
-      unit = unit * k ** 0.5
-      return rms, float(eps) / unit, _scale(scale, 1.0 / unit), bias, mode
-    # (unit (k var + e))^-1/2 = (var + e / k)^-1/2 (unit k)^-1/2, and so with a floor
-    return rms, float(eps) / k, _scale(scale, (unit * k) ** -0.5), bias, mode
-
-
-def _close(a: dict, b: dict) -> bool:
-  if set(a) != set(b):
-    return False
-  return all(abs(a[m] - b[m]) <= _REL_TOL * max(1.0, abs(b[m])) for m in a)
 
 
 # ------------------------------------------------------------------------------ search
@@ -676,21 +116,22 @@ def _candidates(g: _graph.Graph) -> list:
   for n in g.nodes:
     if n.prim.name != "reduce_sum":
       continue
-    if not jnp.issubdtype(_dtype(g, n.ins[0]), jnp.floating):
+    if not jnp.issubdtype(_algebra_follow.dtype_of(g, n.ins[0]), jnp.floating):
       continue
-    ref, shape = n.ins[0], tuple(_shape(g, n.ins[0]))
+    ref, shape = n.ins[0], tuple(_algebra_follow.shape_of(g, n.ins[0]))
     for _ in range(6):
       if isinstance(ref, Lit) or ref not in g.producer:
         break
       p = g.nodes[g.producer[ref][0]]
       nxt = p.ins[0]
-      if p.prim.name not in _primitives.SQUARES or tuple(_shape(g, nxt)) != shape:
+      if p.prim.name not in _primitives.SQUARES or tuple(_algebra_follow.shape_of(g, nxt)) != shape:
         break
       if p.prim.name == "mul" and p.ins[0] != p.ins[1]:
         break
       if p.prim.name == "convert_element_type" and not (
-          jnp.issubdtype(_dtype(g, nxt), jnp.floating)
-          and jnp.finfo(_dtype(g, nxt)).nmant < jnp.finfo(_dtype(g, ref)).nmant):
+          jnp.issubdtype(_algebra_follow.dtype_of(g, nxt), jnp.floating)
+          and jnp.finfo(_algebra_follow.dtype_of(g, nxt)).nmant
+          < jnp.finfo(_algebra_follow.dtype_of(g, ref)).nmant):
         break  # only through an upcast for the statistics: a downcast is where x begins
       ref = nxt
     key = (ref, tuple(sorted(int(a) for a in n.params["axes"])))
@@ -699,32 +140,24 @@ def _candidates(g: _graph.Graph) -> list:
   return out
 
 
-def _shape(g: _graph.Graph, ref) -> tuple:
-  return tuple(np.shape(ref.val)) if isinstance(ref, Lit) else tuple(g.avals[ref].shape)
-
-
-def _dtype(g: _graph.Graph, ref):
-  return np.asarray(ref.val).dtype if isinstance(ref, Lit) else g.avals[ref].dtype
-
-
 def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]:
   """The norms of ``g`` not overlapping ``claimed``: ``(matches, left_alone)``, the latter
   ``(radical node indices, why)`` for statistics whose normalized output is not converted."""
   matches, left, taken = [], [], set(claimed)
   pending = []  # (radical node indices, why) per candidate, reported once all are matched
   for x, axes in _candidates(g):
-    a = _Analysis(g, x, axes)
+    a = _algebra_follow.Analysis(g, x, axes)
     start = g.producer[x][0] + 1 if not isinstance(x, Lit) and x in g.producer else 0
     for i in range(start, len(g.nodes)):
       a.step(i)
-    found = [(o, a.norm(v)) for o, v in a.vals.items() if X in _syms(v)]
-    found = [(o, f) for o, f in found if f is not None
-             and jnp.issubdtype(g.avals[o].dtype, jnp.floating)]
+    found = [(o, f) for o, f in ((o, _algebra_follow.norm_of(a, v)) for o, v in a.vals.items()
+                                 if _polynomial.X in _polynomial.syms(v))
+             if f is not None and jnp.issubdtype(g.avals[o].dtype, jnp.floating)]
     # the radicals of this x's own statistics (not those of later norms computed from it)
     radicals = [i for i in range(start, len(g.nodes))
                 if g.nodes[i].prim.name in _primitives.RADICALS
                 and g.nodes[i].outs and g.nodes[i].outs[0] in a.vals
-                and any(s[0] == "r" for s in _syms(a.vals[g.nodes[i].outs[0]]))]
+                and any(s[0] == "r" for s in _polynomial.syms(a.vals[g.nodes[i].outs[0]]))]
     if not found:
       pending.append((radicals, None))
       continue
@@ -765,12 +198,12 @@ def find_norms(g: _graph.Graph, claimed: set, outvars: set) -> tuple[list, list]
                            and all(j in inside for j in chain[k:])), None)
           params.append(None if start_at is None else
                         (inputs.index(refs[start_at]), list(chain[start_at:]), use))
-      used = _syms(scale) | _syms(bias)
+      used = _polynomial.syms(scale) | _polynomial.syms(bias)
       if any(params[s[1]] is None for s in used):
         reason = reason or "a parameter is computed inside the normalization"
         continue
       full = [g.avals[o2] for j in nodes for o2 in g.nodes[j].outs
-               if o2 in a.vals and X in _syms(a.vals[o2])]
+               if o2 in a.vals and _polynomial.X in _polynomial.syms(a.vals[o2])]
       store = min((av.dtype for av in full), key=lambda d: jnp.finfo(d).nmant)
       matches.append(NormMatch(rms, eps, a.axes, nodes, root, root_out, inputs, params,
                                scale, bias, store, a.layout[o], mode))
@@ -882,7 +315,7 @@ def _same(a, b) -> bool:
 
 def _widens(g: _graph.Graph, node) -> bool:
   """A cast to a floating dtype at least as precise as its input's."""
-  src, dst = _dtype(g, node.ins[0]), g.avals[node.outs[0]].dtype
+  src, dst = _algebra_follow.dtype_of(g, node.ins[0]), g.avals[node.outs[0]].dtype
   return (jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
           and jnp.finfo(dst).nmant >= jnp.finfo(src).nmant)
 

@@ -1,5 +1,5 @@
 """The LM head rule: a matmul whose logits feed only a cross-entropy against integer labels
-(:func:`._cross_entropy.find_heads`), with the program's reduction folded in where it is a
+(:func:`._head_find.find_heads`), with the program's reduction folded in where it is a
 weighted sum, runs as :func:`invact_jax.linear_cross_entropy` (no logits buffer).
 """
 from __future__ import annotations
@@ -10,7 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from invact_jax.convert import _cross_entropy
+from invact_jax.convert import _head_find
+from invact_jax.convert import _head_match
 from invact_jax.convert import _graph
 from invact_jax.convert import _match
 from invact_jax.convert import _rule
@@ -21,7 +22,7 @@ from invact_jax.ops.cross_entropy import in_forward as _ce_in_forward
 __all__ = ["HeadRule", "head_fn"]
 
 
-def head_fn(m: _cross_entropy.HeadMatch, target):
+def head_fn(m: _head_match.HeadMatch, target):
   """A matmul + cross-entropy as :func:`invact_jax.linear_cross_entropy`: with the program's
   reduction folded in (the per-token weights are the reduction's derivative; the gradients
   are computed in the forward), or per token (the program's reduction follows; with the
@@ -32,10 +33,10 @@ def head_fn(m: _cross_entropy.HeadMatch, target):
 
 
 class _HeadCall:
-  """The unit's function of one :class:`._cross_entropy.HeadMatch` (its inputs: x, w,
+  """The unit's function of one :class:`._head_match.HeadMatch` (its inputs: x, w,
   (bias,) labels, (mask,) (temperature,), then the reduction's reads)."""
 
-  def __init__(self, m: _cross_entropy.HeadMatch, target):
+  def __init__(self, m: _head_match.HeadMatch, target):
     self.m, self.target = m, target
     self.loss_aval = target.avals[target.nodes[m.root].outs[0]]
     self.x_aval = _match.aval(target, m.x)
@@ -181,12 +182,12 @@ class HeadRule(_rule.Rule):
     ``cross_entropy_with_logits``), where the head found through the inlined body takes the
     whole body: the call's derivative rule is replaced with the head's, the derivative of
     the loss the body computes."""
-    calls = _cross_entropy.calls_on_logits(g)
+    calls = _head_find.calls_on_logits(g)
     if not calls:
       return g
     trial, bodies = _graph.inline(g, calls)
     outvars = {r for r in trial.outvars if not isinstance(r, _graph.Lit)}
-    matches, _ = _cross_entropy.find_heads(trial, set(), outvars, allow_fold=not opts.in_loop)
+    matches, _ = _head_find.find_heads(trial, set(), outvars, allow_fold=not opts.in_loop)
     covered = {i for m in matches for i in m.nodes}
     taken = [i for i, body in bodies.items() if set(body) <= covered]
     if len(taken) == len(bodies):  # every inlined call taken: the trial graph is the one
@@ -194,7 +195,7 @@ class HeadRule(_rule.Rule):
     return _graph.inline(g, taken)[0] if taken else g
 
   def find(self, g, claimed, outvars, opts):
-    matches, left = _cross_entropy.find_heads(g, claimed, outvars, allow_fold=not opts.in_loop)
+    matches, left = _head_find.find_heads(g, claimed, outvars, allow_fold=not opts.in_loop)
     return matches, [(nodes, "linear_cross_entropy", why) for nodes, why in left]
 
   def output(self, g, match):

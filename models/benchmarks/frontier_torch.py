@@ -41,39 +41,36 @@ def importable() -> bool:
   return importlib.util.find_spec("torch") is not None
 
 
-def _model(shape: dict, choices: Choices, dtype, device):
+def _rope(q, k, liger: bool):
+  """The rotary embedding of q and k [B, heads, T, dh] (halves rotated, as the JAX stack's;
+  with Liger, its fused kernel on the same tables, doubled as Hugging Face's are)."""
   import torch  # pylint: disable=import-outside-toplevel
+  t, dh = q.shape[2], q.shape[3]
+  inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, device=q.device).float() / dh))
+  ang = torch.arange(t, device=q.device).float()[:, None] * inv[None]
+  cos, sin = ang.cos().to(q.dtype), ang.sin().to(q.dtype)  # [T, dh / 2]
+  if liger:
+    from liger_kernel.transformers import liger_rotary_pos_emb  # pylint: disable=import-outside-toplevel
+    return liger_rotary_pos_emb(q, k, torch.cat([cos, cos], -1)[None],
+                                torch.cat([sin, sin], -1)[None])
+
+  def one(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+  return one(q), one(k)
+
+
+def _block(shape: dict, liger: bool):
+  """The transformer block class of ``shape`` (Llama: RMSNorm, SwiGLU, rotary; GPT-2/ViT:
+  LayerNorm, GELU), Liger's norms and MLP with ``liger``."""
   from torch import nn  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   d, heads, ff, kind = shape["d"], shape["heads"], shape["ff"], shape["kind"]
   kv_heads = shape.get("kv_heads") or heads
   kv = kv_heads * (d // heads)
-  vocab = shape.get("vocab", 0)
-  liger = choices.liger
   if liger:
     from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm  # pylint: disable=import-outside-toplevel
     from liger_kernel.transformers import LigerSwiGLUMLP  # pylint: disable=import-outside-toplevel
-    from liger_kernel.transformers import liger_rotary_pos_emb  # pylint: disable=import-outside-toplevel
-
-  def tables(x):
-    """cos, sin [T, dh / 2] of the rotary embedding, in ``x``'s dtype."""
-    t, dh = x.shape[2], x.shape[3]
-    inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2, device=x.device).float() / dh))
-    ang = torch.arange(t, device=x.device).float()[:, None] * inv[None]
-    return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-
-  def rope(q, k):
-    """The rotary embedding of q and k [B, heads, T, dh] (halves rotated, as the JAX stack's;
-    with Liger, its fused kernel on the same tables, doubled as Hugging Face's are)."""
-    cos, sin = tables(q)
-    if liger:
-      return liger_rotary_pos_emb(q, k, torch.cat([cos, cos], -1)[None],
-                                  torch.cat([sin, sin], -1)[None])
-
-    def one(x):
-      x1, x2 = x.chunk(2, dim=-1)
-      return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return one(q), one(k)
 
   class SwiGLU(nn.Module):
     def __init__(self):
@@ -109,24 +106,35 @@ def _model(shape: dict, choices: Choices, dtype, device):
       q = q.view(b, t, heads, d // heads).transpose(1, 2)
       k, v = (a.view(b, t, kv_heads, d // heads).transpose(1, 2) for a in (k, v))
       if kind == "llama":
-        q, k = rope(q, k)
+        q, k = _rope(q, k, liger)
       if kv_heads != heads:
         k, v = (a.repeat_interleave(heads // kv_heads, dim=1) for a in (k, v))
       o = F.scaled_dot_product_attention(q, k, v, is_causal=kind != "vit")
       x = x + self.out(o.transpose(1, 2).reshape(b, t, d))
       return x + self.mlp(self.n2(x))
+  return Block
+
+
+def _model(shape: dict, choices: Choices, dtype, device):
+  """The stack (or language model) of ``shape`` in PyTorch under ``choices`` (checkpointed
+  blocks, Liger's kernels and fused linear cross-entropy, torch.compile)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from torch import nn  # pylint: disable=import-outside-toplevel
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  d, vocab, liger = shape["d"], shape.get("vocab", 0), choices.liger
+  block = _block(shape, liger)
 
   class StackModel(nn.Module):
     def __init__(self):
       super().__init__()
-      self.blocks = nn.ModuleList(Block() for _ in range(shape["layers"]))
+      self.blocks = nn.ModuleList(block() for _ in range(shape["layers"]))
       if vocab:
         self.embed = nn.Embedding(vocab, d)
+        if liger:
+          from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss, LigerRMSNorm  # pylint: disable=import-outside-toplevel
+          self.fused = LigerFusedLinearCrossEntropyLoss()
         self.norm = LigerRMSNorm(d) if liger else nn.RMSNorm(d)
         self.head = None if shape.get("tied", True) else nn.Linear(d, vocab, bias=False)
-        if liger:
-          from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # pylint: disable=import-outside-toplevel
-          self.fused = LigerFusedLinearCrossEntropyLoss()
 
     def layers(self, x):
       for blk in self.blocks:
