@@ -124,7 +124,7 @@ def _works() -> bool:
 
 
 def _named_gradient_is_the_calls() -> bool:
-  from invact_jax.convert import _graph  # pylint: disable=import-outside-toplevel
+  from invact_jax.convert import graph as _graph  # pylint: disable=import-outside-toplevel
 
   @jax.custom_vjp
   def f(x, y):

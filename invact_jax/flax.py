@@ -24,7 +24,7 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from invact_jax.convert import _attributes
+from invact_jax import convert
 from invact_jax.ops.activations import api
 from invact_jax.ops.activations import registry
 
@@ -68,19 +68,19 @@ class NnxActivation(nnx.Module):
 
 class LinenLayerNorm(nn.LayerNorm):
   """``nn.LayerNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _attributes.linen_norm_call(nn.LayerNorm.__call__, False, None)
+  __call__ = convert.linen_norm_call(nn.LayerNorm.__call__, False, None)
 
 
 class LinenRMSNorm(nn.RMSNorm):
   """``nn.RMSNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _attributes.linen_norm_call(nn.RMSNorm.__call__, True, None)
+  __call__ = convert.linen_norm_call(nn.RMSNorm.__call__, True, None)
 
 
 class NnxLayerNorm(nnx.LayerNorm):
   """``nnx.LayerNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _attributes.nnx_norm_call(nnx.LayerNorm.__call__, False, None)
+  __call__ = convert.nnx_norm_call(nnx.LayerNorm.__call__, False, None)
 
 
 class NnxRMSNorm(nnx.RMSNorm):
   """``nnx.RMSNorm`` keeping only xhat + float32 rstd for the backward."""
-  __call__ = _attributes.nnx_norm_call(nnx.RMSNorm.__call__, True, None)
+  __call__ = convert.nnx_norm_call(nnx.RMSNorm.__call__, True, None)

@@ -385,10 +385,10 @@ def compile_seconds(loss: Callable, converted: Callable[[], Callable], args: tup
   with respect to its first argument at ``args``, ``tries`` of each, interleaved; JAX's
   persistent cache and ``invert``'s remat-check figures (a first conversion's work) off
   meanwhile."""
-  from invact_jax.convert import _pass  # pylint: disable=import-outside-toplevel
+  from invact_jax import convert  # pylint: disable=import-outside-toplevel
 
   def seconds(f) -> float:
-    _pass.forget_measurements()
+    convert.forget_measurements()
     t = time.perf_counter()
     jax.jit(jax.grad(f)).lower(*args).compile()
     return time.perf_counter() - t

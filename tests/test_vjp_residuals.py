@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from invact_jax import _vjp_residuals, memory
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from models import reference_layers as ref
 
 B, T, H, DH = 2, 16, 2, 8

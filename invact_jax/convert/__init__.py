@@ -8,7 +8,8 @@
 
 The pipeline of :func:`invert`, one file per stage:
 
-1. trace ``fn`` and flatten the jaxpr to a graph (``_graph.py``);
+1. trace ``fn`` and flatten the jaxpr to a graph (``graph.py``, public: the planner reads
+   programs with it too);
 2. the rule table (``_pass.RULES``, in claim order): each :class:`._rule.Rule` may first
    prepare the graph (the LM head inlines a ``custom_jvp``/``custom_vjp`` call its
    cross-entropy is computed through, ``_graph.inline``), then finds its
@@ -32,11 +33,15 @@ primitive-name sets every stage reads are in ``_primitives.py``.
 the same rules: each match as its rule's :meth:`~._rule.Rule.floor` accounts for it.
 """
 from invact_jax.convert._attributes import inverted as inverted
+from invact_jax.convert._attributes import linen_norm_call as linen_norm_call
+from invact_jax.convert._attributes import nnx_norm_call as nnx_norm_call
 from invact_jax.convert._attributes import replaceable as replaceable
 from invact_jax.convert._floor import FORWARD_GRADIENT as FORWARD_GRADIENT
 from invact_jax.convert._floor import FloorAudit as FloorAudit
 from invact_jax.convert._floor import floor_audit as floor_audit
+from invact_jax.convert._pass import forget_measurements as forget_measurements
 from invact_jax.convert._program import invert as invert
+from invact_jax.convert._program import inverted_for_plan as inverted_for_plan
 from invact_jax.convert._report import ConversionReport as ConversionReport
 
 __all__ = ["inverted", "invert", "ConversionReport", "floor_audit", "FloorAudit",

@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _algebra_follow
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _polynomial
 from invact_jax.convert import _match
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 __all__ = ["NormMatch", "SoftmaxMatch", "find_norms", "find_softmaxes", "evaluate_poly",
            "to_x", "from_x"]

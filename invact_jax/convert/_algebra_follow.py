@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _algebra_rules
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _polynomial
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 __all__ = ["Analysis", "norm_of", "numeric", "shape_of", "dtype_of"]
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from invact_jax.convert import _polynomial
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 __all__ = ["RULES", "TAKES_UNKNOWN"]
 

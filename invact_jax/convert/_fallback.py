@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from invact_jax import memory
 from invact_jax import targets
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _pass
 
 __all__ = ["Choice", "gradient_temp", "choose"]

@@ -23,10 +23,10 @@ import jax
 import numpy as np
 
 from invact_jax import memory, targets
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _pass
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 from invact_jax.ops.cross_entropy import in_forward
 
 __all__ = ["FloorItem", "FloorAudit", "FORWARD_GRADIENT", "floor_audit", "items"]

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit, Unit
+from invact_jax.convert.graph import Lit, Unit
 from invact_jax.ops import _common
 
 __all__ = ["fuse", "FREE", "ELEMENTWISE"]

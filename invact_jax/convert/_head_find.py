@@ -32,14 +32,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _head_fold
 from invact_jax.convert import _head_follow
 from invact_jax.convert import _head_match
 from invact_jax.convert import _head_values
 from invact_jax.convert import _match
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 
 def _head_dots(g: _graph.Graph, n) -> list:

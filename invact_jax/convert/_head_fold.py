@@ -7,11 +7,11 @@ import math
 
 import jax.numpy as jnp
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _head_match
 from invact_jax.convert import _head_values
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 
 def _linear_step(g: _graph.Graph, n, inside) -> str:

@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _head_rules
 from invact_jax.convert import _head_values
 from invact_jax.convert import _polynomial
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 
 class LossFollower:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from invact_jax.convert import _head_values
 from invact_jax.convert import _match
 from invact_jax.convert import _polynomial
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 
 def _same(h, n, ins, o) -> None:

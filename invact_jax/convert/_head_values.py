@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from invact_jax.convert import _graph
-from invact_jax.convert._graph import Lit
+from invact_jax.convert import graph as _graph
+from invact_jax.convert.graph import Lit
 
 
 def shifts(k: str) -> list:

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax.convert import _forms
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _primitives
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 __all__ = ["Pattern", "FormMatch", "pattern", "root_signature", "signature", "match_at",
            "aval", "region_of", "escapes"]

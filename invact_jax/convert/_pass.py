@@ -19,10 +19,10 @@ import numpy as np
 
 from invact_jax import targets
 from invact_jax.convert import _fusion
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _report
 from invact_jax.convert import _rule
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 from invact_jax.convert._rule_deferred_softmax import DeferredSoftmaxRule
 from invact_jax.convert._rule_forms import FormRule
 from invact_jax.convert._rule_head import HeadRule

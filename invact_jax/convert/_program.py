@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ import numpy as np
 
 from invact_jax import targets
 from invact_jax.convert import _fallback
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _pass
 from invact_jax.convert._report import ConversionReport
 from invact_jax.ops import _implementation
@@ -195,7 +195,7 @@ class _Conversion:
 
 def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: bool = True,
            implementation: _implementation.ImplementationLike = None, floor: bool = True,
-           fallback: str | None = None,
+           fallback: Literal["temp"] | None = None,
            argnums: int | tuple[int, ...] = 0,
            device: str | targets.Target | None = None) -> Callable[..., Any]:
   """Program transformation: ``fn`` with its activations, norms and softmaxes inverted.

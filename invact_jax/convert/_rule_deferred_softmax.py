@@ -18,11 +18,11 @@ import dataclasses
 
 import jax
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _match
 from invact_jax.convert import _primitives
 from invact_jax.convert import _rule
-from invact_jax.convert._graph import Lit
+from invact_jax.convert.graph import Lit
 
 __all__ = ["DeferredSoftmaxRule", "AT_THE_FLOOR", "MAX_MASK", "STOPPED"]
 

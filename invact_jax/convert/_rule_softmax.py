@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 
 from invact_jax.convert import _algebra
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.convert import _match
 from invact_jax.convert import _rule
 from invact_jax.ops import _common

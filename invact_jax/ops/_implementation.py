@@ -20,15 +20,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-from typing import ClassVar, Mapping, Union
+from typing import ClassVar, Literal, Mapping, Union, get_args
 
 from invact_jax import targets
 
-__all__ = ["Implementation", "ImplementationBase", "ImplementationLike", "Xla", "XLA", "NAMES",
+__all__ = ["Implementation", "ImplementationBase", "ImplementationLike", "ImplementationName", "Xla", "XLA", "NAMES",
            "resolve", "available"]
 
 #: Every implementation name (each family has a subset: its ``IMPLEMENTATIONS`` keys).
-NAMES = ("xla", "pallas", "triton")
+#: An implementation by name.
+ImplementationName = Literal["xla", "pallas", "triton"]
+NAMES: tuple[str, ...] = get_args(ImplementationName)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +80,7 @@ class Implementation:
 
 
 #: What ``implementation=`` accepts: None (XLA), a name, or an :class:`Implementation`.
-ImplementationLike = Union[str, Implementation, None]
+ImplementationLike = Union[ImplementationName, Implementation, None]
 
 
 @dataclasses.dataclass(frozen=True)

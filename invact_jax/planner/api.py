@@ -312,8 +312,8 @@ def _plan(fn, example_args, budget: int, nums, argnums, has_aux: bool, convert: 
   rate = cost_model.offload_rate(offload, host_bandwidth, flop_rate)
   programs = {"as written": fn}
   if convert:
-    from invact_jax.convert import _program  # pylint: disable=import-outside-toplevel
-    programs["inverted"] = _program.inverted_for_plan(fn)
+    from invact_jax import convert  # pylint: disable=import-outside-toplevel
+    programs["inverted"] = convert.inverted_for_plan(fn)
   # The step's FLOPs, not the recompute alone: the converted backward's own arithmetic (an
   # inverse, a chunked head's recomputed logits) differs from the original's.  A program whose
   # step does at least the best plan's FLOPs even recomputing nothing is not planned (no

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.planner import layer_loop
 
 def _rescan_runs(node: _graph.Node, bodies: Sequence[tuple[Callable, int]], invals) -> list:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from invact_jax import _vjp_residuals, memory
-from invact_jax.convert import _graph
+from invact_jax.convert import graph as _graph
 from invact_jax.planner import integer_program
 
 # Equations whose outputs are candidates when the program names none of them itself.

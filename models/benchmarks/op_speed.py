@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from invact_jax import bitpack
 from invact_jax import Implementation, available
-from invact_jax.ops.activations import _rational
+from invact_jax.ops.activations import rational
 from invact_jax.ops.activations import api as activations_api
 from invact_jax.ops.activations import base
 from invact_jax.ops.activations import registry
@@ -134,7 +134,7 @@ def cpu_rows(names: Sequence[str], dtypes: Sequence[str] = ("float32", "bfloat16
 
 
 class _Ablated:
-  """``_rational.evaluate``'s ``ops`` with some of sqrt/log/divide replaced by free stand-ins
+  """``rational.evaluate``'s ``ops`` with some of sqrt/log/divide replaced by free stand-ins
   (wrong values; for timing what each part costs)."""
 
   def __init__(self, *, sqrt=True, log=True, divide=True):
@@ -195,12 +195,12 @@ def cost_split(name: str, dtype: str, *, elements: int = 1 << 23, rounds: int = 
                      f"backward evaluates a fit), got {name!r}")
   x, dy = _inputs(elements, jnp.dtype(dtype))
   y, packed = base.XLA.forward(o, x)
-  fit = _rational.fit_for(name, y.dtype)
+  fit = rational.fit_for(name, y.dtype)
 
   def ablated(unpack, ops):
     def bwd(y, packed, dy):
       left = bitpack.unpack_bits(packed, y.shape) if unpack else y < 0
-      g = _rational.evaluate(fit, y.astype(jnp.float32), left, ops=ops)
+      g = rational.evaluate(fit, y.astype(jnp.float32), left, ops=ops)
       return (dy.astype(jnp.float32) * g).astype(dy.dtype)
     return bwd
 

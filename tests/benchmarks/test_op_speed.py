@@ -93,16 +93,16 @@ def test_table_backward_gives_the_backward_values(name, dtype):
 
 def test_cost_split_stand_ins_replace_only_what_they_name():
   import jax.numpy as jnp
-  from invact_jax.ops.activations import _rational
-  fit = _rational.fit_for("silu", jnp.bfloat16)
+  from invact_jax.ops.activations import rational
+  fit = rational.fit_for("silu", jnp.bfloat16)
   y = jnp.linspace(-0.27, 4.0, 256, dtype=jnp.float32)
   left = y < 0  # each value on a branch that reaches it
-  exact = _rational.evaluate(fit, y, left)
+  exact = rational.evaluate(fit, y, left)
   nothing = op_speed._Ablated()  # pylint: disable=protected-access
   assert jnp.isfinite(exact).all()
-  assert (_rational.evaluate(fit, y, left, ops=nothing) == exact).all()
+  assert (rational.evaluate(fit, y, left, ops=nothing) == exact).all()
   no_log = op_speed._Ablated(log=False)  # pylint: disable=protected-access
-  assert not jnp.allclose(_rational.evaluate(fit, y, left, ops=no_log), exact)
+  assert not jnp.allclose(rational.evaluate(fit, y, left, ops=no_log), exact)
 
 
 def test_cost_split_rejects_monotone_activations():

@@ -628,7 +628,7 @@ def test_labels_the_program_computes_are_read_as_computed(name, head):
   np.testing.assert_allclose(float(jax.jit(inv)(x, w, y)), float(jax.jit(f)(x, w, y)),
                              rtol=2e-6)
   assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
-  from invact_jax.convert import _graph, _head_find  # pylint: disable=import-outside-toplevel
+  from invact_jax.convert import graph as _graph, _head_find  # pylint: disable=import-outside-toplevel
   graph = _graph.flatten(jax.make_jaxpr(f)(x, w, y))
   (m,), _ = _head_find.find_heads(graph, set(), set(graph.outvars))
   if head == "one_hot":  # (a pick by index reads NumPy's wrap of them, computed before it)
@@ -1090,7 +1090,7 @@ def test_inlining_a_call_keeps_its_outputs_and_values_and_leaves_calls_it_cannot
   """``_graph.inline`` (what the head's prepare step runs): a ``custom_jvp`` call replaced by
   its body's nodes, the call's output keeping its id and the program its value; a call whose
   body returns its input unchanged stays a call."""
-  from invact_jax.convert import _graph  # pylint: disable=import-outside-toplevel
+  from invact_jax.convert import graph as _graph  # pylint: disable=import-outside-toplevel
 
   @jax.custom_jvp
   def passthrough(v):

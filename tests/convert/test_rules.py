@@ -8,7 +8,8 @@ import pytest
 
 import invact_jax
 from invact_jax import memory
-from invact_jax.convert import _forms, _graph, _match, _pass, _rule
+from invact_jax.convert import _forms, _match, _pass, _rule
+from invact_jax.convert import graph as _graph
 
 
 class SquaredReluRule(_rule.Rule):

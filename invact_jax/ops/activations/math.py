@@ -7,7 +7,7 @@ transcendentals, no gathers: the same code runs in XLA and inside kernel bodies.
 
 Non-monotone activations (GELU, SiLU, Mish) evaluate the generated fits of ``_fits``
 (``scripts/fit_inverse.py``): one rational per branch chosen by the storage dtype
-(:mod:`._rational`), or piecewise Chebyshev fits for float64 (:mod:`._piecewise`); the rest
+(:mod:`.rational`), or piecewise Chebyshev fits for float64 (:mod:`._piecewise`); the rest
 have closed forms.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from invact_jax.ops.activations import _fits
 from invact_jax.ops.activations import _piecewise
-from invact_jax.ops.activations import _rational
+from invact_jax.ops.activations import rational
 
 
 def fitted_grad(name: str, y, bit, *, storage_dtype=None, approx_ops=None):
@@ -34,13 +34,13 @@ def fitted_grad(name: str, y, bit, *, storage_dtype=None, approx_ops=None):
   if y.dtype == jnp.float64:
     return _piecewise.evaluate(_piecewise.FIT[name], y, bit)
   storage = jnp.dtype(y.dtype if storage_dtype is None else storage_dtype)
-  fit = _rational.fit_for(name, storage)
+  fit = rational.fit_for(name, storage)
   if approx_ops is not None and storage == jnp.dtype(jnp.float16):
     # lg2.approx errs by ~2^-22 absolute, and q = sqrt(-log(y / y_min)) magnifies that near
     # the minimum: float16 outputs (11 bits) then differ from the XLA path by 3 ulp (H100,
     # mish); bfloat16's 8 bits do not see it (<= 1 ulp).  float16 keeps the exact log.
     approx_ops = _ExactLog(approx_ops)
-  return _rational.evaluate(fit, y, bit, ops=None if fit.exact_min else approx_ops)
+  return rational.evaluate(fit, y, bit, ops=None if fit.exact_min else approx_ops)
 
 
 class _ExactLog:
@@ -258,7 +258,7 @@ def erfc_f32(z, scale: float = 1.0):
   fit = _fits.ERFCX
   d_c = a + np.float32(fit["c"])
   u = (a * np.float32(2.0 / fit["t_end"]) - d_c) / d_c  # 2 a / ((a + c) t_end) - 1
-  erfcx = _rational.horner(u, fit["p"]) / (_rational.horner(u, fit["q"]) * d_c)
+  erfcx = rational.horner(u, fit["p"]) / (rational.horner(u, fit["q"]) * d_c)
   z_hi = jax.lax.bitcast_convert_type(
       jax.lax.bitcast_convert_type(az, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32)
   # exp(-d) by its Taylor series (|d| < 2 a^2 2^-12 <= 0.06 where erfc(a) is a normal

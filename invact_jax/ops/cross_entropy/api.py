@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,9 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 #: measures it faster than the XLA path).
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {
     "xla": _implementation.XLA, "pallas": PallasCrossEntropy()}
-_REDUCTIONS = ("mean", "sum", "none")
+#: How the per-token losses are reduced.
+Reduction = Literal["mean", "sum", "none"]
+_REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 _KERNEL_OPTIONS = ("block_rows", "num_warps", "interpret", "skip_below")
 
 
@@ -195,11 +198,11 @@ def _int32_labels(labels, ignore: int | None, vocab: int):
 
 
 def linear_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
-                         bias: ArrayLike | None = None, reduction: str = "mean",
+                         bias: ArrayLike | None = None, reduction: Reduction = "mean",
                          ignore_index: int | None = None, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, logit_soft_cap: float | None = None,
                          vocab_axis: int = -1, chunk_size: int | None = None,
-                         vocab_chunk_size: int | None = None, gradients: str | None = None,
+                         vocab_chunk_size: int | None = None, gradients: base.Gradients | None = None,
                          return_correct: bool = False,
                          vocab_axis_name: str | tuple[str, ...] | None = None,
                          implementation: ImplementationLike = None
@@ -308,7 +311,7 @@ def _loss(x, w, bias, y, opts: base.Options, impl=_implementation.XLA):
 
 
 def linear_cross_entropy_reference(x: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
-                                   bias: ArrayLike | None = None, reduction: str = "mean",
+                                   bias: ArrayLike | None = None, reduction: Reduction = "mean",
                                    ignore_index: int | None = None,
                                    label_smoothing: float = 0.0, z_loss: float = 0.0,
                                    logit_soft_cap: float | None = None,

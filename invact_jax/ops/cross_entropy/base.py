@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,13 @@ import jax.numpy as jnp
 from invact_jax import targets
 from invact_jax.ops import _common
 
-__all__ = ["Options", "Shards", "GRADIENTS", "linear_cross_entropy", "with_lse", "reference",
+__all__ = ["Options", "Shards", "GRADIENTS", "Gradients", "linear_cross_entropy", "with_lse", "reference",
            "default_mode", "default_tiles"]
 
 #: The gradient modes: computed with the loss (scalar losses) or by recomputing the logits.
-GRADIENTS = ("forward", "backward")
+#: Where the head computes its gradients: in the forward (a scalar loss) or the backward.
+Gradients = Literal["forward", "backward"]
+GRADIENTS: tuple[str, ...] = get_args(Gradients)
 
 # Default tiles: logits per tile, by gradient mode and platform, from the tile sweeps of
 # `scripts/bench_lm_head.py --tiles` (docs/lm-head.md).  CPU: "backward" 2^20 (4 MiB in

@@ -1,6 +1,8 @@
 """Public dropout that keeps a packed bit mask, or nothing but the key, for the backward."""
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import jax
 from jax.typing import ArrayLike
 
@@ -12,7 +14,9 @@ __all__ = ["dropout", "dropout_reference", "MODES"]
 
 #: How this op can run: XLA only (no kernels).
 IMPLEMENTATIONS: dict[str, _implementation.ImplementationBase] = {"xla": _implementation.XLA}
-MODES = ("regenerate", "bits")
+#: What the backward keeps: the key (the mask drawn again) or the mask as bits.
+Mode = Literal["regenerate", "bits"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 Array = jax.Array
 ImplementationLike = _implementation.ImplementationLike
@@ -33,7 +37,7 @@ def _key(fn, key):
   return key
 
 
-def dropout(x: ArrayLike, rate: float, key: jax.Array | None, *, mode: str = "regenerate",
+def dropout(x: ArrayLike, rate: float, key: jax.Array | None, *, mode: Mode = "regenerate",
             implementation: ImplementationLike = None) -> Array:
   """Dropout scaled at training time (keep with prob. ``1 - rate``, scale by ``1/(1 - rate)``).
 
