@@ -114,6 +114,7 @@ def pytest_pyfunc_call(pyfuncitem):
 # order, so a long file collected last runs alone at the end while the other worker idles.
 # Ordered by measured per-file time, 2 cores, 2026-11-26 (``--junitxml`` of ``make test``).
 _LONG_FILES = ("tests/training/test_distributed.py", "tests/training/test_training.py",
+               "tests/training/test_permissions.py",
                "tests/ops/activations/test_pallas.py", "tests/planner/test_api.py",
                "tests/benchmarks/test_plan_memory.py",
                "tests/convert/test_keras_penzai.py", "tests/models/test_models.py",

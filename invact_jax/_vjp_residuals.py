@@ -124,6 +124,8 @@ def _works() -> bool:
 
 
 def _named_gradient_is_the_calls() -> bool:
+  """Whether this JAX's names on a ``custom_vjp`` call's residuals leave its gradient the call's
+  own (checked once on a small call)."""
   from invact_jax.convert import graph as _graph  # pylint: disable=import-outside-toplevel
 
   @jax.custom_vjp

@@ -219,6 +219,8 @@ def analysed(fn: Callable[..., Any], *args, exact: bool = False) -> CompiledMemo
 
 
 def _memory_of(fn, args, kwargs, options) -> CompiledMemory:
+  """The current target's compiled memory of ``fn`` at ``args`` (``options``: XLA's compile
+  options)."""
   target = targets.current()
   m = target.compile(target.lower(fn, *args, **kwargs), options).memory_analysis()
   if m is None:
@@ -396,6 +398,9 @@ def _counted(jaxpr, live_out: list, const_in: list, per_iteration: bool) -> floa
 
 
 def _eqn_flops(e, live_out: list, const_in: list, per_iteration: bool) -> float:
+  """XLA's FLOPs for one equation: a Pallas call's cost estimate (or its kernel per grid step),
+  cuDNN's attention from its shapes, a nested body's (a scan's per iteration, or times its
+  length; a cond's costliest branch), else XLA's count of the equation alone."""
   name = e.primitive.name
   inner = [getattr(v, "jaxpr", v) for v in e.params.values()
            if hasattr(getattr(v, "jaxpr", v), "eqns")]

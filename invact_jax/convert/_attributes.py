@@ -64,12 +64,14 @@ _INSTALL_LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {"count": 0, "undo": []}
 
 
-def _active() -> list[_Block]:
+def _active_blocks() -> list[_Block]:
+  """The `inverted()` blocks open in this thread, outermost first."""
   return getattr(_LOCAL, "blocks", [])
 
 
 def _blocks_for(public: str | None, norms: bool) -> list[_Block]:
-  return [b for b in _active() if (public is None or public in b.names) and (b.norms or not norms)]
+  return [b for b in _active_blocks()
+          if (public is None or public in b.names) and (b.norms or not norms)]
 
 
 def _count(blocks, public: str, qual: str) -> None:
@@ -78,6 +80,9 @@ def _count(blocks, public: str, qual: str) -> None:
 
 
 def _activation_dispatcher(qual: str, public: str, original, inverted_fn):
+  """The attribute installed in place of an activation: the inverted function while a block of
+  ``inverted()`` that names ``public`` is open in this thread, else the original (counted per
+  attribute ``qual``)."""
   @functools.wraps(original)
   def dispatch(*args, **kwargs):
     blocks = _blocks_for(public, norms=False)
@@ -90,6 +95,9 @@ def _activation_dispatcher(qual: str, public: str, original, inverted_fn):
 
 
 def _softmax_dispatcher(qual: str, original):
+  """The attribute installed in place of a softmax: invact_jax's where a block converting norms and
+  softmaxes is open and the call is one it expresses (a floating array, no ``where``), else the
+  original."""
   @functools.wraps(original)
   def dispatch(x, axis=-1, where=None, **kwargs):
     blocks = _blocks_for(None, norms=True)
@@ -167,6 +175,8 @@ _NORM_CLASSES = (("flax.linen", "LayerNorm", False, linen_norm_call),
 
 
 def _install() -> list:
+  """Swap every replaceable attribute of :data:`_MODULES` (and the norm classes' calls) for its
+  dispatcher; the undo list."""
   undo = []
   originals = _originals()
   fns = replaceable()
@@ -198,6 +208,8 @@ def _install() -> list:
 
 @contextlib.contextmanager
 def _installed() -> Iterator[list]:
+  """The dispatchers installed while any block is open (installed by the first, removed by the
+  last, across threads)."""
   with _INSTALL_LOCK:
     if _INSTALLED["count"] == 0:
       _INSTALLED["undo"] = _install()
@@ -215,6 +227,8 @@ def _installed() -> Iterator[list]:
 
 
 def _names(only) -> frozenset:
+  """The registry names ``only`` selects (None: every activation; aliases as their function), or
+  one line naming an unknown one."""
   public = tuple(registry.PUBLIC)
   if only is None:
     return frozenset(public)
@@ -264,7 +278,7 @@ def inverted(only: str | tuple[str, ...] | None = None, *, warn: bool = True,
   block = _Block(ConversionReport(), _names(only), norms)
   with _installed() as undo:
     block.report.patched = [f"{getattr(o, '__name__', o)}.{a}" for o, a, _ in undo]
-    stack = _active()
+    stack = _active_blocks()
     _LOCAL.blocks = stack + [block]
     try:
       yield block.report

@@ -158,6 +158,9 @@ class _Walker:
     return out
 
   def _keep(self, ref, itemsize: int) -> None:
+    """Keep ``ref`` (at most ``itemsize`` bytes per element): walked back in the enclosing program,
+    anchored as its rule's role, a matmul's or a carry's output, or an elementwise output kept
+    as it is."""
     kind = self._leaf_kind(ref)
     if kind == "outer":
       walker, outer_ref = self.outer[ref]
@@ -202,6 +205,9 @@ class _Walker:
     return self
 
   def _node(self, n) -> None:
+    """What the backward of equation ``n`` needs, outside every match: a matmul's operands, a
+    nested call's, scan's or cond's floor, a product's or quotient's other operand, a nonlinear
+    op's inputs (nothing for a linear one)."""
     name = n.prim.name
     ins = [r for r in n.ins if not isinstance(r, Lit)]
     out_diff = any(o in self.diff for o in n.outs)
@@ -242,6 +248,8 @@ class _Walker:
     self._merge(_Walker(g2, diff, self.prefix, self.opts, outer).run(), id(n))
 
   def _scan(self, n) -> None:
+    """A scan's body's floor, once per iteration (its shapes prefixed by the length): its carry
+    kept, its constants and stacked inputs walked back in the enclosing program."""
     p = n.params
     nc, ncar = _graph.scan_counts(p)
     g2 = _graph.flatten(p["jaxpr"])
@@ -308,6 +316,7 @@ def _argument_index(source: str) -> int | None:
 
 
 def _saved_residuals(f, structs):
+  """JAX's ``saved_residuals`` of ``f``'s floating outputs summed to a scalar, at ``structs``."""
   try:
     from jax.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -439,6 +448,8 @@ def floor_audit(fn: Callable[..., Any], *args, device: str | targets.Target | No
 
 
 def _floor_audit(fn, args, kwargs) -> FloorAudit:
+  """The audit of ``fn``: its kept arrays (JAX's residuals, largest first) each given the role of a
+  floor item of its size and dtype, else ``excess``; gradients computed in the forward apart."""
   reference = getattr(fn, "invact_jax_original", fn)
   floor = tuple(items(reference, args, kwargs))
   left: dict = {}

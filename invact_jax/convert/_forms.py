@@ -64,6 +64,8 @@ class Form:
 
 # ------------------------------------------------------------------------ activations
 def _activation_forms() -> list[Form]:
+  """Every registry activation as ``jax.nn`` calls it: with its parameters as sentinels (caught
+  from the program), and with their defaults (literals)."""
   forms = []
   for a in registry.ACTIVATIONS.values():
     kwargs = dict(a.selector)
@@ -102,6 +104,8 @@ def _gelu_tanh_cubed_by_products(x):
 
 
 def _composition_forms() -> list[Form]:
+  """Activations written out: a quick GELU (``x * sigmoid(c x)``) and the tanh GELU in three
+  spellings."""
   gelu = registry.get("gelu_tanh")
   hand = [Form(f"tanh GELU by hand ({name})", "activation", "gelu", lambda dtype, fn=fn: fn,
                entry=gelu)
@@ -128,6 +132,8 @@ def _softmax_from_logsumexp(x):
 
 
 def _softmax_forms() -> list[Form]:
+  """Last-axis softmaxes as written: ``jax.nn.softmax``, by hand with or without ``stop_gradient``
+  on the max, and ``exp(x - logsumexp(x))``."""
   def build(fn):
     return lambda dtype: fn
   return [Form("jax.nn.softmax", "softmax", "softmax",

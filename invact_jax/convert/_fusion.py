@@ -55,6 +55,7 @@ def _nbytes(g: _graph.Graph, ref) -> int:
 
 
 def _is_float(g: _graph.Graph, ref) -> bool:
+  """Whether ``ref`` is a floating value (bfloat16 included)."""
   if isinstance(ref, Lit):
     return False
   try:
@@ -184,6 +185,9 @@ def _weight_chain(g: _graph.Graph, ref, group: set, taken: set) -> tuple[list, A
 
 
 def _norm_dense_unit(g, rule, unit: Unit, found, taken: set, owner: dict, outvars: set):
+  """One unit computing a converted norm and the matmuls that read it (through ``chain``), the
+  weights' casts read only by them taken in; None where the group is not convex or its outputs
+  escape."""
   chain, dots, external = found
   group = set(unit.nodes) | set(chain) | set(dots)
   for d in dots:  # casts of a weight that only these matmuls read come inside
@@ -296,6 +300,8 @@ def _kept_by_program(g: _graph.Graph, nodes: set, dot: int) -> set:
 
 
 def _recompute_unit(g: _graph.Graph, walk: _Walk, dot: int) -> Unit:
+  """Matmul ``dot`` as a ``custom_vjp`` keeping the walk's leaves (the values its operand is
+  recomputed from) instead of the operand."""
   inputs = list(walk.leaves)
   outputs = [g.nodes[dot].outs[0]]
   region = _graph.region(g, walk.nodes, inputs, outputs)
@@ -369,15 +375,16 @@ def _mask_unit(g: _graph.Graph, b: int, taken: set, outvars: set) -> Unit | None
   return Unit(frozenset([b, *selects]), inputs, outputs, f)
 
 
-def fuse(g: _graph.Graph, units: list, norm_units: list, kept: set, outvars: set) -> list:
+def fuse(g: _graph.Graph, units: list, fusable: list, kept: set, outvars: set) -> list:
   """``units`` with the norms that feed matmuls fused with them, and units for the matmuls
   whose operands are cheaper to recompute than to keep.
 
   Args:
     g: the program.
     units: the converted ops' units.
-    norm_units: ``(rule, unit)`` per converted norm (``rule``: the norm's residuals,
-      recomputation and backward).
+    fusable: ``(fusion, unit)`` per unit whose rule offers a fusion with the matmuls that read
+      its output (:attr:`._rule.Built.fusion`: a norm's residuals, recomputation and
+      backward).
     kept: values the converted ops' backward keeps anyway (activation and softmax outputs).
     outvars: the program's outputs.
 
@@ -387,7 +394,7 @@ def fuse(g: _graph.Graph, units: list, norm_units: list, kept: set, outvars: set
   units = list(units)
   owner = {i: u for u in units for i in u.nodes}
   taken = set(owner)
-  for rule, unit in norm_units:
+  for rule, unit in fusable:
     found = _dense_readers(g, unit.outputs[0], taken, outvars)
     if found is None:
       continue

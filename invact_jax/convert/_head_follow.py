@@ -55,7 +55,8 @@ class LossFollower:
     #                                  the vocabulary, over a mesh the head runs per shard on
     self.temperature_nodes: set = set()
 
-  def _is_v(self, ref) -> bool:
+  def along_vocab(self, ref) -> bool:
+    """Whether ``ref``'s last axis is the vocabulary's ([..., V])."""
     a = self.g.avals[ref]
     return bool(a.shape) and a.shape[-1] == self.vocab
 
@@ -100,10 +101,12 @@ class LossFollower:
       return ins[0] if integer(ins[0]) or isinstance(ins[0], Lit) else None
     return None  # (a clamp too: it moves a label outside [0, V), -100 say, into the vocabulary)
 
-  def _known(self, r) -> bool:
+  def followed(self, r) -> bool:
+    """Whether ``r`` is a value followed so far (computed from the logits)."""
     return not isinstance(r, Lit) and any(r in t for t in self.tables())
 
   def tables(self) -> tuple:
+    """The tables of followed values, by kind."""
     return (self.elem, self.rows, self.exps, self.sums, self.target, self.weighted, self.tanh,
             self.probs, self.identity)
 
@@ -114,7 +117,7 @@ class LossFollower:
       return
     if n.prim.name == "eq" and self._one_hot(i, n):
       return
-    if not any(self._known(r) for r in n.ins):
+    if not any(self.followed(r) for r in n.ins):
       return
     handler = _head_rules.STEPS.get(n.prim.name)
     if handler is not None:
@@ -127,7 +130,7 @@ class LossFollower:
     along = lambda r: None if isinstance(r, Lit) else _head_values.position_along(  # noqa: E731
         g, r, len(g.avals[r].shape) - 1)
     iotas = [along(r) for r in n.ins]
-    if not (any(c is not None for c in iotas) and self._is_v(n.outs[0])):
+    if not (any(c is not None for c in iotas) and self.along_vocab(n.outs[0])):
       return False
     k = next(k for k, c in enumerate(iotas) if c is not None)
     if self._identity(i, n, iotas[k], n.ins[1 - k]):

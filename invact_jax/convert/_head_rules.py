@@ -36,7 +36,7 @@ def _same(h, n, ins, o) -> None:
     h.permuted |= perm != tuple(range(len(perm)))
   for table in h.tables():
     if src in table:
-      if table is h.rows and h._is_v(o):
+      if table is h.rows and h.along_vocab(o):
         if n.prim.name == "broadcast_in_dim":
           h.elem[o] = dict(table[src])  # a row value spread along the vocabulary
         return
@@ -45,14 +45,16 @@ def _same(h, n, ins, o) -> None:
 
 
 def _add_sub(h, n, ins, o) -> None:
+  """A sum or difference: of row values, of values along the vocabulary (a row value spread), a
+  scalar shift of the logits, or a target weight plus a constant."""
   a, b = ins
   sign = 1.0 if n.prim.name == "add" else -1.0
   lin = lambda r: None if isinstance(r, Lit) else h.elem.get(r, h.rows.get(r))  # noqa: E731
   if all(not isinstance(r, Lit) and r in h.rows for r in (a, b)):
     h.rows[o] = _polynomial.add(h.rows[a], h.rows[b], sign)
-  elif lin(a) is not None and lin(b) is not None and h._is_v(o):
+  elif lin(a) is not None and lin(b) is not None and h.along_vocab(o):
     h.elem[o] = _polynomial.add(lin(a), lin(b), sign)  # a row value spread along the vocabulary
-  elif h._is_v(o) and (shifted := _scalar_shift(h, a, b, sign)) is not None:
+  elif h.along_vocab(o) and (shifted := _scalar_shift(h, a, b, sign)) is not None:
     # a scalar added to the logits (or subtracted): a row constant, a shift of each row
     h.elem[o] = _polynomial.add(h.elem[shifted], {h._shift(): -1.0})
   elif not isinstance(a, Lit) and a in h.target and h._const(b) is not None:
@@ -102,6 +104,8 @@ def _capped(h, o, c: float) -> None:
 
 
 def _mul_div(h, n, ins, o) -> None:
+  """A product or quotient: a square, a soft cap's ``c * tanh(z / c)``, the logits scaled by a
+  constant or a traced temperature, a target weight times a value, a row value times a constant."""
   a, b = ins
   if n.prim.name == "mul" and a == b:
     _square(h, n, ins, o)
@@ -173,6 +177,9 @@ def _exp(h, n, ins, o) -> None:
 
 
 def _reduce_sum(h, n, ins, o) -> None:
+  """A sum over the vocabulary: of exponentials (a softmax's denominator), of a target weight times
+  a value (the picked logit, the smoothing's sum), of the logits; a row value summed along the
+  vocabulary."""
   src = ins[0]
   if tuple(int(a) for a in n.params["axes"]) != (len(h.g.avals[src].shape) - 1,):
     return
@@ -219,6 +226,8 @@ def _dot(h, n, ins, o) -> None:
 
 
 def _log(h, n, ins, o) -> None:
+  """A log: of a sum of exponentials (a log-sum-exp), of a softmax (its log-softmax), of a
+  softmax's picked probability (the log-likelihood)."""
   if ins[0] in h.sums:
     h.rows[o] = {"ls" + h.sums[ins[0]]: 1.0}
   elif ins[0] in h.probs:  # log(softmax(a z)) = a z - k - log(sum(exp(a z - k)))
@@ -245,13 +254,15 @@ def _square(h, n, ins, o) -> None:
 
 
 def _gather(h, n, ins, o) -> None:
+  """A gather: rows of the identity (a one-hot of the labels), or the label's logit picked from the
+  logits or the log-softmax (by ``take_along_axis``, advanced or flat indexing)."""
   src, idx = ins[0], ins[1]
   if not isinstance(src, Lit) and src in h.identity:
     h._identity_rows(n, idx, o)
     return
-  rows = None if isinstance(src, Lit) or h._is_v(src) else _rows_of_flat(h, src)
+  rows = None if isinstance(src, Lit) or h.along_vocab(src) else _rows_of_flat(h, src)
   followed = not isinstance(src, Lit) and (src in h.elem or src in h.probs)
-  if followed and (h._is_v(src) or rows is not None):
+  if followed and (h.along_vocab(src) or rows is not None):
     labels, nodes = ((_advanced_index(h, n, idx) or h._labels_of(idx)) if rows is None
                      else _flat_index(h, n, rows, idx) or (None, []))
     if labels is None or (h.labels is not None and h.labels != labels):
@@ -308,7 +319,7 @@ def _rows_of_flat(h, ref) -> int | None:
   n = g.nodes[g.producer[ref][0]]
   src = n.ins[0]
   if (n.prim.name != "reshape" or isinstance(src, Lit) or src not in h.elem
-      or not h._is_v(src) or n.params.get("dimensions") is not None):
+      or not h.along_vocab(src) or n.params.get("dimensions") is not None):
     return None
   return math.prod(g.avals[src].shape[:-1])
 
@@ -367,7 +378,7 @@ def _select(h, n, ins, o) -> None:
   the logits: ``jax.nn.logsumexp(z, where=...)``): ``v`` in the rows the mask keeps; the
   per-token loss must drop the other rows by a select of its own (:func:`_masked_away`).
   Otherwise a row value's clamp (:meth:`_shift_step`)."""
-  if not h._is_v(o):
+  if not h.along_vocab(o):
     _shift_step(h, n, ins, o)
     return
   if len(ins) != 3 or isinstance(ins[2], Lit) or _head_values.constant(h.g, ins[1]) is None:

@@ -160,6 +160,9 @@ class _Matcher:
     return self.node(pat_node, prog_node, b)
 
   def _literal(self, pat_lit: Lit, prog_ref, b: _Binding) -> bool:
+    """Whether the program's value ``prog_ref`` matches the pattern's literal: equal, or any value
+    where the literal is a sentinel (the caught parameter, bound in ``b``); a literal reaching
+    through casts too."""
     if not isinstance(prog_ref, Lit):  # inside shard_map a literal arrives through pvary
       found = self._literal_through_casts(prog_ref, b)
       if found is None:

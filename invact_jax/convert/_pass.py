@@ -57,7 +57,8 @@ class Options:
 
   Attributes:
     names: the public names to convert.
-    activation, norm: the backward's implementations (``IMPLEMENTATIONS`` entries).
+    implementations: the backward's implementation per op family (``"activation"``,
+      ``"norm"``: entries of the families' ``IMPLEMENTATIONS``), as the rules read them.
     report: what the conversion did.
     floor: fuse the matmuls that read recomputable values (the floor pass).
     skip: sites (numbered in the order they are found) left alone.
@@ -74,8 +75,7 @@ class Options:
       were).
   """
   names: frozenset
-  activation: Any
-  norm: Any
+  implementations: dict
   report: _report.ConversionReport
   floor: bool = True
   skip: frozenset = frozenset()
@@ -106,7 +106,8 @@ def options_for_analysis() -> Options:
   from invact_jax.ops.activations import registry  # pylint: disable=import-outside-toplevel
   from invact_jax.ops.norms import api as norm_api  # pylint: disable=import-outside-toplevel
   names = frozenset(registry.PUBLIC[n][0].public for n in registry.PUBLIC) | set(kinds())
-  return Options(names, act_api.IMPLEMENTATIONS["xla"], norm_api.IMPLEMENTATIONS["xla"],
+  return Options(names, {"activation": act_api.IMPLEMENTATIONS["xla"],
+                        "norm": norm_api.IMPLEMENTATIONS["xla"]},
                  _report.ConversionReport(), False)
 
 
@@ -170,7 +171,7 @@ def plan(g: _graph.Graph, opts: Options) -> list:
   """The :class:`_graph.Unit` s that replace the converted matches of ``g``."""
   found = find(g, opts)
   units: list = []
-  norm_units: list = []  # (NormVJP, unit) for the fusion with the matmuls that read the norm
+  fusable: list = []  # (Built.fusion, unit): fused with the matmuls that read the unit
   kept: set = set()      # outputs of converted ops that their own backward keeps
   for rule, m in found.matches:
     where = g.nodes[m.root].where
@@ -183,13 +184,13 @@ def plan(g: _graph.Graph, opts: Options) -> list:
       continue
     built = rule.build(g, m, opts)
     units.append(built.unit)
-    if built.norm is not None:
-      norm_units.append((built.norm, built.unit))
+    if built.fusion is not None:
+      fusable.append((built.fusion, built.unit))
     if built.kept:
       kept.update(built.unit.outputs)
     opts.report.converted.append((rule.public(m), rule.describe(m), where))
   if opts.floor:
-    units = _fusion.fuse(g, units, norm_units, kept,
+    units = _fusion.fuse(g, units, fusable, kept,
                          {r for r in g.outvars if not isinstance(r, Lit)})
   return units
 
@@ -221,7 +222,7 @@ def contains_candidates(params) -> bool:
 _KNOWN_SIZE = 64
 
 
-def _known(refs, positions) -> dict:
+def _small_constants(refs, positions) -> dict:
   """``{body input index: Lit}`` for the small constants among ``refs`` at ``positions``."""
   return {k: refs[k] for k in positions
           if isinstance(refs[k], Lit) and np.size(refs[k].val) <= _KNOWN_SIZE
@@ -261,15 +262,16 @@ def _in_place(node: _graph.Node, invals, opts: Options) -> list:
   each with the same inputs, outputs and loop options."""
   name, p = node.prim.name, node.params
   if name == "scan":
-    graph = _body_graph(p["jaxpr"], _known(node.ins, range(_graph.scan_counts(p)[0])))
+    consts = range(_graph.scan_counts(p)[0])
+    graph = _body_graph(p["jaxpr"], _small_constants(node.ins, consts))
     body_opts = dataclasses.replace(opts, in_loop=True)
     return _graph.rescan(node, lambda *a: run(graph, a, body_opts), invals)
   if name == "cond":
-    known = {k - 1: lit for k, lit in _known(node.ins, range(1, len(node.ins))).items()}
+    known = {k - 1: lit for k, lit in _small_constants(node.ins, range(1, len(node.ins))).items()}
     graphs = [_body_graph(b, known) for b in p["branches"]]
     return list(jax.lax.switch(invals[0], [lambda *a, g=g: tuple(run(g, a, opts))
                                             for g in graphs], *invals[1:]))
-  return run(_body_graph(p["jaxpr"], _known(node.ins, range(len(node.ins)))), invals, opts)
+  return run(_body_graph(p["jaxpr"], _small_constants(node.ins, range(len(node.ins)))), invals, opts)
 
 
 def _body_graph(closed, known: dict) -> _graph.Graph:
@@ -365,10 +367,10 @@ def nested(opts: Options):
     if name == "scan" or name in ("pjit", "jit"):
       consts = range(_graph.scan_counts(p)[0] if name == "scan" else len(node.ins))
       body_opts = dataclasses.replace(opts, in_loop=True) if name == "scan" else opts
-      new = _convert_closed(p["jaxpr"], body_opts, _known(node.ins, consts))
+      new = _convert_closed(p["jaxpr"], body_opts, _small_constants(node.ins, consts))
       return None if new is None else _rebound(node, invals, jaxpr=new)
     if name == "cond":
-      known = {k - 1: lit for k, lit in _known(node.ins, range(1, len(node.ins))).items()}
+      known = {k - 1: lit for k, lit in _small_constants(node.ins, range(1, len(node.ins))).items()}
       branches = [_convert_closed(b, opts, known) for b in p["branches"]]
       if any(b is None for b in branches):
         return None

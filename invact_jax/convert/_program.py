@@ -36,6 +36,8 @@ __all__ = ["invert", "ConversionReport"]
 
 
 def _names(only, norms: bool) -> frozenset:
+  """The public names ``invert`` converts under ``only`` and ``norms`` (aliases as their function),
+  or one line naming an unknown one."""
   public = tuple(registry.PUBLIC) + _pass.kinds()
   if only is None:
     names = set(registry.PUBLIC) | set(_pass.kinds(norms))
@@ -94,7 +96,8 @@ def _positions(closed, args, leaves, dyn, argnums) -> list:
       closed.in_avals[p].dtype, jnp.inexact)]
 
 
-def _checked(fallback, argnums) -> tuple:
+def _checked_options(fallback, argnums) -> tuple:
+  """``argnums`` as a tuple, after one line for a ``fallback`` or ``argnums`` not of its kind."""
   if fallback not in (None, "temp"):
     raise ValueError(f"invact_jax.invert: argument `fallback`: expected None or 'temp', got "
                      f"{fallback!r}")
@@ -116,12 +119,14 @@ class _Conversion:
         fn, names, floor, fallback, argnums)
     self.device = device
     self.measure_remat = measure_remat
-    self.impls = [_implementation.resolve(implementation, op="invert", implementations=table)
-                  for table in (_act_api.IMPLEMENTATIONS, _norm_api.IMPLEMENTATIONS)]
+    self.impls = {family: _implementation.resolve(implementation, op="invert",
+                                                  implementations=table)
+                  for family, table in (("activation", _act_api.IMPLEMENTATIONS),
+                                        ("norm", _norm_api.IMPLEMENTATIONS))}
     self.cache: dict = {}
 
   def options(self, report: ConversionReport, choice: _fallback.Choice) -> _pass.Options:
-    return _pass.Options(self.names, *self.impls, report, bool(self.floor) and choice.floor,
+    return _pass.Options(self.names, self.impls, report, bool(self.floor) and choice.floor,
                          choice.skip, choice.recompute, measure_remat=self.measure_remat)
 
   def choose(self, closed, args, leaves, dyn, report: ConversionReport) -> _fallback.Choice:
@@ -153,6 +158,9 @@ class _Conversion:
       return self._converted(args, kwargs)
 
   def _converted(self, args, kwargs) -> tuple:
+    """``fn``'s output converted and the report: ``fallback``'s choice, the pass, and, where
+    converted ``jax.checkpoint`` bodies sit in a loop and the whole program's check says so, the
+    pass again with them as written."""
     closed, vals, leaves, dyn, out = _trace(self.fn, args, kwargs)
     report = ConversionReport()
     choice = self.choose(closed, args, leaves, dyn, report)
@@ -266,7 +274,7 @@ def invert(fn: Callable[..., Any], *, only: Iterable[str] | None = None, norms: 
   if device is not None:
     targets.resolve(device)  # (a bad name is an error now, not at the first call)
   return _wrapped(fn, _Conversion(fn, _names(only, norms), implementation, floor, fallback,
-                                  _checked(fallback, argnums), device=device))
+                                  _checked_options(fallback, argnums), device=device))
 
 
 def inverted_for_plan(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -279,6 +287,8 @@ def inverted_for_plan(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrapped(fn, conversion: _Conversion) -> Callable[..., Any]:
+  """``fn`` converted per call by ``conversion``, its report as ``last_report`` and the original as
+  ``invact_jax_original`` (what the floor audit measures against)."""
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     out, wrapped.last_report = conversion(args, kwargs)

@@ -23,12 +23,12 @@ class Built:
   Attributes:
     unit: the nodes it replaces and the function that computes its output instead.
     kept: its backward keeps its output (the floor pass lets matmuls share it).
-    norm: a norm's :class:`._rule_norm.NormVJP` (the floor pass fuses the norm with the
-      matmuls that read it), else None.
+    fusion: what the floor pass fuses with the matmuls that read the unit's output (a norm's
+      :class:`._rule_norm.NormVJP`: its residuals, recompute and backward), else None.
   """
   unit: _graph.Unit
   kept: bool = False
-  norm: Any = None
+  fusion: Any = None
 
 
 class Rule:

@@ -93,8 +93,8 @@ def _softmax_call_fn(match: _match.FormMatch, region, target):
   return f
 
 
-_BUILDERS = {"activation": lambda m, region, g, opts: _activation_fn(m, region, opts.activation),
-             "scaled_silu": lambda m, region, g, opts: _scaled_silu_fn(m, region, opts.activation),
+_BUILDERS = {"activation": lambda m, region, g, opts: _activation_fn(m, region, opts.implementations["activation"]),
+             "scaled_silu": lambda m, region, g, opts: _scaled_silu_fn(m, region, opts.implementations["activation"]),
              "softmax": lambda m, region, g, opts: _softmax_call_fn(m, region, g)}
 
 
@@ -135,6 +135,8 @@ class FormRule(_rule.Rule):
 
   @staticmethod
   def _match(form, g, i, shape, dtype, sig, taken):
+    """Form ``form`` matched at node ``i`` (its root signature first, a cheap test), or None; a
+    scaled SiLU only with ``c > 0``."""
     want = _match.root_signature(form, dtype)
     if want is None or want[0] != sig[0] or not want[1] <= sig[1]:
       return None

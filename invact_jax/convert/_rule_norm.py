@@ -153,10 +153,10 @@ class NormRule(_rule.Rule):
 
   def build(self, g, match, opts):
     out = self.output(g, match)
-    vjp = NormVJP(match, _match.region_of(g, match.nodes, match.inputs, out), opts.norm, g)
+    vjp = NormVJP(match, _match.region_of(g, match.nodes, match.inputs, out), opts.implementations["norm"], g)
     unit = _graph.Unit(frozenset(match.nodes), list(match.inputs), [out],
                        _rule.single(_norm_fn(vjp)))
-    return _rule.Built(unit, norm=vjp)
+    return _rule.Built(unit, fusion=vjp)
 
   def role(self, match):
     return f"{match.public} xhat"

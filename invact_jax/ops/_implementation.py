@@ -127,6 +127,8 @@ def available(name: str) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def _available(name: str, platform: str, deviceless: bool) -> tuple[bool, str]:
+  """Whether implementation ``name`` runs on ``platform`` (``deviceless``: compiled for a device
+  this machine lacks), and how (interpret mode) or why not."""
   if name == "xla":
     return True, ""
   if name == "pallas":

@@ -89,6 +89,9 @@ def _mesh_size(mesh) -> int:
 
 
 def _rule_text(operands, results, sizes, replicated, total):
+  """A ``custom_partitioning`` sharding rule's text and its factor options: the factors that must
+  be replicated (asked for, or not dividing the devices), in the rule's order, and the compound
+  factors' sizes."""
   text = ", ".join(operands) + " -> " + ", ".join(results)
   order = list(dict.fromkeys(
       t for t in text.replace("(", " ").replace(")", " ").replace(",", " ").split() if t != "->"))
@@ -137,6 +140,9 @@ def _compound(specs) -> set:
 
 
 def _partitioned(fn, args, n_out: int, shardings, rule):
+  """``fn`` applied to ``args`` as a ``custom_partitioning`` op: ``shardings`` gives the
+  output's and the operands' shardings on the mesh, ``fn`` runs per shard, ``rule`` is its
+  sharding rule."""
   op = custom_partitioning(fn)
 
   def infer(mesh, arg_shapes, result_shape):

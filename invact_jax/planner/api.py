@@ -173,6 +173,8 @@ def _check_options(has_aux, convert, offload, host_bandwidth, flop_rate) -> None
 
 
 def _check(fn, args, argnums) -> tuple[int, ...]:
+  """``argnums`` as a tuple, after one line for a ``fn`` not callable, no example arguments, or
+  argnums out of range."""
   if not callable(fn):
     raise TypeError(f"argument `fn` must be callable, got {type(fn).__name__}")
   if not args:

@@ -375,6 +375,8 @@ def _stdout_silenced():
 
 
 def _milp(prog, objective, extra=(), p_upper=None, time_limit: float = 10.0):
+  """HiGHS on the program ``prog`` minimizing ``objective`` (with the ``extra`` rows and the peak
+  at most ``p_upper``), its stray stdout silenced; scipy's result."""
   from scipy import optimize  # pylint: disable=import-outside-toplevel
   cons = [optimize.LinearConstraint(prog["A"], prog["lo"], prog["hi"])]
   for coef, lower, upper in extra:

@@ -130,6 +130,8 @@ class Target:
                              mesh.axis_names, **kinds)
 
   def _placed(self, leaf, mesh, default_mesh):
+    """``leaf`` as a shape struct on the target: a Python scalar weak-typed and replicated, an
+    array replicated, or with its sharding's spec on ``mesh`` where one is given."""
     replicated = jax.sharding.NamedSharding(default_mesh, jax.sharding.PartitionSpec())
     if isinstance(leaf, (bool, int, float, complex)) and not isinstance(leaf, np.generic):
       dtype = jax.dtypes.canonicalize_dtype(type(leaf))
@@ -297,6 +299,8 @@ def resolve(device: str | os.PathLike | Target | None) -> Target:
 
 @functools.lru_cache(maxsize=None)
 def _resolved(name: str) -> Target:
+  """The target a name gives: this machine's CPU or accelerator, an H100/H200 (``xN``), a
+  GpuTargetConfigProto file, or a TPU slice; one line for a name it does not know."""
   low = name.strip().lower()
   if low in ("cpu", "local"):
     return local("cpu")
@@ -333,6 +337,8 @@ def _field(text: str, key: str) -> str | None:
 
 
 def _gpu(name: str, config: str, count: int) -> Target:
+  """``count`` GPUs described by ``config`` (a GpuTargetConfigProto's text), compiled for by
+  XLA:GPU without one (the CUDA plugin's compiler)."""
   try:
     compiler = _compilers.cuda()
   except _compilers.Unavailable as e:
@@ -347,6 +353,8 @@ def _gpu(name: str, config: str, count: int) -> Target:
 
 
 def _tpu(name: str, kind: str, topology: str | None) -> Target:
+  """A TPU slice of ``kind`` and ``topology`` (default: the kind's in :data:`TPUS`, with its
+  HBM per chip), compiled for by libtpu without one."""
   default, host_bounds, hbm = TPUS[kind]
   topology = topology or default
   dims = [int(d) for d in topology.split("x")] + [1] * (3 - len(topology.split("x")))

@@ -154,6 +154,8 @@ def verify(workdir: pathlib.Path, step: int, tree) -> str | None:
     recorded = json.loads(path.read_text())["arrays"]
   except FileNotFoundError:
     return f"no checksums were recorded for it ({path} is missing)"
+  except PermissionError:
+    raise _Unreadable(f"{path} is not readable by this user") from None
   except (OSError, ValueError, KeyError, TypeError) as e:
     return f"its checksums ({path}) do not read ({type(e).__name__})"
   got = checksums(tree)
@@ -186,9 +188,15 @@ def _other_model(mgr, step: int, abstract) -> str | None:
 def _load(mgr, workdir: pathlib.Path, step: int, abstract) -> Any:
   """Checkpoint ``step`` restored and verified; SetAside (why) otherwise."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  locked = _not_readable(pathlib.Path(mgr.directory) / str(step))
+  if locked is not None:  # (checked first: orbax's failed reads print from their threads)
+    raise _Unreadable(f"{locked} is not readable by this user")
   try:
     restored = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except  # orbax raises many kinds
+    if isinstance(e, PermissionError) or _PERMISSION.search(str(e)):
+      raise _Unreadable(f"a file of it is not readable by this user "
+                        f"({errors.first_line(e, 160)})") from None
     other = _other_model(mgr, step, abstract)
     if other:
       raise LookupError(other) from None
@@ -197,6 +205,33 @@ def _load(mgr, workdir: pathlib.Path, step: int, abstract) -> Any:
   if why is not None:
     raise SetAside(why)
   return restored
+
+
+def _not_readable(folder: pathlib.Path) -> pathlib.Path | None:
+  """The first file or folder under ``folder`` this user may not read (folders: nor enter)."""
+  found: list = []
+
+  def denied(e: OSError) -> None:
+    found.append(pathlib.Path(e.filename))
+  for here, dirs, files in os.walk(folder, onerror=denied):
+    for name in dirs:
+      if not os.access(os.path.join(here, name), os.R_OK | os.X_OK):
+        return pathlib.Path(here, name)
+    for name in files:
+      if not os.access(os.path.join(here, name), os.R_OK):
+        return pathlib.Path(here, name)
+    if found:
+      return found[0]
+  return found[0] if found else None
+
+
+class _Unreadable(Exception):
+  """A checkpoint that this user may not read (its permissions, not its bytes): not set aside,
+  the resume stops with one line."""
+
+
+# How a permission fault reads in orbax/TensorStore's errors.
+_PERMISSION = re.compile(r"PERMISSION_DENIED|Permission denied")
 
 
 def set_aside_name(bad: pathlib.Path) -> pathlib.Path:
@@ -226,11 +261,22 @@ def restore(mgr, workdir: pathlib.Path, abstract) -> tuple:
     except LookupError as e:
       raise errors.ConfigError(f"--resume: checkpoint step {step} in {mgr.directory} holds another "
                          f"model ({e}); nothing was renamed") from None
+    except _Unreadable as e:
+      raise errors.ConfigError(
+          f"--resume: checkpoint step {step} in {mgr.directory} cannot be read: {e}; nothing "
+          "was renamed: give this user read access to it and continue with the same "
+          "command") from None
     except SetAside as e:
       bad = mgr.directory / str(step)
       aside = set_aside_name(bad)
       if jax.process_index() == 0:  # every process saw the same files; one sets them aside
-        bad.rename(aside)
+        try:
+          bad.rename(aside)
+        except OSError as err:
+          raise errors.ConfigError(
+              f"--resume: checkpoint step {step} in {mgr.directory} does not verify ({e}) and "
+              f"cannot be set aside ({err.strerror}); nothing was renamed: make the directory "
+              "writable for this user and continue with the same command") from None
       mgr.reload()
       warnings.warn(f"checkpoint step {step} does not verify: {e}; moved it to {aside.name} "
                     "and falling back to the previous checkpoint", stacklevel=3)

@@ -172,12 +172,14 @@ def _agree(args: argparse.Namespace, cfg: config.TrainConfig, dataset, workdir) 
 
 
 def _report(cfg: config.TrainConfig, summary: dict, workdir: pathlib.Path) -> None:
-  """The summary, the run directory and the line on what the run's activations cost."""
+  """The summary, the run directory and, for a finished run, the line on what its activations
+  cost against standard."""
   import jax  # pylint: disable=import-outside-toplevel
   shown = {k: v for k, v in summary.items() if k not in ("history", "trainer")}
   print(json.dumps(shown, indent=1))
   print(f"run directory: {workdir}")
-  if jax.process_count() == 1:  # (a second model compiled: one process's job)
+  # (a finished run's last line; a second model compiled: one process's job)
+  if summary["finished"] and jax.process_count() == 1:
     print(compare.memory_line(cfg, compare.against_standard(summary["trainer"])))
 
 

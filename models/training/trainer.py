@@ -196,10 +196,14 @@ class Trainer:
                             self.params)
     return sum(r.bytes for r in kept if not r.is_argument)
 
-  def compiled_memory(self) -> memory.CompiledMemory:
+  def compiled_memory(self, measuring: bool = False) -> memory.CompiledMemory:
+    """The train step's compiled memory (``measuring``: compiled as the planner measures,
+    :func:`invact_jax.memory.analysed`: faster on XLA:CPU, the temp at most
+    :func:`invact_jax.memory.analysis_excess` above the default compile's)."""
     x, y = self.batch(0)
-    return memory.compiled(self.train_step_fn, self.params, self.opt_state, x, y,
-                           dropout_key(self.cfg.seed, 0))
+    measure = memory.analysed if measuring else memory.compiled
+    return measure(self.train_step_fn, self.params, self.opt_state, x, y,
+                   dropout_key(self.cfg.seed, 0))
 
   def device_peak(self) -> dict[str, int]:
     """One train step on copies of the state, with the allocator's figures (GPU)."""

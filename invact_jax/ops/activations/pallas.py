@@ -44,6 +44,9 @@ class PallasActivation(_implementation.ImplementationBase):
     return self.kernels().forward(op.kernel_forward, bit, x, **self._kw())
 
   def _backward_tile(self, op, y, packed, dy):
+    """One tile's ``dx``: the derivative from ``y`` (and the unpacked bits) times ``dy``, as
+    plain XLA ops where :func:`_partition.run_tile_math_directly` says so, else by the Pallas
+    kernel (approximate sqrt/log/divide for compiled 16-bit outputs)."""
     if _partition.run_tile_math_directly(self, y):
       bits = None if packed is None else bitpack.unpack_bits(packed, y.shape)
       g = op.derivative(y, bits)

@@ -313,6 +313,8 @@ def _counted(y, opts: Options):
 
 
 def _reduce(per_token, counted, opts: Options):
+  """The per-token losses reduced as ``opts.reduction`` says: none, their sum, or their mean over
+  the counted tokens."""
   if opts.reduction == "none":
     return per_token
   total = jnp.sum(per_token)

@@ -182,6 +182,8 @@ def _total(loss, weights):
 
 
 def _fwd(x, w, b, y, weights, opts, temperature):
+  """The forward: the loss, correct count and every gradient asked for (of the perturbed inputs) in
+  one pass, the gradients kept to be scaled by the loss's cotangent."""
   tv = None if temperature is None else temperature.value
   need = (x.perturbed, w.perturbed, b is not None and b.perturbed,
           temperature is not None and temperature.perturbed)
@@ -197,6 +199,8 @@ def _fwd(x, w, b, y, weights, opts, temperature):
 
 
 def _bwd(opts: base.Options, res, cts):
+  """The backward: the gradients computed in the forward scaled by the loss's cotangent (none for a
+  symbolic zero)."""
   del opts
   g, _ = cts  # ``correct`` has no gradient
   dx, dw, db, loss, dt, temperature, x, w, b, weights = res

@@ -100,6 +100,9 @@ def _head_fwd(x, w, b, y, opts, impl):
 
 
 def _head_bwd(opts: base.Options, impl: PallasCrossEntropy, res, cts):
+  """The fused kernels' backward: the logits recomputed per tile on the chip, ``dx`` and ``dw``
+  (and ``db``) accumulated in float32, scaled by the cotangent (over the counted tokens for a
+  mean)."""
   from pallas_kernels import cross_entropy as kernels  # pylint: disable=import-outside-toplevel
   x, w, b, y, lse = res
   g, _ = cts  # (``correct`` has no gradient)

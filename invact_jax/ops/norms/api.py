@@ -32,6 +32,8 @@ ImplementationLike = _implementation.ImplementationLike
 
 
 def _check(fn: str, x, scale, bias, dtype, epsilon):
+  """``x`` as a floating array, after one line naming the first of ``scale``, ``bias``, ``dtype``
+  or ``epsilon`` not of its kind or shape."""
   x = _common.float_array(fn, "x", x)
   if x.ndim < 1:
     raise ValueError(f"invact_jax.{fn}: argument `x` must have at least 1 dimension, got a scalar")
@@ -143,6 +145,8 @@ def rms_norm_reference(x: ArrayLike, scale: ArrayLike | None = None, *, epsilon:
 
 
 def _check_dense(fn, x, kernels, biases):
+  """``(kernels, biases)`` as tuples, after one line naming the first kernel or bias of the wrong
+  rank, width or count."""
   kernels = tuple(kernels)
   biases = (None,) * len(kernels) if biases is None else tuple(biases)
   if not kernels:

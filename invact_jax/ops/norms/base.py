@@ -180,6 +180,9 @@ def _norm_dense_fwd(implementation, rms, eps, dtype, x_dtype, x, scale, bias, ke
 
 
 def _norm_dense_bwd(implementation, rms, eps, dtype, x_dtype, res, dys):
+  """The fused norm + matmuls' backward: the affine output recomputed from ``xhat`` (as the forward
+  rounded it) for the weight gradients, ``dx`` through the norm's backward from ``xhat`` and
+  ``rstd``."""
   del eps
   xhat, rstd, scale, bias, kernels, biases = res
   xhat, rstd = _common.read_apart((xhat, rstd))
