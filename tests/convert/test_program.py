@@ -307,11 +307,11 @@ class NestedTest(parameterized.TestCase):
 
 @pytest.mark.parametrize("policy", ["dots", "dots_no_batch"])
 def test_invert_never_raises_the_temp_of_a_scan_of_checkpointed_layers(policy):
-  """Decoder layers under ``jax.checkpoint`` with JAX's dots policies in a ``lax.scan``: each
-  body alone compiles to less temp converted, but the scan of them to more (+1.6 % / +5 %
-  on XLA:CPU, JAX 0.10: XLA schedules the loop's backward differently).  The whole program
-  is compiled both ways and the bodies left as written, with the reason: the temp is the
-  policy's, never above it."""
+  """Decoder layers under ``jax.checkpoint`` with JAX's dots policies in a ``lax.scan``: on JAX
+  0.10 each body alone compiles to less temp converted, but the scan of them to more (+1.6 %
+  / +5 % on XLA:CPU: XLA schedules the loop's backward differently).  The whole program is
+  compiled both ways and the bodies left as written, with the reason: the temp is the
+  policy's, never above it (on 0.12 each body's own check leaves them)."""
   B, T, D, F, H, L = 2, 64, 128, 512, 4, 3  # pylint: disable=invalid-name
 
   def ln(x, g, b):
@@ -339,7 +339,8 @@ def test_invert_never_raises_the_temp_of_a_scan_of_checkpointed_layers(policy):
   temp = lambda f: memory.compiled(jax.grad(f), p, x).temp  # noqa: E731
   assert temp(inv) <= temp(loss)
   whys = {why for _, _, why in inv.last_report.left_alone}
-  assert inv.last_report.replaced or any("raised the program's gradient's compiled temp" in w
+  # (left as written by the whole program's check on JAX 0.10, by each body's on 0.12)
+  assert inv.last_report.replaced or any("inside jax.checkpoint its policy decides" in w
                                          for w in whys), inv.last_report
 
 
