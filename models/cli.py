@@ -22,7 +22,8 @@ import types
 import typing
 from typing import Any, Callable, Sequence
 
-__all__ = ["ArgumentParser", "parser", "option", "flag", "add_arguments", "from_args", "check",
+__all__ = ["ArgumentParser", "nearest_existing", "parser", "option", "flag", "add_arguments",
+           "from_args", "check",
            "positive_int", "nonnegative_int", "positive_float", "output_file", "output_prefix",
            "comma_list",
            "stop_on_signals", "say_on_stop"]
@@ -182,6 +183,20 @@ def output_file(text: str) -> pathlib.Path:
   return path
 
 
+def nearest_existing(path: pathlib.Path) -> pathlib.Path:
+  """``path``, or its nearest parent that exists (what a directory made there would be made in).
+
+  Args:
+    path: a path that may not exist yet.
+
+  Returns:
+    The first of ``path`` and its parents that exists (the root at the latest).
+  """
+  while not path.exists() and path != path.parent:
+    path = path.parent
+  return path
+
+
 def output_prefix(text: str) -> pathlib.Path:
   """An argparse ``type``: the prefix of files a script writes (``PREFIX.json``, ``.md``, ...)
   in a directory it creates if need be: the prefix is no directory and the nearest existing
@@ -190,9 +205,7 @@ def output_prefix(text: str) -> pathlib.Path:
   if path.is_dir():
     raise argparse.ArgumentTypeError(f"{text!r} is a directory (a prefix such as "
                                      f"{str(path / 'results')!r} is wanted)")
-  folder = path.parent if str(path.parent) else pathlib.Path(".")
-  while not folder.exists() and folder != folder.parent:
-    folder = folder.parent
+  folder = nearest_existing(path.parent if str(path.parent) else pathlib.Path("."))
   if not folder.is_dir():
     raise argparse.ArgumentTypeError(f"{str(folder)!r} is not a directory")
   if not os.access(folder, os.W_OK | os.X_OK):

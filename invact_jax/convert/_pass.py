@@ -121,11 +121,6 @@ class Found:
     """The matches of the rules of ``kind``."""
     return [m for r, m in self.matches if r.kind == kind]
 
-  def output(self, g: _graph.Graph, match):
-    """The program value a match computes."""
-    rule = next(r for r, m in self.matches if m is match)
-    return rule.output(g, match)
-
 
 def prepare(g: _graph.Graph, opts: Options) -> _graph.Graph:
   """``g`` with its repeated equations merged (:func:`_graph.merge_duplicates`) and as every

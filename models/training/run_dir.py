@@ -16,9 +16,7 @@ from models.training import errors
 
 def check_writable(workdir: pathlib.Path) -> None:
   """ConfigError unless ``workdir`` (or the nearest existing parent) can be written."""
-  probe = workdir
-  while not probe.exists() and probe != probe.parent:
-    probe = probe.parent
+  probe = cli.nearest_existing(workdir)
   if not probe.is_dir():
     raise errors.ConfigError(f"--workdir {workdir}: {probe} exists and is not a directory")
   if not os.access(probe, os.W_OK | os.X_OK):

@@ -299,8 +299,22 @@ def test_a_one_hot_cross_entropy_under_a_per_token_mask_per_token():
   assert_at_float32_floor(f, (x, w), g, argnums=(0, 1))
 
 
-@pytest.mark.parametrize("form", ["optax_integer_labels", "optax_one_hot", "optax_safe",
-                                  "log_softmax_pick"])
+#: Cross-entropies a program computes itself, as they read bfloat16 logits.
+_BF16_CROSS_ENTROPIES = {
+    "optax_integer_labels": optax.softmax_cross_entropy_with_integer_labels,
+    "optax_one_hot": lambda z, y: optax.softmax_cross_entropy(z, jax.nn.one_hot(y, V)),
+    "optax_safe": lambda z, y: optax.safe_softmax_cross_entropy(
+        z, jax.nn.one_hot(y, V, dtype=z.dtype)),
+    "log_softmax_pick": lambda z, y: -_pick(jax.nn.log_softmax(z), y)}
+
+
+def _bfloat16_cross_entropy(form: str, y):
+  """The loss ``form`` computes in bfloat16 on bfloat16 logits, cast to float32."""
+  ce, bf = _BF16_CROSS_ENTROPIES[form], jnp.bfloat16
+  return lambda x, w: jnp.mean(ce(x.astype(bf) @ w.astype(bf), y)).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("form", sorted(_BF16_CROSS_ENTROPIES))
 def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   """Where the program computes the cross-entropy itself in bfloat16 (optax's losses on
   bfloat16 logits), the head keeps the logits' bfloat16 rounding but not that arithmetic: its
@@ -309,12 +323,7 @@ def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   the exception docs/lm-head.md names."""
   x, w, _, y = _inputs()
   bf = jnp.bfloat16
-  ce = {"optax_integer_labels": optax.softmax_cross_entropy_with_integer_labels,
-        "optax_one_hot": lambda z, y: optax.softmax_cross_entropy(z, jax.nn.one_hot(y, V)),
-        "optax_safe": lambda z, y: optax.safe_softmax_cross_entropy(
-            z, jax.nn.one_hot(y, V, dtype=z.dtype)),
-        "log_softmax_pick": lambda z, y: -_pick(jax.nn.log_softmax(z), y)}[form]
-  f = lambda x, w: jnp.mean(ce(x.astype(bf) @ w.astype(bf), y)).astype(jnp.float32)  # noqa: E731
+  f = _bfloat16_cross_entropy(form, y)
   inv = invact_jax.invert(f)
   jax.grad(inv, argnums=(0, 1))(x, w)
   assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
@@ -326,8 +335,7 @@ def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   assert abs(ours - truth) <= 1e-6 * truth < abs(original - truth), (ours, original, truth)
 
 
-@pytest.mark.parametrize("form", ["optax_integer_labels", "optax_one_hot", "optax_safe",
-                                  "log_softmax_pick"])
+@pytest.mark.parametrize("form", sorted(_BF16_CROSS_ENTROPIES))
 def test_that_float32_arithmetic_changes_nothing_a_user_sees_beyond_bfloat16s_resolution(form):
   """The head's float32 cross-entropy where the program computes it in bfloat16: the loss
   moves by less than half a bfloat16 ulp of itself (0.15-0.35 measured: the program's own
@@ -338,12 +346,7 @@ def test_that_float32_arithmetic_changes_nothing_a_user_sees_beyond_bfloat16s_re
   bfloat16 arithmetic: it would only be less exact."""
   x, w, _, y = _inputs()
   bf = jnp.bfloat16
-  ce = {"optax_integer_labels": optax.softmax_cross_entropy_with_integer_labels,
-        "optax_one_hot": lambda z, y: optax.softmax_cross_entropy(z, jax.nn.one_hot(y, V)),
-        "optax_safe": lambda z, y: optax.safe_softmax_cross_entropy(
-            z, jax.nn.one_hot(y, V, dtype=z.dtype)),
-        "log_softmax_pick": lambda z, y: -_pick(jax.nn.log_softmax(z), y)}[form]
-  f = lambda x, w: jnp.mean(ce(x.astype(bf) @ w.astype(bf), y)).astype(jnp.float32)  # noqa: E731
+  f = _bfloat16_cross_entropy(form, y)
   inv = invact_jax.invert(f)
   ours, original = float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w))
   assert abs(ours - original) < 0.5 * 2.0 ** (np.floor(np.log2(abs(original))) - 7)
