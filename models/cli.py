@@ -20,13 +20,13 @@ import os
 import pathlib
 import types
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 __all__ = ["ArgumentParser", "nearest_existing", "parser", "option", "flag", "add_arguments",
            "from_args", "check",
            "positive_int", "nonnegative_int", "positive_float", "output_file", "output_prefix",
            "comma_list",
-           "stop_on_signals", "say_on_stop"]
+           "stop_on_signals", "say_on_stop", "finish", "one_line"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -264,3 +264,45 @@ def say_on_stop(after_the_name: str) -> None:
   """Change the words :func:`stop_on_signals`'s handler ends the script with (nothing where it
   was not installed: a job run from Python, not as a script)."""
   _SAYS["after"] = after_the_name
+
+
+# ------------------------------------------------------------------------------- the end
+def finish(main: Callable[[], int]) -> NoReturn:
+  """End a script: run its ``main`` and exit with the code it returns.  What the user's input
+  or machine causes is one line on stderr, ``error: …``, never a traceback: a storage failure
+  met at any moment of the job (an ``OSError``: a full disk, a read-only or vanished
+  directory, a file this user may not write — ``FILE: why``), exit 2; an error whose class
+  declares an ``exit_code`` (bad options or data, 2; a diverged run, 1; a signal's stop,
+  128 + its number: :mod:`models.training.errors`), that code.  Anything else is a bug: its
+  traceback.  A failed script leaves without the libraries' shutdown noise (orbax's writer
+  threads and their coroutines, collected at exit, would print tracebacks after the line): it
+  flushes and ends at once.  Warnings are one line each (``warning: …``).  Every script in
+  ``scripts/`` ends through this.
+
+  Args:
+    main: the script's job; returns its exit code.
+  """
+  import sys  # pylint: disable=import-outside-toplevel
+  import warnings  # pylint: disable=import-outside-toplevel
+  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+  try:
+    code = main()
+  except Exception as e:  # pylint: disable=broad-except  # one line, or the traceback of a bug
+    code = getattr(e, "exit_code", 2 if isinstance(e, OSError) else None)
+    if not isinstance(code, int):
+      raise
+    sys.stderr.write(f"error: {one_line(e)}\n")
+  if code:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  sys.exit(code)
+
+
+def one_line(error: BaseException) -> str:
+  """An error as the one line a script prints: an ``OSError`` raised by the system (no message
+  of its own) as ``FILE: why``, anything else as the first line of its message."""
+  if isinstance(error, OSError) and error.strerror and len(error.args) <= 2:
+    return f"{error.filename}: {error.strerror}" if error.filename is not None else error.strerror
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__

@@ -17,7 +17,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the chec
 from models import cli  # noqa: E402  (the standard library only)
 
 if __name__ == "__main__":
-  cli.stop_on_signals()  # a signal from here on, the imports below included: one line
+  # a signal from here on, the imports below included: one line saying how to continue
+  cli.stop_on_signals("; run the same command again to continue the study")
 
 from models.benchmarks import parity  # noqa: E402
 
@@ -55,4 +56,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.finish(main)

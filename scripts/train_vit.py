@@ -30,4 +30,4 @@ if __name__ == "__main__":
   if code is not None:
     sys.exit(code)
   from models.training import main  # pylint: disable=ungrouped-imports
-  main.exit_with(main.main(doc=__doc__))
+  cli.finish(lambda: main.main(doc=__doc__))

@@ -72,6 +72,11 @@ TASKS = {
 }
 
 
+#: How a stopped study continues (the words of its one-line stops).
+AGAIN = ("run the same command again to continue the study (its finished runs are read back, "
+         "the interrupted one resumes from its last checkpoint)")
+
+
 #: ``--quick``: steps per run and held-out examples kept (the first ones).
 QUICK_STEPS, QUICK_HELDOUT = 4, 64
 
@@ -108,12 +113,18 @@ def run_one(task: Task, dtype: str, configuration: str, seed: int, workdir: path
   path = run_dir(workdir, task.name, dtype, configuration, seed)
   done = path / "parity_run.json"
   if done.is_file():
-    saved = json.loads(done.read_text())
-    if run_dir_lib.saved_options(saved["config"]) != dataclasses.asdict(cfg):
+    try:
+      saved = json.loads(done.read_text())
+      options = run_dir_lib.saved_options(saved["config"])
+      summary, wall = dict(saved["summary"]), float(saved["wall_s"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise training.ConfigError(f"--workdir: {done} is not the record this script writes "
+                                 f"({training.first_line(e)}); remove it and the run is "
+                                 "read back from its checkpoints") from None
+    if options != dataclasses.asdict(cfg):
       raise training.ConfigError(f"--workdir: {path} holds a run with other options; use "
                                  "another --workdir")
-    return {"summary": saved["summary"], "history": _read_history(path),
-            "wall_s": saved["wall_s"], "cached": True}
+    return {"summary": summary, "history": _read_history(path), "wall_s": wall, "cached": True}
   dataset = task.load(seed) if dataset is None else dataset
   resume = checkpoints.latest_step(path) is not None
   t0 = time.perf_counter()
@@ -121,8 +132,8 @@ def run_one(task: Task, dtype: str, configuration: str, seed: int, workdir: path
   wall = time.perf_counter() - t0
   summary.pop("trainer")
   history = summary.pop("history")
-  done.write_text(json.dumps({"config": dataclasses.asdict(cfg), "summary": summary,
-                              "wall_s": wall, "resumed": resume}, indent=1))
+  run_dir_lib.write_atomic(done, json.dumps({"config": dataclasses.asdict(cfg), "summary": summary,
+                                              "wall_s": wall, "resumed": resume}, indent=1))
   return {"summary": summary, "history": history, "wall_s": wall, "cached": False}
 
 
@@ -326,6 +337,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                           progress=not args.no_progress, gradients=not args.no_gradients)
   except training.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  except training.CheckpointWriteError as e:  # (the study resumes its runs by itself)
+    print(f"error: {e.said(AGAIN)}", file=sys.stderr)
     return 2
   by_name = {t.name: t for t in tasks}
   meta = {**gpu_report.environment(), "command": " ".join(["python scripts/parity.py",

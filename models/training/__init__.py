@@ -18,7 +18,7 @@ import importlib
 #: multi-process run's supervisor, :mod:`.supervisor`, starts with the standard library only).
 _EXPORTS = {
     "TrainConfig": "config", "validate": "config",
-    "ConfigError": "errors", "Interrupted": "errors", "RunDirectoryLost": "errors",
+    "ConfigError": "errors", "DataError": "errors", "Interrupted": "errors", "RunDirectoryLost": "errors",
     "StopRequested": "errors", "TrainingDiverged": "errors", "first_line": "errors",
     "stop_on_signals": "errors", "CheckpointWriteError": "checkpoints", "train": "loop",
     "run_identity": "run_dir", "Trainer": "trainer",

@@ -284,8 +284,30 @@ def restore(mgr, workdir: pathlib.Path, abstract) -> tuple:
 
 
 class CheckpointWriteError(OSError):
-  """A checkpoint could not be written (a full disk, a read-only or vanished directory); the
-  checkpoints written before are intact (message names the directory and the cause)."""
+  """A file of the run could not be written (a checkpoint, its checksums, the metrics log, the
+  summary: a full disk, a read-only or vanished directory); the checkpoints written before are
+  intact.  The message names what, where and why, and says how to continue: ``--resume`` of
+  ``scripts/train_vit.py`` where a checkpoint was saved before, else the same command again
+  (:meth:`said` words it for another command).
+
+  Attributes:
+    what: what was being written ("the checkpoint of step 10", "the metrics of step 5").
+    where: the directory or file.
+    cause: the system's reason ("No space left on device").
+    resumable: whether a checkpoint was saved before (``--resume`` has one to continue from).
+  """
+
+  def __init__(self, what: str, where, cause: str, resumable: bool = True):
+    self.what, self.where, self.cause, self.resumable = what, where, cause, resumable
+    super().__init__(self.said("continue with --resume" if resumable else
+                               "run the same command again (without --resume)"))
+
+  def said(self, next_step: str) -> str:
+    """The one line, ending with ``next_step`` (how the command that was running continues)."""
+    kept = ("the checkpoints written before are intact" if self.resumable else
+            "no checkpoint was saved before it")
+    return (f"could not write {self.what} in {self.where}: {self.cause}; {kept}: free space "
+            f"(or fix the directory) and {next_step}")
 
 
 # How a storage failure reads in orbax/TensorStore's errors (they raise ValueError, not OSError).
@@ -293,9 +315,10 @@ _IO_FAILURE = re.compile(r"No space left on device|Read-only file system|Permiss
                          r"Disk quota exceeded|os_error_code=.?\d+|No such file or directory")
 
 
-def checkpoint_io(manager, what: str, call):
-  """``call()`` (a checkpoint save or wait); a storage failure becomes one
-  CheckpointWriteError naming the directory and the cause."""
+def checkpoint_io(manager, what: str, call, where=None):
+  """``call()`` (a checkpoint save or wait, or another write to the run directory); a storage
+  failure becomes one CheckpointWriteError naming ``where`` (default: the checkpoints'
+  directory) and the cause, once the saves still in flight have finished."""
   try:
     return call()
   except Exception as e:  # pylint: disable=broad-except  # orbax/TensorStore raise ValueError
@@ -321,7 +344,5 @@ def checkpoint_io(manager, what: str, call):
         what += " (and an earlier one still being written)"
     if not (workdir / "config.json").is_file():  # (gone meanwhile, or before): the run is lost
       raise errors.RunDirectoryLost(workdir, what) from None
-    raise CheckpointWriteError(
-        f"could not write {what} in {manager.directory}: {cause}; the checkpoints written "
-        "before are intact: free space (or fix the directory) and continue with --resume"
-    ) from None
+    raise CheckpointWriteError(what, manager.directory if where is None else where, cause,
+                               resumable=latest_step(workdir) is not None) from None

@@ -41,7 +41,6 @@ def _nonnegative(v) -> str | None:
 def parse_bytes(text: str) -> int:
   """'123', '300MiB', '1.5GB' -> bytes (an argparse ``type``)."""
   import argparse  # pylint: disable=import-outside-toplevel
-  import re  # pylint: disable=import-outside-toplevel
   units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
            "gib": 2**30}
   m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)

@@ -18,6 +18,8 @@ import zlib
 import jax
 import numpy as np
 
+from models.training import errors
+
 
 #: Labels beyond this imply an absurd classifier head (ImageNet-21k has 21,841 classes).
 MAX_CLASSES = 1 << 16
@@ -25,8 +27,8 @@ MAX_CLASSES = 1 << 16
 MAX_PIXEL = 1e4
 
 
-class DataError(ValueError):
-  """A dataset is missing, unreadable or malformed (message names the problem)."""
+#: A dataset is missing, unreadable or malformed (:class:`models.training.errors.DataError`).
+DataError = errors.DataError
 
 
 @dataclasses.dataclass(frozen=True)

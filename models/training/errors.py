@@ -11,10 +11,17 @@ import sys
 
 class TrainingDiverged(RuntimeError):
   """The loss or the parameters became non-finite; the run stopped before checkpointing them."""
+  exit_code = 1  #: a script that meets it ends with this code (:func:`models.cli.finish`)
 
 
 class ConfigError(ValueError):
   """A training option is invalid for the data or the machine (message names it)."""
+  exit_code = 2  #: a script that meets it ends with this code (:func:`models.cli.finish`)
+
+
+class DataError(ValueError):
+  """A dataset is missing, unreadable or malformed (message names the problem)."""
+  exit_code = 2  #: a script that meets it ends with this code (:func:`models.cli.finish`)
 
 
 class RunDirectoryLost(OSError):
@@ -56,7 +63,7 @@ class Interrupted(RuntimeError):
               f"saved to resume; run the same command again (without --resume) to start over")
     super().__init__(text)
     self.signum, self.step, self.workdir, self.resumable = signum, step, workdir, resumable
-    self.code = 128 + signum
+    self.code = self.exit_code = 128 + signum
 
 
 _STOP: dict = {"signum": None}  # the signal stop_on_signals noted, if any

@@ -123,17 +123,30 @@ def _steps(cfg: config.TrainConfig, trainer, manager, workdir: pathlib.Path, ste
       bar.update(1)
 
 
+def _write(workdir: pathlib.Path, what: str, path: pathlib.Path, text: str) -> None:
+  """``text`` written to ``path`` at once (:func:`run_dir.write_atomic`) before any checkpoint
+  save is in flight; a storage failure is one CheckpointWriteError naming it."""
+  try:
+    run_dir.write_atomic(path, text)
+  except OSError as e:
+    raise checkpoints.CheckpointWriteError(
+        what, path, e.strerror or errors.first_line(e),
+        resumable=checkpoints.latest_step(workdir) is not None) from None
+
+
 def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, trainer,
            data: str, *, resume: bool, progress: bool, stop_after: int | None,
            time_steps: bool, main: bool) -> dict[str, Any]:
   if main:  # the other processes read it in prepare_workdir: replaced at once
-    run_dir.write_atomic(workdir / "config.json", json.dumps(run_dir.run_identity(cfg, data), indent=1))
+    _write(workdir, "the run's options", workdir / "config.json",
+           json.dumps(run_dir.run_identity(cfg, data), indent=1))
   manager = checkpoints.manager(workdir, cfg.checkpoint_every)
   start = trainer.restore(manager, workdir) if resume else 0
   metrics_path = workdir / "metrics.jsonl"
   history = run_dir.logged_up_to(metrics_path, start) if resume and metrics_path.is_file() else []
   if main:  # the lines log() wrote, as it wrote them
-    run_dir.write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in history))
+    _write(workdir, "the metrics log", metrics_path,
+           "".join(json.dumps(r) + "\n" for r in history))
   n = dataset.x_train.shape[0]
   per_epoch = n // cfg.batch_size
   step_times = []
@@ -147,8 +160,12 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
     history.append(record)
     if main:
       run_dir.check_present(workdir, f"the metrics of step {record['step']}")
-      with metrics_path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+
+      def append():
+        with metrics_path.open("a") as f:
+          f.write(json.dumps(record) + "\n")
+      checkpoints.checkpoint_io(manager, f"the metrics of step {record['step']}", append,
+                                where=metrics_path)
 
   end = trainer.total if stop_after is None else min(trainer.total, stop_after)
   try:
@@ -190,7 +207,8 @@ def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.
   }
   run_dir.check_present(workdir, "the summary")  # (the last save may have recreated it)
   if main:
-    run_dir.write_atomic(workdir / "summary.json", json.dumps(summary, indent=1))
+    checkpoints.checkpoint_io(manager, "the summary", lambda: run_dir.write_atomic(
+        workdir / "summary.json", json.dumps(summary, indent=1)), where=workdir / "summary.json")
   summary["history"] = history
   summary["trainer"] = trainer
   return summary

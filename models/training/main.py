@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
@@ -183,20 +182,6 @@ def _report(cfg: config.TrainConfig, summary: dict, workdir: pathlib.Path) -> No
     print(compare.memory_line(cfg, compare.against_standard(summary["trainer"])))
 
 
-def exit_with(code: int) -> None:
-  """End the process with ``code``; after a failure's one line, without the libraries' shutdown
-  noise (checkpoint writers' threads).
-
-  Args:
-    code: the exit code :func:`run` returned.
-  """
-  if code:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # pylint: disable=protected-access
-  sys.exit(code)
-
-
 def main(argv: list[str] | None = None, doc: str | None = None) -> int:
   """Parse ``argv`` (default: ``sys.argv[1:]``) and run the job.
 
@@ -212,4 +197,4 @@ def main(argv: list[str] | None = None, doc: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-  exit_with(main())
+  cli.finish(main)

@@ -80,8 +80,12 @@ def write_atomic(path: pathlib.Path, text: str) -> None:
   """Replace ``path``'s content at once: a reader (another process of the run, on a shared file
   system) sees the old file or the new one, never a truncated one."""
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
+  try:
+    tmp.write_text(text)
+    os.replace(tmp, path)
+  except BaseException:  # (a full disk): no partial file left behind, the old one untouched
+    tmp.unlink(missing_ok=True)
+    raise
 
 
 def logged_up_to(metrics_path: pathlib.Path, step: int) -> list[dict[str, Any]]:

@@ -66,15 +66,27 @@ def _long_run(work) -> list[str]:
           "--workdir", str(work), "--num-processes", "2"]
 
 
-def _kill_mid_run(procs, run, victim: int):
-  """Kill process ``victim`` once ``run`` has a checkpoint; the other's (stderr, seconds it took
-  to end after the kill)."""
+def _saving(run) -> list[str]:
+  """The checkpoints orbax is writing in ``run`` now (its temporary step directories)."""
+  folder = run / "checkpoints"
+  return [e.name for e in os.scandir(folder) if e.name.endswith(".orbax-checkpoint-tmp")
+          ] if folder.is_dir() else []
+
+
+def _kill_mid_run(procs, run, victim: int, mid_save: bool = False):
+  """Kill process ``victim`` once ``run`` has a checkpoint (``mid_save``: while the processes
+  write the next one together, 0.1 s into it; a save takes 0.3-0.7 s here); the other's
+  (stderr, seconds it took to end after the kill)."""
   other = procs[1 - victim]
   try:
     deadline = time.monotonic() + 400
-    while checkpoints.latest_step(run) is None and time.monotonic() < deadline:
+    while (checkpoints.latest_step(run) is None or (mid_save and not _saving(run))) and \
+        time.monotonic() < deadline:
       assert other.poll() is None, other.communicate()[1][-2000:]
-      time.sleep(0.05)
+      time.sleep(0.002 if mid_save else 0.05)
+    if mid_save:
+      time.sleep(0.1)
+      assert _saving(run), "the save ended before the kill"
     procs[victim].kill()
     killed = time.monotonic()
     err = other.communicate(timeout=60)[1]
@@ -87,8 +99,9 @@ def _kill_mid_run(procs, run, victim: int):
 def test_a_killed_process_stops_the_other_and_the_sharded_run_resumes_in_two_processes_or_one(
     tmp_path):
   """2 processes x 2 devices, FSDP (parameters and optimizer state sharded over the 4):
-  process 1 killed mid-run (a run far longer than the test waits) -> process 0 stops with one
-  line and exit 1 within the watchdog's bound; both resume from the last checkpoint and stop at
+  process 1 killed mid-run while the two write a checkpoint together (a run far longer than
+  the test waits) -> process 0 stops with one line and exit 1 within the watchdog's bound; the
+  half-written checkpoint never counts: both resume from the last one written and stop at
   the next, writing it together; that sharded checkpoint then resumes here, one
   process, 4 devices, replicated state, and trains as the same run from scratch does."""
   if len(jax.devices()) < 4:
@@ -99,7 +112,7 @@ def test_a_killed_process_stops_the_other_and_the_sharded_run_resumes_in_two_pro
   base = _long_run(work) + ["--shard-params"]
   procs = _launch(base + ["--coordinator", f"localhost:{_free_port()}",
                           "--distributed-timeout", "10"], env)
-  err, waited = _kill_mid_run(procs, run, victim=1)
+  err, waited = _kill_mid_run(procs, run, victim=1, mid_save=True)
   assert procs[0].returncode == 1, err[-2000:]
   # Whichever notices first: the watchdog (no heartbeat for 5 s) or a collective whose peer's
   # connection closed (CPU collectives: Gloo) — one line either way, nothing after it.

@@ -95,7 +95,7 @@ def test_a_checkpoint_folder_made_read_only_mid_run(area, run):
   _one_line(_train(area, "--workdir", str(run), "--resume"),
             "could not write the checkpoint of step 9", "Permission denied",
             "continue with --resume")
-  assert _steps(run) == ["3", "6"]  # (--resume after a failed save: test_training.py's full disk)
+  assert _steps(run) == ["3", "6"]  # (--resume after a failed save: test_storage.py's table)
 
 
 def test_a_checkpoint_the_user_may_not_read_is_not_set_aside(area, run):

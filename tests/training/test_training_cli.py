@@ -1,15 +1,12 @@
 """The training job's command line: bad input and options as one line before any work, the
 scripts' own checks, the data archive's checks, signals."""
 import dataclasses
-import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -139,6 +136,33 @@ def test_every_script_errors_in_one_line(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].endswith(pattern), err
   assert p.description == "A script."
+
+
+def test_every_script_ends_through_finish_and_a_storage_failure_is_one_line(tmp_path):
+  """Every script's entry point is ``cli.finish(...)``: an OSError met anywhere in the job (a
+  full disk, an output file it may not write) is ``error: FILE: why``, exit 2, nothing after
+  it; a training error keeps its own code; any other exception is a bug's traceback."""
+  for path in (ROOT / "scripts").glob("*.py"):
+    assert "cli.finish(" in path.read_text() and "sys.exit(main())" not in path.read_text(), path
+  cases = {
+      "open('" + str(tmp_path / "missing" / "out.json") + "', 'w')":
+          (2, f"error: {tmp_path / 'missing' / 'out.json'}: No such file or directory"),
+      "training.CheckpointWriteError('the summary', 'w/summary.json', 'No space left on "
+      "device')": (2, "error: could not write the summary in w/summary.json: No space left on "
+                      "device; the checkpoints written before are intact: free space (or fix "
+                      "the directory) and continue with --resume"),
+      "training.TrainingDiverged('the loss is nan at step 3')":
+          (1, "error: the loss is nan at step 3"),
+  }
+  for raise_, (code, line) in cases.items():
+    body = raise_ if raise_.startswith("open") else f"(_ for _ in ()).throw({raise_})"
+    out = subprocess.run([sys.executable, "-c", "from models import cli, training; "
+                          f"cli.finish(lambda: {body})"], cwd=ROOT, capture_output=True,
+                         text=True, check=False)
+    assert (out.returncode, out.stderr) == (code, line + "\n"), out.stderr[-2000:]
+  bug = subprocess.run([sys.executable, "-c", "from models import cli; cli.finish(lambda: 1 / 0)"],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+  assert bug.returncode == 1 and "Traceback" in bug.stderr and "ZeroDivisionError" in bug.stderr
 
 
 def test_load_npz_rejects_what_is_not_an_image_archive(tmp_path):
