@@ -1,9 +1,13 @@
 """Transformer layers written by hand the way users write them, as references for the floor
 figures (:mod:`models.benchmarks.floor`) and the frontier's stacks
 (:mod:`models.benchmarks.frontier`): Llama (RMSNorm with float32 statistics, SwiGLU, rotary,
-causal), GPT-2 (pre-LN, GELU-tanh, biases) and BERT (post-LN, GELU-erf).  Attention is a
-flash-style ``custom_vjp`` keeping q, k, v, o and a row log-sum-exp (:func:`flash_attention`),
-as cuDNN's does.  Parameters are plain dicts (:func:`init_layer`)."""
+causal, grouped-query attention where the key/value projections are narrower), GPT-2 (pre-LN,
+GELU-tanh, biases; :func:`vit_layer` the same block without the causal mask) and BERT (post-LN,
+GELU-erf).  Attention is a flash-style ``custom_vjp`` keeping q, k, v, o and a row
+log-sum-exp (:func:`flash_attention`), as cuDNN's does; a layer takes another
+(``attention=``, e.g. :func:`fastest_attention`).  With ``named=True`` a layer tags its
+projections with MaxText's ``checkpoint_name`` s (:data:`TAGS`), for the remat policies that
+save by name.  Parameters are plain dicts (:func:`init_layer`)."""
 from __future__ import annotations
 
 import functools
@@ -12,9 +16,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["flash_attention", "rms_norm", "layer_norm", "rope", "llama_layer", "gpt2_layer",
-           "bert_layer", "HAND_LAYERS", "init_layer"]
+__all__ = ["flash_attention", "attention", "fastest_attention", "rms_norm", "layer_norm", "rope",
+           "llama_layer", "gpt2_layer", "vit_layer", "bert_layer", "HAND_LAYERS", "TAGS",
+           "init_layer"]
 
 
 # ------------------------------------------------------------------------ attention
@@ -76,34 +82,80 @@ def rope(x):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention(p, x, heads: int, causal: bool, rotary: bool = False):
-  b, t, d = x.shape
+def attention(q, k, v, causal: bool):
+  """:func:`flash_attention` over [batch, seq, heads, head_dim], the key/value heads repeated
+  where there are fewer of them (grouped-query attention)."""
+  if k.shape[2] != q.shape[2]:
+    k, v = (jnp.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
+  return flash_attention(q, k, v, causal)
 
-  def proj(name):
-    y = x @ p["w" + name]
-    if "b" + name in p:
-      y = y + p["b" + name]
-    return y.reshape(b, t, heads, d // heads)
-  q, k, v = proj("q"), proj("k"), proj("v")
+
+def fastest_attention(q, k, v, causal: bool):
+  """cuDNN's flash attention where the program compiles for a GPU
+  (:func:`invact_jax.targets.platform`, a deviceless target included) in 16 bits (grouped-query
+  natively); elsewhere :func:`attention` (the same residuals)."""
+  from invact_jax import targets  # pylint: disable=import-outside-toplevel
+  if targets.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+  return attention(q, k, v, causal)
+
+
+#: The ``checkpoint_name`` s a layer tags with ``named=True`` (MaxText's), per kind.
+TAGS = {"llama": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1",
+                  "mlpwo"),
+        "gpt2": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")}
+
+
+def _namer(named: bool) -> Callable:
+  return checkpoint_name if named else (lambda x, name: x)
+
+
+def _attention(p, x, heads: int, causal: bool, rotary: bool = False, *, named: bool = False,
+               attend: Callable = attention):
+  b, t, d = x.shape
+  dh, name = d // heads, _namer(named)
+
+  def proj(w, tag):
+    y = x @ p["w" + w]
+    if "b" + w in p:
+      y = y + p["b" + w]
+    y = name(y, tag)
+    return y.reshape(b, t, y.shape[-1] // dh, dh)
+  q, k, v = proj("q", "query_proj"), proj("k", "key_proj"), proj("v", "value_proj")
   if rotary:
     q, k = rope(q), rope(k)
-  o = flash_attention(q, k, v, causal).reshape(b, t, d) @ p["wo"]
-  return o + p["bo"] if "bo" in p else o
+  o = attend(q, k, v, causal).reshape(b, t, d) @ p["wo"]
+  return name(o + p["bo"] if "bo" in p else o, "out_proj")
 
 
-def llama_layer(p, x, heads: int):
-  x = x + _attention(p, rms_norm(x, p["n1"]), heads, True, rotary=True)
+def llama_layer(p, x, heads: int, *, named: bool = False, attention: Callable = attention):  # pylint: disable=redefined-outer-name
+  """A pre-norm Llama layer: RMSNorm, rotary causal attention, RMSNorm, SwiGLU MLP."""
+  name = _namer(named)
+  x = x + _attention(p, rms_norm(x, p["n1"]), heads, True, rotary=True, named=named,
+                     attend=attention)
   h = rms_norm(x, p["n2"])
-  return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
+  g, u = name(h @ p["wg"], "mlpwi_0"), name(h @ p["wu"], "mlpwi_1")
+  return x + name((jax.nn.silu(g) * u) @ p["wd"], "mlpwo")
 
 
-def gpt2_layer(p, x, heads: int):
-  x = x + _attention(p, layer_norm(x, p["g1"], p["b1"]), heads, True)
+def gpt2_layer(p, x, heads: int, *, causal: bool = True, named: bool = False,
+               attention: Callable = attention):  # pylint: disable=redefined-outer-name
+  """A pre-LN GPT-2 layer: LayerNorm, causal attention, LayerNorm, GELU-tanh MLP, biases."""
+  name = _namer(named)
+  x = x + _attention(p, layer_norm(x, p["g1"], p["b1"]), heads, causal, named=named,
+                     attend=attention)
   h = layer_norm(x, p["g2"], p["b2"])
-  return x + jax.nn.gelu(h @ p["w1"] + p["c1"], approximate=True) @ p["w2"] + p["c2"]
+  a = jax.nn.gelu(name(h @ p["w1"], "mlpwi") + p["c1"], approximate=True)
+  return x + name(a @ p["w2"], "mlpwo") + p["c2"]
+
+
+def vit_layer(p, x, heads: int, *, named: bool = False, attention: Callable = attention):  # pylint: disable=redefined-outer-name
+  """A ViT encoder layer: :func:`gpt2_layer` without the causal mask (pre-LN, GELU-tanh)."""
+  return gpt2_layer(p, x, heads, causal=False, named=named, attention=attention)
 
 
 def bert_layer(p, x, heads: int):
+  """A post-LN BERT layer: attention, LayerNorm, GELU-erf MLP, LayerNorm."""
   x = layer_norm(x + _attention(p, x, heads, False), p["g1"], p["b1"])
   h = jax.nn.gelu(x @ p["w1"] + p["c1"], approximate=False)
   return layer_norm(x + h @ p["w2"] + p["c2"], p["g2"], p["b2"])

@@ -190,7 +190,8 @@ def test_files_a_newcomer_can_hold_in_their_head():
 def test_one_description_per_kind_in_the_layout():
   """memory imports nothing from convert (the floor audit is convert's); one planner package;
   the public API written out (no lazy ``__getattr__``, ``import_module`` or ``globals()`` in
-  ``invact_jax/__init__.py`` or the ops' api modules); no issue numbers in code."""
+  ``invact_jax/__init__.py`` or the ops' api modules); the frontier's blocks are the
+  reference layers; no issue numbers in code."""
   memory_text = (ROOT / "invact_jax" / "memory.py").read_text()
   assert not re.search(r"^\s*(?:from|import)\s+invact_jax(?:\.convert\b|\s+import\s.*\bconvert\b)",
                        memory_text, re.M)
@@ -199,6 +200,9 @@ def test_one_description_per_kind_in_the_layout():
   for path in [ROOT / "invact_jax" / "__init__.py", *(ROOT / "invact_jax" / "ops").rglob("api.py")]:
     text = path.read_text()
     assert not re.search(r"\bglobals\(\)|import_module|^def __getattr__", text, re.M), path
+  # the frontier's layers are the reference layers (one description of a Llama layer)
+  stack = (ROOT / "models" / "benchmarks" / "frontier" / "model_stack.py").read_text()
+  assert "reference_layers.llama_layer" in stack and "silu" not in stack
   for pkg in ("invact_jax", "models", "scripts", "pallas_kernels", "tests"):
     for path in (ROOT / pkg).rglob("*.py"):
       assert not re.search(r"\b[Ii]ssue \d+|#\d\d\b", path.read_text()), path

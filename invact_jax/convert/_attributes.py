@@ -25,7 +25,6 @@ import threading
 import warnings
 from typing import Any, Callable, Iterator
 
-import jax
 import jax.numpy as jnp
 
 from invact_jax.convert._report import ConversionReport

@@ -25,7 +25,6 @@ import datetime
 import functools
 import json
 import math
-import os
 import sys
 import warnings
 from typing import Any, Callable

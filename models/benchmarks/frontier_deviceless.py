@@ -41,6 +41,7 @@ import invact_jax
 from invact_jax import memory, targets
 from models.benchmarks import child
 from models.benchmarks import frontier
+from models.benchmarks.frontier.schema import DevicelessRow, Row, Spec
 
 __all__ = ["STACKS", "PLAN_PERCENTS", "TOLERANCE", "FSDP", "specs", "predict", "fitted", "rows",
            "step_model", "with_step_times",
@@ -60,7 +61,7 @@ def device_slug(device_kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
 
 
-def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> list[dict]:
+def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> list[Spec]:
   """Every JAX row of ``stack`` (:func:`frontier.measure`'s specs): per policy (``policies``;
   None: :data:`frontier.POLICIES`), the plain head, tokamax's and ``invert``'s."""
   out = []
@@ -71,7 +72,7 @@ def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> l
   return out
 
 
-def _traced(spec: dict) -> tuple[Callable, tuple]:
+def _traced(spec: Spec) -> tuple[Callable, tuple]:
   """``(loss, argument structs)`` of a row: the model built abstractly (no parameters are
   made)."""
   s = frontier.model_stack.shape_of(spec)
@@ -85,7 +86,7 @@ def _traced(spec: dict) -> tuple[Callable, tuple]:
   return box["loss"], args
 
 
-def predict(spec: dict, target: targets.Target) -> dict:
+def predict(spec: Spec, target: targets.Target) -> DevicelessRow:
   """One row predicted for ``target``: the row's key, its layers and batch,
   ``compiled_temp_bytes`` and ``predicted_activation_bytes`` (the module doc), the
   compile's seconds; an ``error`` where it does not compile (tokamax not installed, ...)."""
@@ -109,7 +110,7 @@ def predict(spec: dict, target: targets.Target) -> dict:
 
 
 def plan_row(stack: str, fields: dict, percent: int, default_bytes: int,
-             target: targets.Target, dtype: str = "bfloat16") -> dict:
+             target: targets.Target, dtype: str = "bfloat16") -> DevicelessRow:
   """:func:`invact_jax.plan` of the loss as written (no remat, the plain head;
   ``convert=True``) at ``percent`` % of JAX default's predicted bytes, planned for
   ``target``: the row :class:`frontier.ProgramPlanRow` measures on the device, with the plan
@@ -139,7 +140,7 @@ def plan_row(stack: str, fields: dict, percent: int, default_bytes: int,
   return row
 
 
-def fitted(stack: str, target: targets.Target, device_rows: list[dict],
+def fitted(stack: str, target: targets.Target, device_rows: list[Row],
            dtype: str = "bfloat16") -> dict:
   """The stack's layers and batch: :data:`frontier.FIT`'s field as the device's committed
   rows measured it (so that predictions and measurements are of one shape), else fitted
@@ -158,7 +159,7 @@ def fitted(stack: str, target: targets.Target, device_rows: list[dict],
 
 def rows(stacks, target: targets.Target, *, device_rows=(), dtype: str = "bfloat16",
          percents=PLAN_PERCENTS, plans: bool = True, policies=None,
-         progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+         progress: Callable[[str], None] = lambda _: None) -> list[DevicelessRow]:
   """Every predicted row of ``stacks`` for ``target`` (:func:`specs` of ``policies``, then
   the plans at ``percents`` of JAX default's predicted bytes)."""
   out = []
@@ -274,12 +275,12 @@ def fsdp_rows(device: str = FSDP["device"], stack: str = FSDP["stack"],
   return out
 
 
-def _row_key(r: dict) -> tuple:
+def _row_key(r: Row) -> tuple:
   return (r.get("model"), r.get("framework", "jax"), r.get("configuration"), bool(r.get("invact")),
           r.get("head", ""), r.get("dtype"), r.get("layers"), r.get("batch"))
 
 
-def newest(bench: pathlib.Path, device_kind: str) -> list[dict]:
+def newest(bench: pathlib.Path, device_kind: str) -> list[Row]:
   """Every measured row of the device's committed frontier JSONs, the newest of each key
   (model, configuration, invact, head, dtype, layers, batch) first found from the newest
   file; a language model's invact row only where it recorded its head's tiles and they are
@@ -304,7 +305,7 @@ def newest(bench: pathlib.Path, device_kind: str) -> list[dict]:
   return list(out.values())
 
 
-def _step_group(r: dict) -> tuple:
+def _step_group(r: Row) -> tuple:
   """The rows whose step times one line through their FLOPs predicts: one model, head and
   ``invert`` (a plan row: the program it took, as written with the plain head or inverted)."""
   if "plan_program" in r:
@@ -313,7 +314,7 @@ def _step_group(r: dict) -> tuple:
   return (r["model"], r.get("head", ""), bool(r.get("invact")))
 
 
-def step_model(predicted: list[dict], measured: list[dict]) -> dict[tuple, tuple]:
+def step_model(predicted: list[DevicelessRow], measured: list[Row]) -> dict[tuple, tuple]:
   """Per group (:func:`_step_group`), ``(ms, ms per FLOP, rows)``: the least-squares line
   through the device's committed step times against the predicted rows' ``step_flops``, over
   the group's measured rows that have a prediction (offloading rows left out: their
@@ -336,7 +337,8 @@ def step_model(predicted: list[dict], measured: list[dict]) -> dict[tuple, tuple
   return out
 
 
-def with_step_times(predicted: list[dict], measured: list[dict]) -> list[dict]:
+def with_step_times(predicted: list[DevicelessRow], measured: list[Row]
+                    ) -> list[DevicelessRow]:
   """``predicted`` with ``predicted_step_ms`` (and ``step_calibration_rows``) on every row
   whose group :func:`step_model` fitted from ``measured``."""
   model = step_model(predicted, measured)

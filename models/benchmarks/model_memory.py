@@ -13,7 +13,6 @@ every memory option is a field), e.g. ``"inverted"`` = ``{"activation_mode": "in
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import pathlib

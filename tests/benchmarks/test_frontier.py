@@ -317,6 +317,8 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
     assert r["activation_bytes"] == r["plan_compiled_bytes"] <= r["budget_bytes"], r
     assert abs(r["prediction_error"]) <= 0.10 and r["planning_s"] > 0, r
     assert frontier.report.plan_note(r).startswith("invact_jax.plan of ")
+  declared = frontier.Row.__annotations__.keys()
+  assert all(set(r) <= declared for r in first), [set(r) - declared for r in first]
   measured = [r for r in first if "error" not in r]
   second = frontier.rows(["dry-llama3"], dtype="float32", policies=policies, repeats=1,
                          in_process=True, torch_configurations=(), date="2026-11-27", done=first)

@@ -107,6 +107,18 @@ def test_jax_defaults_out_of_memory_allocation_is_predicted():
 
 
 @needs_cuda
+def test_every_committed_rows_fields_are_declared():
+  """The committed frontier JSONs (measured and deviceless) hold only fields the row types
+  declare (models/benchmarks/frontier/schema.py): a new field is described there first."""
+  paths = sorted(BENCH.glob("frontier_*.json"))
+  assert paths
+  for path in paths:
+    declared = (frontier.DevicelessRow if "deviceless" in path.name else frontier.Row
+                ).__annotations__.keys()
+    for r in json.loads(path.read_text())["rows"]:
+      assert set(r) <= declared, (path.name, set(r) - declared)
+
+
 def test_rows_of_a_small_model_for_the_h100():
   rs = frontier_deviceless.rows(["dry-llama3"], H100, policies=["none", "full"], percents=(99,))
   by = {(r["configuration"], r["invact"], r["head"]): r for r in rs}

@@ -30,8 +30,8 @@ allocator's peak never resets) and prints it as the last line.
 
 The modules: :mod:`.model_stack` (the stacks, blocks, policies, heads: :func:`build`),
 :mod:`.measurement` (one row), :mod:`.planning` (the planner's rows), :mod:`.running` (every
-row in order: :func:`rows`, :func:`run`) and :mod:`.report` (the row types, the Pareto front,
-tables and plots).
+row in order: :func:`rows`, :func:`run`), :mod:`.report` (the Pareto front, tables and
+plots) and :mod:`.schema` (the spec and row types).
 """
 from models.benchmarks.frontier.measurement import ALLOCATOR_FRACTION as ALLOCATOR_FRACTION
 from models.benchmarks.frontier.measurement import child_row as child_row
@@ -51,10 +51,6 @@ from models.benchmarks.frontier.planning import plan_specs as plan_specs
 from models.benchmarks.frontier.planning import profile_from_rows as profile_from_rows
 from models.benchmarks.frontier.planning import program_plan_prediction as program_plan_prediction
 from models.benchmarks.frontier.planning import program_plan_spec as program_plan_spec
-from models.benchmarks.frontier.report import JaxRow as JaxRow
-from models.benchmarks.frontier.report import PlanRow as PlanRow
-from models.benchmarks.frontier.report import ProgramPlanRow as ProgramPlanRow
-from models.benchmarks.frontier.report import TorchRow as TorchRow
 from models.benchmarks.frontier.report import headline_rows as headline_rows
 from models.benchmarks.frontier.report import markdown as markdown
 from models.benchmarks.frontier.report import newest_per_model as newest_per_model
@@ -67,6 +63,13 @@ from models.benchmarks.frontier.running import LM_ORDER as LM_ORDER
 from models.benchmarks.frontier.running import earlier_rows as earlier_rows
 from models.benchmarks.frontier.running import rows as rows
 from models.benchmarks.frontier.running import run as run
+from models.benchmarks.frontier.schema import DevicelessRow as DevicelessRow
+from models.benchmarks.frontier.schema import JaxRow as JaxRow
+from models.benchmarks.frontier.schema import PlanRow as PlanRow
+from models.benchmarks.frontier.schema import ProgramPlanRow as ProgramPlanRow
+from models.benchmarks.frontier.schema import Row as Row
+from models.benchmarks.frontier.schema import Spec as Spec
+from models.benchmarks.frontier.schema import TorchRow as TorchRow
 
 __all__ = [
     "STACKS",
@@ -78,6 +81,9 @@ __all__ = [
     "PlanRow",
     "ProgramPlanRow",
     "TorchRow",
+    "Row",
+    "DevicelessRow",
+    "Spec",
     "LM_ORDER",
     "GPU_STACKS",
     "DRY_STACKS",

@@ -15,9 +15,10 @@ from invact_jax import memory, targets
 from models.benchmarks import child
 from models.benchmarks import profile as op_profile
 from models.benchmarks.frontier import model_stack
+from models.benchmarks.frontier.schema import Row, Spec
 
 
-def measure(spec: dict) -> dict:
+def measure(spec: Spec) -> Row:
   """One row: ``spec`` = {stack, policy, invact, dtype, repeats[, layers][, batch][, head]
   [, runs, configuration][, profile]}; with ``profile`` (K), the row's ``profile``: the step's
   K largest XLA operations (:func:`models.benchmarks.profile.op_times`).  One row with its
@@ -68,7 +69,7 @@ def measure(spec: dict) -> dict:
   return row
 
 
-def child_row(spec: dict) -> dict:
+def child_row(spec: Spec) -> Row | dict:
   """A row measured in this process (``python -m models.benchmarks.frontier``); a spec with
   ``fit`` (a stack's name) gives ``{"fit": n}``, :func:`layers_that_fit` of that stack."""
   try:

@@ -1,21 +1,22 @@
-"""The frontier's stacks: their shapes (:data:`STACKS`), the transformer blocks
-under a policy (JAX's and MaxText's, :data:`POLICIES`), the language models' heads, and
-:func:`build` (a stack's loss and inputs)."""
+"""The frontier's stacks: their shapes (:data:`STACKS`), their layers (the reference layers
+of :mod:`models.reference_layers`, :data:`LAYERS`) under a policy (JAX's and MaxText's,
+:data:`POLICIES`), the language models' heads, and :func:`build` (a stack's loss and inputs)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.ad_checkpoint import checkpoint_name as _checkpoint_name
 
 import invact_jax
 from invact_jax import planner, targets
 from invact_jax.planner import MAXTEXT_PRESETS
 from models import reference_layers
+from models.benchmarks.frontier.schema import Row, Spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,58 +118,23 @@ def has_memory_kinds() -> bool:
   return jax.default_backend() != "cpu" and "pinned_host" in kinds
 
 
-def _attention(q, k, v, causal: bool):
-  """cuDNN's flash attention compiling for a GPU (:func:`invact_jax.targets.platform`) in 16
-  bits (grouped-query: fewer key/value heads); elsewhere the flash-style custom_vjp of
-  :mod:`models.reference_layers` (the same residuals: q, k, v, o, a row log-sum-exp), the
-  key/value heads repeated."""
-  if targets.platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-  if k.shape[2] != q.shape[2]:
-    k, v = (jnp.repeat(a, q.shape[2] // a.shape[2], axis=2) for a in (k, v))
-  return reference_layers.flash_attention(q, k, v, causal)
+#: A stack's layer by kind (:mod:`models.reference_layers`).
+LAYERS = {"llama": reference_layers.llama_layer, "gpt2": reference_layers.gpt2_layer,
+          "vit": reference_layers.vit_layer}
 
 
 def _block(s: Shape, named: bool = True):
-  """``layer(p, x)`` of kind ``s.kind`` with MaxText's checkpoint names (``named``), or
-  with none (a layer as most hand-written code is)."""
-  dh = s.d // s.heads
-  checkpoint_name = _checkpoint_name if named else (lambda x, name: x)
-
-  def attention(p, h, causal, rotary):
-    b, t, _ = h.shape
-    split = lambda y: y.reshape(b, t, y.shape[-1] // dh, dh)  # noqa: E731
-    q = split(checkpoint_name(h @ p["wq"], "query_proj"))
-    k = split(checkpoint_name(h @ p["wk"], "key_proj"))
-    v = split(checkpoint_name(h @ p["wv"], "value_proj"))
-    if rotary:
-      q, k = reference_layers.rope(q), reference_layers.rope(k)
-    o = _attention(q, k, v, causal).reshape(b, t, s.d)
-    return checkpoint_name(o @ p["wo"], "out_proj")
-
-  def llama(p, x):
-    x = x + attention(p, reference_layers.rms_norm(x, p["n1"]), True, True)
-    h = reference_layers.rms_norm(x, p["n2"])
-    g = checkpoint_name(h @ p["wg"], "mlpwi_0")
-    u = checkpoint_name(h @ p["wu"], "mlpwi_1")
-    return x + checkpoint_name((jax.nn.silu(g) * u) @ p["wd"], "mlpwo")
-
-  def gpt2(p, x, causal=True):
-    x = x + attention(p, reference_layers.layer_norm(x, p["g1"], p["b1"]), causal, False)
-    h = reference_layers.layer_norm(x, p["g2"], p["b2"])
-    a = jax.nn.gelu(checkpoint_name(h @ p["w1"], "mlpwi") + p["c1"], approximate=True)
-    return x + checkpoint_name(a @ p["w2"], "mlpwo") + p["c2"]
-
-  if s.kind == "llama":
-    return llama
-  return gpt2 if s.kind == "gpt2" else (lambda p, x: gpt2(p, x, causal=False))
+  """``layer(p, x)`` of kind ``s.kind`` (:data:`LAYERS`), its attention cuDNN's where the
+  program compiles for a GPU in 16 bits (:func:`models.reference_layers.fastest_attention`),
+  with MaxText's checkpoint names (``named``) or with none (a layer as most hand-written code
+  is)."""
+  return functools.partial(LAYERS[s.kind], heads=s.heads, named=named,
+                           attention=reference_layers.fastest_attention)
 
 
 def tags(s: Shape) -> tuple[str, ...]:
   """The ``checkpoint_name`` s a layer of ``s`` tags (MaxText's)."""
-  if s.kind == "llama":
-    return ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
-  return ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo")
+  return reference_layers.TAGS["llama" if s.kind == "llama" else "gpt2"]
 
 
 #: An LM's head: the plain logits + optax, tokamax's chunked loss (invact: invert's).
@@ -273,12 +239,12 @@ def build(s: Shape, policy: str, invact: bool, dtype,
   return (invact_jax.invert(lm_loss) if invact else lm_loss), (params, tokens)
 
 
-def shape_of(spec: dict) -> Shape:
+def shape_of(spec: Spec) -> Shape:
   s = STACKS[spec["stack"]]
   return dataclasses.replace(s, **{k: spec[k] for k in ("layers", "batch") if spec.get(k)})
 
 
-def head_of(spec: dict) -> str:
+def head_of(spec: Spec) -> str:
   """A row's head: "" for a stack without one, invert's ("invact") with invact, else the
   spec's ("plain" by default)."""
   if not STACKS[spec["stack"]].vocab:
@@ -286,7 +252,7 @@ def head_of(spec: dict) -> str:
   return "invact" if spec["invact"] else spec.get("head", "plain")
 
 
-def row_key(spec: dict) -> dict:
+def row_key(spec: Spec) -> Row:
   """The fields that name a JAX row (``configuration`` "default": no remat; a plan's
   ``configuration`` is given)."""
   configuration = spec.get("configuration") or (

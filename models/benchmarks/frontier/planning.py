@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from invact_jax import planner
 from models.benchmarks.frontier import model_stack
+from models.benchmarks.frontier.schema import Row, Spec
 
 
 # Which measured policies give which tags' figures: (policy with the group kept, policy
@@ -28,7 +29,7 @@ def layer_widths(s: model_stack.Shape) -> dict[str, tuple[int, int]]:
   return {t: (w[t], w[t] * fan_in[t]) for t in model_stack.tags(s)}
 
 
-def plan_side(rs: list[dict], stack: str, invact: bool) -> dict:
+def plan_side(rs: list[Row], stack: str, invact: bool) -> dict[str, Row]:
   """configuration -> measured JAX row of one side (the plain head or invert's)."""
   return {r["configuration"]: r for r in rs
           if r.get("model") == stack and r.get("framework") == "jax"
@@ -36,7 +37,7 @@ def plan_side(rs: list[dict], stack: str, invact: bool) -> dict:
           and r.get("head", "") in ("", "plain", "invact")}
 
 
-def profile_from_rows(rs: list[dict], stack: str, invact: bool,
+def profile_from_rows(rs: list[Row], stack: str, invact: bool,
                       from_shapes: bool = False) -> planner.LayerProfile | None:
   """The planner's :class:`~invact_jax.planner.LayerProfile` of one stack and one side
   (with or without invact), calibrated on the device by the frontier's own measured rows:
@@ -84,7 +85,7 @@ def profile_from_rows(rs: list[dict], stack: str, invact: bool,
       tag_offload_cost=moved)
 
 
-def _profile_from_shapes(by: dict, stack: str, invact: bool) -> planner.LayerProfile | None:
+def _profile_from_shapes(by: dict[str, Row], stack: str, invact: bool) -> planner.LayerProfile | None:
   """A profile from three rows of one side, ``full``, ``dots_no_batch`` (every projection
   kept) and, where measured, ``minimal_offloaded``: each tag's bytes exactly from its shape
   ([tokens, width] in the row's dtype, per layer); the recompute time per layer
@@ -115,8 +116,8 @@ def _profile_from_shapes(by: dict, stack: str, invact: bool) -> planner.LayerPro
       full_cost=float(recompute), fixed_cost=float(keep["step_ms"]), tag_offload_cost=moved)
 
 
-def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
-               budgets=model_stack.PLAN_BUDGETS) -> list[dict]:
+def plan_specs(rs: list[Row], stack: str, *, dtype: str, repeats: int,
+               budgets=model_stack.PLAN_BUDGETS) -> list[Spec]:
   """Per budget (a fraction of JAX default's activation bytes), the planner's plan over both
   sides (:func:`profile_from_rows`) as a row spec (``runs``, ``configuration`` "plan N %",
   ``predicted_bytes``), or an ``error`` row when no plan fits or the rows are missing."""
@@ -155,15 +156,15 @@ def plan_specs(rs: list[dict], stack: str, *, dtype: str, repeats: int,
   return out
 
 
-def jax_row(rs: list[dict], stack: str, configuration: str, invact: bool) -> dict | None:
+def jax_row(rs: list[Row], stack: str, configuration: str, invact: bool) -> Row | None:
   """The measured JAX row of ``stack`` under ``configuration``, with invert or without."""
   return next((r for r in rs if r.get("model") == stack and r.get("framework") == "jax"
                and r.get("configuration") == configuration and bool(r.get("invact")) == invact
                and "error" not in r), None)
 
 
-def program_plan_spec(rs: list[dict], stack: str, percent: int, *, dtype: str, repeats: int,
-                      fields: dict) -> dict:
+def program_plan_spec(rs: list[Row], stack: str, percent: int, *, dtype: str, repeats: int,
+                      fields: dict) -> Spec:
   """The row spec of :class:`ProgramPlanRow` ``percent``: its budget (``program_budget``,
   ``budget_bytes``) that fraction of the measured JAX default's activation bytes, or an
   ``error`` where that row is missing."""
@@ -176,7 +177,7 @@ def program_plan_spec(rs: list[dict], stack: str, percent: int, *, dtype: str, r
   return {**spec, "program_budget": budget, "budget_bytes": budget}
 
 
-def program_plan_prediction(row: dict, rs: list[dict]) -> dict:
+def program_plan_prediction(row: Row, rs: list[Row]) -> Row:
   """A measured :class:`ProgramPlanRow`'s predictions beside its measurement:
   ``prediction_error`` (activation bytes against the plan's predicted compiled temp) and,
   where the chosen program's default row was measured, ``predicted_step_ms``: that row's step

@@ -1,41 +1,15 @@
-"""The frontier's rows as types, their Pareto front, the markdown table, the headline
-rows and the plot."""
+"""The frontier's rows reported: their Pareto front, the markdown table, the headline rows
+and the plot."""
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
-
 import jax.numpy as jnp
 
 from models.benchmarks.frontier import model_stack, planning
+from models.benchmarks.frontier.schema import Row
 
 
-class JaxRow(NamedTuple):
-  """A JAX row: a remat policy (:data:`POLICIES`), with or without invert(), and the head."""
-  policy: str
-  invact: bool
-  head: str
-
-
-class PlanRow(NamedTuple):
-  """The planner's row at ``percent`` % of JAX default's activation bytes."""
-  percent: int
-
-
-class ProgramPlanRow(NamedTuple):
-  """:func:`invact_jax.plan`'s row at ``percent`` % of JAX default's activation bytes: the
-  program planner on the model's loss as written (no remat, the plain head), with
-  ``convert=True`` (``invert``'s program, its head included, as an operator variant), its
-  budget the compiled temp; planned and measured in the row's own process."""
-  percent: int
-
-
-class TorchRow(NamedTuple):
-  """A PyTorch row (``frontier_torch.CONFIGURATIONS``)."""
-  configuration: str
-
-
-def pareto(rs: list[dict]) -> list[dict]:
+def pareto(rs: list[Row]) -> list[Row]:
   """``rs`` with ``pareto`` set: no other row of the model is at least as fast with at most
   as many activation bytes (and better in one)."""
   for r in rs:
@@ -50,7 +24,7 @@ def pareto(rs: list[dict]) -> list[dict]:
   return rs
 
 
-def plan_note(r: dict) -> str:
+def plan_note(r: Row) -> str:
   """A plan row's runs (or what invact_jax.plan chose) and its prediction (empty for other
   rows)."""
   if "plan_program" in r:
@@ -74,7 +48,7 @@ def plan_note(r: dict) -> str:
   return note
 
 
-def per_token_layer(r: dict) -> float:
+def per_token_layer(r: Row) -> float:
   """A row's activation bytes per token and layer, in units of ``d`` elements of its dtype
   (the floor of a pre-norm Llama layer is about 6 d + 2 ff; a language model's head counts
   in)."""
@@ -85,7 +59,7 @@ def per_token_layer(r: dict) -> float:
   return r["activation_bytes"] / (batch * s.seq * layers * s.d * itemsize)
 
 
-def markdown(rs: list[dict]) -> str:
+def markdown(rs: list[Row]) -> str:
   """The rows as a markdown table (``front``: on the model's Pareto front; ``d per
   token-layer``: :func:`per_token_layer`)."""
   lines = ["| model | framework | configuration | invact | head | activations MiB | "
@@ -163,7 +137,7 @@ def headline_rows(data: dict, path: str) -> list[str]:
   return out
 
 
-def plot(rs: list[dict], path) -> None:
+def plot(rs: list[Row], path) -> None:
   """Step time against activation memory per model, the Pareto front drawn."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")

@@ -14,25 +14,27 @@ import jax
 
 from models.benchmarks import child
 from models.benchmarks.frontier import measurement, model_stack, planning, report
+from models.benchmarks.frontier.schema import (JaxRow, PlanRow, ProgramPlanRow, Row, RowKind,
+                                               Spec, TorchRow)
 
 
 #: A language model's rows, the decisive ones first: a deadline cuts the rest.  ``full``
 #: with invact is early because the plans are calibrated on each side's ``default``,
 #: ``full`` and ``dots_no_batch``.
-LM_ORDER = (
-    report.JaxRow("none", False, "plain"), report.JaxRow("dots_no_batch", False, "plain"),
-    report.JaxRow("full", False, "plain"), report.JaxRow("save_qkv_proj", False, "plain"),
-    report.JaxRow("minimal_offloaded", False, "plain"), report.JaxRow("none", True, "invact"),
-    report.JaxRow("dots_no_batch", True, "invact"), report.JaxRow("full", True, "invact"),
-    report.JaxRow("save_qkv_proj", True, "invact"), report.PlanRow(25), report.PlanRow(50), report.TorchRow("eager"),
-    report.TorchRow("liger"), report.ProgramPlanRow(25), report.ProgramPlanRow(50),
-    report.JaxRow("dots_no_batch", False, "tokamax"),
-    report.JaxRow("save_qkv_proj", False, "tokamax"), report.JaxRow("full", False, "tokamax"),
-    *(report.JaxRow(p, i, "invact" if i else "plain") for p in (
+LM_ORDER: tuple[RowKind, ...] = (
+    JaxRow("none", False, "plain"), JaxRow("dots_no_batch", False, "plain"),
+    JaxRow("full", False, "plain"), JaxRow("save_qkv_proj", False, "plain"),
+    JaxRow("minimal_offloaded", False, "plain"), JaxRow("none", True, "invact"),
+    JaxRow("dots_no_batch", True, "invact"), JaxRow("full", True, "invact"),
+    JaxRow("save_qkv_proj", True, "invact"), PlanRow(25), PlanRow(50), TorchRow("eager"),
+    TorchRow("liger"), ProgramPlanRow(25), ProgramPlanRow(50),
+    JaxRow("dots_no_batch", False, "tokamax"),
+    JaxRow("save_qkv_proj", False, "tokamax"), JaxRow("full", False, "tokamax"),
+    *(JaxRow(p, i, "invact" if i else "plain") for p in (
         "minimal", "save_dot_except_mlp", "save_out_proj", "dots") for i in (False, True)),
-    report.JaxRow("minimal_offloaded", True, "invact"), report.PlanRow(75), report.ProgramPlanRow(75),
-    report.TorchRow("checkpoint"),
-    report.TorchRow("liger+checkpoint"), report.TorchRow("compile"))
+    JaxRow("minimal_offloaded", True, "invact"), PlanRow(75), ProgramPlanRow(75),
+    TorchRow("checkpoint"),
+    TorchRow("liger+checkpoint"), TorchRow("compile"))
 
 
 def torch_head(configuration: str) -> str:
@@ -41,7 +43,7 @@ def torch_head(configuration: str) -> str:
   return "liger" if frontier_torch.CONFIGURATIONS[configuration].liger else "plain"
 
 
-def _same_row(a: dict, b: dict) -> bool:
+def _same_row(a: Row, b: Row) -> bool:
   return all(a.get(k) == b.get(k) for k in ("model", "framework", "configuration", "invact",
                                             "head"))
 
@@ -55,16 +57,16 @@ class _Rows:
   deadline: float
   date: str
   progress: Callable[[str], None]
-  out: list = dataclasses.field(default_factory=list)
+  out: list[Row] = dataclasses.field(default_factory=list)
 
-  def one(self, spec):
+  def one(self, spec: Spec) -> Row:
     row = (measurement.child_row(spec) if self.in_process else
            {**model_stack.row_key(spec), **child.run_child(
                "models.benchmarks.frontier", spec, self.deadline - time.time(),
                env={**os.environ, **model_stack.ROW_ENV})})
     return {**row, "date": self.date} if self.date else row
 
-  def torch_row(self, name, configuration, fields):
+  def torch_row(self, name: str, configuration: str, fields: dict) -> Row:
     spec = {"stack": name, "configuration": configuration, "dtype": self.dtype,
             "repeats": self.repeats, "shape": dataclasses.asdict(dataclasses.replace(model_stack.STACKS[name], **fields))}
     res = child.run_child("models.benchmarks.frontier_torch", spec, self.deadline - time.time())
@@ -116,7 +118,7 @@ class _Rows:
 def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
          in_process: bool = False, torch_configurations=None, deadline: float = math.inf,
          plans: bool = True, done=(), date: str = "",
-         progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+         progress: Callable[[str], None] = lambda _: None) -> list[Row]:
   """Per stack: the torch rows where torch is importable (the baselines first: a deadline
   cuts the JAX rows, not the comparison), every (policy, invact) row, then the planner's plans
   (with ``plans``, where the policies it is calibrated on were measured); per language model
@@ -163,7 +165,7 @@ def rows(stacks, *, dtype: str = "bfloat16", policies=None, repeats: int = 5,
 
 
 def _fields(name: str, done, fitted: Callable, progress: Callable[[str], None],
-            out: list) -> dict | None:
+            out: list[Row]) -> dict | None:
   """The stack's layers and batch: :data:`FIT`'s field carried over from ``done`` or
   ``fitted`` (None, with an error row in ``out``, where the fit failed)."""
   fit = model_stack.FIT.get(name)
@@ -199,7 +201,7 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
                  shape, (r.get("head_tiles") or {}).get("platform", "")))]
   wanted = frontier_torch.CONFIGURATIONS if torch_configurations is None else torch_configurations
   for item in LM_ORDER:
-    if isinstance(item, report.PlanRow):
+    if isinstance(item, PlanRow):
       configuration = f"plan {item.percent} %"
       carried = next((r for r in earlier if r.get("configuration") == configuration), None)
       if carried is not None:
@@ -207,7 +209,7 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
       elif plans:
         plan_rows(name, (item.percent / 100,))
       continue
-    if isinstance(item, report.ProgramPlanRow):
+    if isinstance(item, ProgramPlanRow):
       configuration = f"program plan {item.percent} %"
       carried = next((r for r in earlier if r.get("configuration") == configuration), None)
       carried = carried or infeasible_before(done, out, name, item.percent, fields,
@@ -217,7 +219,7 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
       elif plans and time.time() <= deadline:
         program_plan_row(name, item.percent, fields)
       continue
-    if isinstance(item, report.TorchRow):
+    if isinstance(item, TorchRow):
       if not torch_ok or item.configuration not in wanted:
         continue
       key = {"model": name, "framework": "torch", "configuration": item.configuration,
@@ -242,15 +244,15 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
   return True
 
 
-def carried_fit(done: list[dict], name: str, field: str) -> int | None:
+def carried_fit(done: list[Row], name: str, field: str) -> int | None:
   """The ``field`` (layers or batch) an earlier run fitted to the device for stack ``name``:
   the one value its measured rows share (None where none was measured or they differ)."""
   values = {r.get(field) for r in done if r.get("model") == name and "error" not in r}
   return values.pop() if len(values) == 1 and None not in values else None
 
 
-def infeasible_before(done: list[dict], out: list[dict], name: str, percent: int,
-                       fields: dict, *, dtype: str, repeats: int) -> dict | None:
+def infeasible_before(done: list[Row], out: list[Row], name: str, percent: int,
+                       fields: dict, *, dtype: str, repeats: int) -> Row | None:
   """An earlier run's :class:`ProgramPlanRow` ``percent`` that the planner found infeasible at
   the budget this run gives it (JAX default's row the same): the same answer again, not
   planned again."""
@@ -270,7 +272,7 @@ GPU_STACKS = ("llama3-1b", "llama3-8b", "llama", "gpt2-medium", "vit-l16")
 DRY_STACKS = ("dry-llama3",)
 
 
-def earlier_rows(out_dir, device: str) -> list[dict]:
+def earlier_rows(out_dir, device: str) -> list[Row]:
   """The rows of the newest non-dry frontier JSON of ``device`` in ``out_dir`` (what a run
   continues from), or []."""
   import pathlib  # pylint: disable=import-outside-toplevel
