@@ -28,7 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["Tiles", "forward", "backward"]
+from pallas_kernels._shapes import out_struct, varying_like
+
+__all__ = ["Tiles", "forward", "backward", "forward_math", "backward_math"]
 
 
 class Tiles:
@@ -148,10 +150,10 @@ def forward(x, w, labels, bias=None, *, vocab_axis: int = 1, scale: float = 1.0,
       dot_dtype=x.dtype, scale=float(scale), cap=None if soft_cap is None else float(soft_cap),
       has_bias=bias is not None, precision=_precision(x.dtype))
   rows = xp.shape[0]
-  f32 = jax.ShapeDtypeStruct((rows,), jnp.float32)
+  f32 = out_struct((rows,), jnp.float32, x, w, labels)
   call = pl.pallas_call(
       kernel, grid=(rows // tiles.t,),
-      out_shape=[f32, f32, f32, jax.ShapeDtypeStruct((rows,), jnp.int32)],
+      out_shape=[f32, f32, f32, out_struct((rows,), jnp.int32, x, w, labels)],
       compiler_params=tiles.params(), interpret=interpret, name="invact_head_forward")
   args = [xp, wp] + ([bp] if bias is not None else []) + [yp]
   return tuple(o[:n] for o in call(*args))
@@ -161,6 +163,24 @@ def _pad_weight(w, vocab_axis: int, tiles: Tiles):
   """``w`` padded to whole tiles: the contraction to ``block_k``, the vocabulary to
   ``block_v``."""
   return _padded(w, (tiles.k, tiles.v) if vocab_axis == 1 else (tiles.v, tiles.k))
+
+
+def _logits_gradient(z, cols, label, lse, g, *, vocab, smoothing, z_loss, cap, scale):
+  """The loss's gradient with respect to the pre-cap logits of rows ``label``/``lse``/``g`` and
+  vocabulary entries ``cols``, from their capped logits ``z``: ``g * (softmax * (1 + 2 zl lse)
+  - (1 - s) onehot - s / V)``, through the soft cap and the scale."""
+  p = jnp.exp(z - lse[:, None])
+  if z_loss:
+    p = p * (1.0 + 2.0 * z_loss * lse)[:, None]
+  dz = p - jnp.where(cols[None, :] == label[:, None], 1.0 - smoothing, 0.0)
+  if smoothing:
+    dz = dz - smoothing / vocab
+  dz = dz * g[:, None]
+  if cap is not None:
+    dz = dz * (1.0 - (z / cap) ** 2)
+  if scale != 1.0:
+    dz = dz * scale
+  return dz
 
 
 def _bwd_kernel(*refs, n, d, vocab, tiles, vocab_axis, dot_dtype, scale, cap, has_bias,
@@ -178,18 +198,8 @@ def _bwd_kernel(*refs, n, d, vocab, tiles, vocab_axis, dot_dtype, scale, cap, ha
                                  scale=scale, cap=cap, precision=precision)
   rows_at = pl.ds(r0, t)
   label, lse, g = y_ref[rows_at], lse_ref[rows_at], g_ref[rows_at]
-  cols = c0 + jnp.arange(v)
-  p = jnp.exp(z - lse[:, None])
-  if z_loss:
-    p = p * (1.0 + 2.0 * z_loss * lse)[:, None]
-  dz = p - jnp.where(cols[None, :] == label[:, None], 1.0 - smoothing, 0.0)
-  if smoothing:
-    dz = dz - smoothing / vocab
-  dz = dz * g[:, None]
-  if cap is not None:
-    dz = dz * (1.0 - (z / cap) ** 2)
-  if scale != 1.0:
-    dz = dz * scale
+  dz = _logits_gradient(z, c0 + jnp.arange(v), label, lse, g, vocab=vocab, smoothing=smoothing,
+                        z_loss=z_loss, cap=cap, scale=scale)
   dz = jnp.where(cmask[None, :] & rmask[:, None], dz, 0.0)  # (last: -inf logits outside)
 
   def add():
@@ -239,12 +249,13 @@ def backward(x, w, labels, bias, lse, g, *, vocab_axis: int = 1, scale: float = 
       dot_dtype=x.dtype, scale=float(scale), cap=None if soft_cap is None else float(soft_cap),
       has_bias=bias is not None, smoothing=float(smoothing), z_loss=float(z_loss),
       skip_below=skip_below, precision=_precision(x.dtype))
-  zeros = [jnp.zeros(xp.shape, jnp.float32), jnp.zeros(wp.shape, jnp.float32),
-           jnp.zeros((wp.shape[vocab_axis],), jnp.float32)]
+  # (inside shard_map the accumulators vary as the tokens do: each shard adds its own)
+  zeros = [varying_like(jnp.zeros(shape, jnp.float32), x, w, g)
+           for shape in (xp.shape, wp.shape, (wp.shape[vocab_axis],))]
   base = 2 + (bias is not None) + 3
   call = pl.pallas_call(
       kernel, grid=(rows // tiles.t, wp.shape[vocab_axis] // tiles.v),
-      out_shape=[jax.ShapeDtypeStruct(z.shape, jnp.float32) for z in zeros],
+      out_shape=[out_struct(z.shape, jnp.float32, x, w, g) for z in zeros],
       input_output_aliases={base: 0, base + 1: 1, base + 2: 2},
       compiler_params=tiles.params(), interpret=interpret, name="invact_head_backward")
   args = ([xp, wp] + ([bp] if bias is not None else [])
@@ -254,6 +265,60 @@ def backward(x, w, labels, bias, lse, g, *, vocab_axis: int = 1, scale: float = 
   dx, dw, db = call(*args)
   dw = dw[:d, :vocab] if vocab_axis == 1 else dw[:vocab, :d]
   return dx[:n, :d], dw, (db[:vocab] if bias is not None else None)
+
+
+def _logits_math(x, w, bias, *, vocab_axis: int, scale: float, soft_cap: float | None):
+  """All of :func:`_logits_tile`'s tiles at once (float32 [N, V])."""
+  dot_dtype = x.dtype
+  wt = w.astype(dot_dtype)
+  u = jnp.dot(x, wt if vocab_axis == 1 else wt.T, precision=_precision(dot_dtype),
+              preferred_element_type=jnp.float32)
+  if bias is not None:
+    u = u + bias.astype(jnp.float32)[None, :]
+  if scale != 1.0:
+    u = u * scale
+  return soft_cap * jnp.tanh(u / soft_cap) if soft_cap is not None else u
+
+
+def forward_math(x, w, labels, bias=None, *, vocab_axis: int = 1, scale: float = 1.0,
+                 soft_cap: float | None = None, tiles: Tiles | None = None):
+  """:func:`forward`'s statistics computed by XLA over the whole [N, V] logits at once (where a
+  kernel cannot run as one: Pallas's interpreter inside ``shard_map``, which does not track
+  the mesh axes values vary over); the same math, rounded as XLA rounds it."""
+  del tiles
+  z = _logits_math(x, w, bias, vocab_axis=vocab_axis, scale=float(scale), soft_cap=soft_cap)
+  cols = jnp.arange(z.shape[1])
+  picked = jnp.sum(jnp.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+  return (jax.nn.logsumexp(z, axis=1), picked, jnp.sum(z, axis=1),
+          jnp.argmax(z, axis=1).astype(jnp.int32))
+
+
+def backward_math(x, w, labels, bias, lse, g, *, vocab_axis: int = 1, scale: float = 1.0,
+                  soft_cap: float | None = None, smoothing: float = 0.0, z_loss: float = 0.0,
+                  skip_below: float | None = None, tiles: Tiles | None = None):
+  """:func:`backward`'s gradients computed by XLA over the whole [N, V] logits at once (as
+  :func:`forward_math`); ``skip_below`` drops the same tiles (``tiles``' token blocks by
+  vocabulary tiles) as the kernel."""
+  tiles = tiles or Tiles()
+  z = _logits_math(x, w, bias, vocab_axis=vocab_axis, scale=float(scale), soft_cap=soft_cap)
+  n, vocab = z.shape
+  dz = _logits_gradient(z, jnp.arange(vocab), labels, lse, g, vocab=vocab,
+                        smoothing=float(smoothing), z_loss=float(z_loss), cap=soft_cap,
+                        scale=float(scale))
+  if skip_below is not None:
+    blocks = _padded(dz, (tiles.t, tiles.v))
+    r, c = blocks.shape[0] // tiles.t, blocks.shape[1] // tiles.v
+    big = jnp.max(jnp.abs(blocks.reshape(r, tiles.t, c, tiles.v)), axis=(1, 3)) >= skip_below
+    keep = jnp.repeat(jnp.repeat(big, tiles.t, axis=0), tiles.v, axis=1)[:n, :vocab]
+    dz = jnp.where(keep, dz, 0.0)
+  dzw = dz.astype(x.dtype)
+  wt = w.astype(x.dtype)
+  prec = _precision(x.dtype)
+  f32 = jnp.float32
+  dx = jnp.dot(dzw, wt.T if vocab_axis == 1 else wt, precision=prec, preferred_element_type=f32)
+  dw = (jnp.dot(x.T, dzw, precision=prec, preferred_element_type=f32) if vocab_axis == 1 else
+        jnp.dot(dzw.T, x, precision=prec, preferred_element_type=f32))
+  return dx, dw, (jnp.sum(dz, axis=0) if bias is not None else None)
 
 
 def flops(n: int, d: int, vocab: int) -> dict[str, float]:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import _shapes
+
 __all__ = ["FLOAT_DTYPES", "float_array", "float_dtype", "static_scalar", "static_axis",
            "compute_dtype", "first_order_only", "first_order_message", "cotangent_like",
            "varying_like", "explicit_sharding"]
@@ -140,22 +142,12 @@ def axis_size(name) -> int:
 
 
 def _vma(x) -> frozenset:
-  aval = jax.typeof(x)
-  v = getattr(aval, "vma", None)
-  if v is None:
-    v = getattr(getattr(aval, "mat", None), "varying", None)
-  return frozenset(v or ())
+  return _shapes.varying_axes(x)
 
 
-def varying_like(a, *refs):
-  """``a`` made varying over the manual mesh axes ``refs`` vary over (inside ``shard_map``,
-  a loop's initial carry must have its body's type); ``a`` itself elsewhere."""
-  axes = tuple(sorted(frozenset().union(*(_vma(r) for r in refs)) - _vma(a)))
-  if not axes:
-    return a
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(a, axes, to="varying")
-  return jax.lax.pvary(a, axes)  # JAX before pcast
+#: ``a`` made varying over the manual mesh axes ``refs`` vary over (inside ``shard_map``, a
+#: loop's initial carry must have its body's type); ``a`` itself elsewhere.
+varying_like = _shapes.varying_like
 
 
 def explicit_sharding(like, operand):

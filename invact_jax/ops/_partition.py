@@ -10,6 +10,10 @@ own block.  Two layouts cover all of them:
   (otherwise it is kept whole, which costs a gather that the sharding tests would show).
 * :func:`rows`: row kernels (norms): operands ``[..., n]`` with the last axis whole, per-row
   statistics ``[..., 1]`` and per-column parameters ``[n]`` (replicated).
+* :func:`tokens`: token kernels (the LM head): operands with a leading token axis (sharded as
+  the first's) or replicated (the weight); outputs per token, or sums over the tokens (each
+  shard's partial sum, added over the mesh axes the tokens are split on: the weight's
+  gradient).
 
 Both add a batching rule (``jax.vmap`` folds the batch axis into the leading axes) and run
 the kernel directly inside ``shard_map``, where operands are already per-shard.
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 
-__all__ = ["elementwise", "rows", "in_manual_context"]
+__all__ = ["elementwise", "rows", "tokens", "in_manual_context"]
 
 
 def in_manual_context() -> bool:
@@ -248,3 +252,115 @@ def rows(fn: Callable, n_out: int, *args, per_shard: bool = True):
     return _partitioned(unpacked, a, n_out, shardings, rule)
 
   return _batched(call, [a.ndim == ndim for a in arrays])(*arrays)
+
+
+def _explicit_token_axes(x):
+  """``(mesh, axes)`` where ``x``'s leading axis is split in its type over explicit mesh axes
+  (``jax.sharding.set_mesh`` with ``AxisType.Explicit``), else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if not spec or spec[0] is None or mesh is None:
+    return None
+  axes = spec[0]
+  types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+  if not all("Explicit" in str(types.get(a)) for a in (axes if isinstance(axes, tuple) else (axes,))):
+    return None
+  return mesh, axes
+
+
+def _summing(fn: Callable, summed: Sequence[bool], axes):
+  """``fn`` with its ``summed`` outputs added over the mesh axes ``axes`` (None: as they are)."""
+  def run(*a):
+    res = fn(*a)
+    if axes is None:
+      return res
+    return tuple(jax.lax.psum(r, axes) if sm else r for r, sm in zip(res, summed))
+  return run
+
+
+def _token_axes(mesh, arg_shapes):
+  """The mesh axes the tokens (the first operand's leading axis) are split on: None where
+  whole, or where they do not divide the tokens (a padded shard's rows would add into sums)."""
+  spec = tuple(arg_shapes[0].sharding.spec)
+  axes = spec[0] if spec else None
+  if axes is None:
+    return None
+  parts = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+  return axes if arg_shapes[0].shape[0] % parts == 0 else None
+
+
+def _tokens_partitioned(unpacked: Callable, arrays, flags, summed):
+  """:func:`tokens` through ``custom_partitioning`` (XLA's partitioner gives the layout)."""
+  out_shapes = jax.eval_shape(unpacked, *arrays)
+  names = iter(f"r{i}" for i in range(10_000))
+  operands = [" ".join(["t"] + [next(names) for _ in a.shape[1:]]) if t else
+              " ".join(next(names) for _ in a.shape) for a, t in zip(arrays, flags)]
+  results = [" ".join(next(names) for _ in o.shape) if sm else
+             " ".join(["t"] + [next(names) for _ in o.shape[1:]])
+             for o, sm in zip(out_shapes, summed)]
+  if any(not o for o in operands + results):  # a scalar operand or output: no factor to write
+    return unpacked(*arrays)
+  others = tuple(f for f in dict.fromkeys(" ".join(operands + results).split()) if f != "t")
+  rule = _rule((operands, results, {"t": _size(arrays[0].shape[0])}, others,
+                lambda total: True))
+
+  def shardings(mesh, arg_shapes):
+    axes = _token_axes(mesh, arg_shapes)
+    split = lambda ndim: jax.sharding.NamedSharding(  # noqa: E731
+        mesh, jax.sharding.PartitionSpec(axes, *(None,) * (ndim - 1)))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    outs = tuple(whole if sm else split(len(o.shape)) for o, sm in zip(out_shapes, summed))
+    ins = tuple(split(len(a.shape)) if t else whole for a, t in zip(arg_shapes, flags))
+    return outs, ins
+
+  op = custom_partitioning(unpacked)
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    return shardings(mesh, arg_shapes)[0]
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    outs, ins = shardings(mesh, arg_shapes)
+    return mesh, _summing(unpacked, summed, _token_axes(mesh, arg_shapes)), outs, ins
+
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+  return tuple(op(*arrays))
+
+
+def tokens(fn: Callable, per_token: Sequence[bool], summed: Sequence[bool], *args,
+           per_shard: bool = True):
+  """``fn(*args)`` run per shard of the tokens (``None`` operands passed through).
+
+  Operand ``i`` has a leading token axis where ``per_token[i]`` (the first one does; every such
+  operand is split as it is), else it is replicated.  ``fn`` returns a tuple of
+  ``len(summed)`` arrays; output ``j`` is per token (leading token axis, split as the tokens)
+  or, where ``summed[j]``, a sum over the tokens: each shard computes its own tokens' sum and
+  the shards' sums are added (``psum`` over the mesh axes the tokens are split on), the result
+  replicated.  Every other axis stays whole.  Inside ``shard_map`` (operands already per
+  shard) ``fn`` runs as it is: a summed output is then this shard's sum, which
+  ``shard_map``'s transpose adds up for a replicated input's gradient.  Tokens split in the
+  arrays' types (a mesh with explicit axes) run under ``shard_map`` over those axes;
+  otherwise (XLA's partitioner decides) through ``custom_partitioning``.
+  ``per_shard=False``: left to XLA's partitioner (a host callback; :func:`elementwise`).
+  """
+  present = [a is not None for a in args]
+  flags = [t for t, p in zip(per_token, present) if p]
+
+  def unpacked(*arrs):
+    it = iter(arrs)
+    return tuple(fn(*[next(it) if p else None for p in present]))
+
+  arrays = [a for a in args if a is not None]
+  if not per_shard or in_manual_context() or has_symbolic_dims(*arrays):
+    return unpacked(*arrays)
+  explicit = _explicit_token_axes(arrays[0])
+  if explicit is None:
+    return _tokens_partitioned(unpacked, arrays, flags, summed)
+  mesh, axes = explicit  # split in the arrays' types (a mesh with explicit axes)
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  return tuple(jax.shard_map(
+      _summing(unpacked, summed, axes), mesh=mesh,
+      axis_names=set(axes if isinstance(axes, tuple) else (axes,)),
+      in_specs=tuple(P(axes) if t else P() for t in flags),
+      out_specs=tuple(P() if sm else P(axes) for sm in summed))(*arrays))

@@ -1,5 +1,7 @@
 """The LM head's fused Pallas kernels (implementation="pallas"): in interpret mode against the
 XLA path and float64, lowered for CUDA and compiled for sm_90 without spills from any machine."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +53,69 @@ def test_the_fused_kernels_compute_the_xla_paths_loss_and_gradients(name, vocab_
   np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
   for a, c in zip(g1, g2):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-7)
+
+
+@pytest.mark.parametrize("wrap", ["sharded", "explicit", "shard_map"])
+def test_tokens_split_over_devices_run_where_they_are(wrap):
+  """Tokens split over 8 devices (jit with sharded arguments, a mesh with explicit axes, or
+  inside ``shard_map``): the kernels run on each device's tokens, the weight's and bias's
+  gradients each shard's sum added up; no token is gathered; the loss and gradients are the
+  XLA path's on the same split (before: the kernel call gathered every token to each device,
+  and inside ``shard_map`` it did not trace)."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 (virtual) devices; conftest.py sets them")
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  x, w, b, y = _inputs()
+  x, y = jnp.concatenate([x] * 2)[:64], jnp.concatenate([y] * 2)[:64]  # 8 tokens a device
+  explicit = wrap == "explicit"
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(
+      AxisType.Explicit if explicit else AxisType.Auto,))
+  xd, yd = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+  kw = dict(ignore_index=-100, label_smoothing=0.1, z_loss=1e-3)
+
+  def loss(impl):
+    head = lambda x, w, b, y: invact_jax.linear_cross_entropy(  # noqa: E731
+        x, w, y, bias=b, implementation=impl, **kw)
+    if wrap != "shard_map":
+      return head
+    local = lambda x, w, b, y: jax.lax.pmean(head(x, w, b, y), "data")  # noqa: E731
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")),
+                         out_specs=P())
+  with jax.sharding.set_mesh(mesh) if explicit else contextlib.nullcontext():
+    step = jax.jit(jax.value_and_grad(loss(SMALL), argnums=(1, 2)))
+    text = step.lower(xd, w, b, yd).compile().as_text()
+    l1, g1 = step(xd, w, b, yd)
+    l2, g2 = jax.jit(jax.value_and_grad(loss(None), argnums=(1, 2)))(xd, w, b, yd)
+  assert "all-gather" not in text and "all-reduce" in text, "tokens were gathered"
+  np.testing.assert_allclose(float(l1), float(l2), rtol=2e-6)
+  for a, c in zip(g1, g2):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-7)
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+def test_the_math_path_is_the_kernels_math(vocab_axis):
+  """forward_math / backward_math (XLA over whole logits, where a kernel cannot run as one)
+  give the kernels' statistics and gradients, the gradient filter dropping the same tiles."""
+  x, w, b, y = _inputs(vocab_axis=-1 if vocab_axis == 1 else 0)
+  labels = jnp.where(y < 0, -1, y)
+  tiles = kernels.Tiles(block_t=16)
+  kw = dict(vocab_axis=vocab_axis, scale=0.7, soft_cap=5.0, tiles=tiles)
+  stats = kernels.forward(x, w, labels, b, interpret=True, **kw)
+  math = kernels.forward_math(x, w, labels, b, **kw)
+  for a, c in zip(stats, math):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-6, atol=2e-6)
+  # the first block of 16 tokens weighs 1e6 times the others: a filter at 1e-4 drops the rest
+  g = jnp.where(labels >= 0, jnp.where(jnp.arange(N) < 16, 1.0, 1e-6) / N, 0.0)
+  every = None
+  for skip in (None, 1e-4):
+    bw = dict(kw, smoothing=0.1, z_loss=1e-3, skip_below=skip)
+    grads = kernels.backward(x, w, labels, b, stats[0], g, interpret=True, **bw)
+    math = kernels.backward_math(x, w, labels, b, stats[0], g, **bw)
+    for a, c in zip(grads, math):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-9)
+    every = math if every is None else every
+  dropped = np.asarray(every[0] - math[0])  # dx of the dropped tokens' tiles only
+  assert np.all(dropped[:16] == 0) and np.any(dropped[16:] != 0)
 
 
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])

@@ -8,6 +8,13 @@ recomputes each tile's logits and adds its gradients into float32 ``dx``, ``dw``
 (atomic adds: deterministic to float32 rounding only).  It keeps what the XLA path's
 recomputing backward keeps: ``x``, ``w``, the labels and a float32 log-sum-exp per token.
 
+Tokens split over devices run where they are (:func:`invact_jax.ops._partition.tokens`): each
+device's kernels see its tokens and the whole weight, and the weight's gradient is each
+device's sum, added up — no token is gathered, under ``jit`` with sharded tokens, a mesh with
+explicit axes, or inside ``shard_map``.  Where a kernel cannot run as one (Pallas's
+interpreter inside ``shard_map``, a CPU-testing limit) the same statistics and gradients are
+computed by XLA (:func:`pallas_kernels.cross_entropy.forward_math`).
+
 ``implementation="pallas"`` runs it (interpret mode without a GPU; the backward recomputes
 the logits whatever ``gradients`` defaults to); ``invact_jax.Implementation(name="pallas",
 block_rows=..., num_warps=..., skip_below=...)`` sets its token block, warps and gradient
@@ -27,6 +34,7 @@ import jax.numpy as jnp
 
 from invact_jax.ops import _common
 from invact_jax.ops import _implementation
+from invact_jax.ops import _partition
 from invact_jax.ops.cross_entropy import base
 
 __all__ = ["PallasCrossEntropy"]
@@ -74,9 +82,17 @@ def _statistics(x, w, b, y, opts: base.Options, impl: PallasCrossEntropy):
   from pallas_kernels import cross_entropy as kernels  # pylint: disable=import-outside-toplevel
   vocab = w.shape[opts.vocab_axis]
   counted, labels = _labels_counted(y, opts)
-  lse, picked, zsum, first = kernels.forward(
-      x, w, labels, b, vocab_axis=opts.vocab_axis, scale=opts.logit_scale,
-      soft_cap=opts.logit_soft_cap, tiles=impl.tiles(), interpret=impl.interpret)
+
+  def run(x, w, labels, b):
+    kw = dict(vocab_axis=opts.vocab_axis, scale=opts.logit_scale,
+              soft_cap=opts.logit_soft_cap, tiles=impl.tiles())
+    if _partition.run_tile_math_directly(impl, x):
+      return kernels.forward_math(x, w, labels, b, **kw)
+    return kernels.forward(x, w, labels, b, interpret=impl.interpret, **kw)
+  # per shard of the tokens: the weight whole on each, the statistics where their tokens are
+  lse, picked, zsum, first = _partition.tokens(
+      run, (True, False, True, False), (False,) * 4, x, w, labels, b,
+      per_shard=_partition.per_shard(impl))
   inside = (labels >= 0) & (labels < vocab)
   s = opts.label_smoothing
   loss = lse - (1.0 - s) * opts.outside(inside, picked, lse)
@@ -111,10 +127,22 @@ def _head_bwd(opts: base.Options, impl: PallasCrossEntropy, res, cts):
   if opts.reduction == "mean":
     g = g / jnp.sum(counted).astype(jnp.float32)
   weights = jnp.where(counted, jnp.broadcast_to(g, counted.shape), 0.0)
-  dx, dw, db = kernels.backward(
-      x, w, labels, b, lse, weights, vocab_axis=opts.vocab_axis, scale=opts.logit_scale,
-      soft_cap=opts.logit_soft_cap, smoothing=opts.label_smoothing, z_loss=opts.z_loss,
-      skip_below=impl.skip_below, tiles=impl.tiles(), interpret=impl.interpret)
+
+  def run(x, w, labels, b, lse, weights):
+    kw = dict(vocab_axis=opts.vocab_axis, scale=opts.logit_scale,
+              soft_cap=opts.logit_soft_cap, smoothing=opts.label_smoothing, z_loss=opts.z_loss,
+              skip_below=impl.skip_below, tiles=impl.tiles())
+    if _partition.run_tile_math_directly(impl, x):
+      grads = kernels.backward_math(x, w, labels, b, lse, weights, **kw)
+    else:
+      grads = kernels.backward(x, w, labels, b, lse, weights, interpret=impl.interpret, **kw)
+    return grads if b is not None else grads[:2]
+  # per shard of the tokens: dx where its tokens are, dw and db each shard's sum, added up
+  summed = (False, True, True) if b is not None else (False, True)
+  dx, dw, *db = _partition.tokens(run, (True, False, True, False, True, True), summed,
+                                  x, w, labels, b, lse, weights,
+                                  per_shard=_partition.per_shard(impl))
+  db = db[0] if db else None
   return (_common.cotangent_like(dx.astype(x.dtype), x), _common.cotangent_like(dw.astype(w.dtype), w),
           None if b is None else _common.cotangent_like(db.astype(b.dtype), b), None)
 
