@@ -73,50 +73,48 @@ def _fail_checkpoint(monkeypatch, step: int):
   monkeypatch.setattr(ocp.CheckpointManager, "save", save)
 
 
-#: fault -> (inject(monkeypatch), what the line names, where (relative to the run), whether a
-#: checkpoint was saved before it: the next command is --resume, else the same one again).
-STORAGE_FAULTS = {
-    "the run's options": (_fail_replacing("config.json"), "the run's options", "config.json",
-                          False),
-    "a metrics line": (_fail_metrics, "the metrics of step 6", "metrics.jsonl", True),
-    "a checkpoint's checksums": (_fail_checksums, "the checksums of step 10", "checkpoints",
-                                 True),
+#: The storage faults, in the order one run meets them: (fault, inject(monkeypatch), what the
+#: line names, where (relative to the run), whether a checkpoint was saved before it — the
+#: next command is then --resume, else the same command again).  Each fault's next command is
+#: the run that meets the next fault, so every one is recovered from in turn, and the run that
+#: finally finishes ends where an uninterrupted one does.  A new kind of fault joins here.
+STORAGE_FAULTS = (
+    ("the run's options", _fail_replacing("config.json"), "the run's options", "config.json",
+     False),
     # (orbax saves the first step of a run without checkpoints, whatever the interval)
-    "the first checkpoint": (lambda m: _fail_checkpoint(m, 1), "the checkpoint of step 1",
-                             "checkpoints", False),
-    "a later checkpoint": (lambda m: _fail_checkpoint(m, 10), "the checkpoint of step 10",
-                           "checkpoints", True),
-    "the summary": (_fail_replacing("summary.json"), "the summary", "summary.json", True),
-}
+    ("the first checkpoint", lambda m: _fail_checkpoint(m, 1), "the checkpoint of step 1",
+     "checkpoints", False),
+    ("a metrics line", _fail_metrics, "the metrics of step 6", "metrics.jsonl", True),
+    ("a checkpoint's checksums", _fail_checksums, "the checksums of step 10", "checkpoints", True),
+    ("a later checkpoint", lambda m: _fail_checkpoint(m, 10), "the checkpoint of step 10",
+     "checkpoints", True),
+    ("the summary", _fail_replacing("summary.json"), "the summary", "summary.json", True),
+)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(digits, tmp_path_factory):
-  run = training.train(SMALL, digits, tmp_path_factory.mktemp("storage") / "run",
-                       progress=False, devices=1)
-  return [np.asarray(a) for a in jax.tree.leaves(run["trainer"].params)]
-
-
-@pytest.mark.parametrize("fault", sorted(STORAGE_FAULTS))
-def test_a_failed_write_is_one_line_and_its_next_command_finishes_the_run(
-    digits, tmp_path, monkeypatch, uninterrupted, fault):
-  inject, what, where, resumable = STORAGE_FAULTS[fault]
-  work = tmp_path / "run"
-  inject(monkeypatch)
-  with pytest.raises(training.CheckpointWriteError) as e:
-    training.train(SMALL, digits, work, progress=False, devices=1)
-  line = str(e.value)
-  assert "\n" not in line and line.startswith(f"could not write {what} in ")
-  assert str(work.resolve() / where) in line or str(work / where) in line, line
-  assert "No space left on device" in line and e.value.resumable == resumable
-  assert (checkpoints.latest_step(work) is not None) == resumable
-  assert ("continue with --resume" if resumable else "again (without --resume)") in line
-  assert not list(work.glob(".*.tmp")), "a failed write left its temporary file"
-  monkeypatch.undo()
-  done = training.train(SMALL, digits, work, resume=resumable, progress=False, devices=1)
+def test_each_failed_write_is_one_line_and_its_next_command_recovers(digits, tmp_path,
+                                                                     monkeypatch):
+  work, resume = tmp_path / "run", False
+  for fault, inject, what, where, resumable in STORAGE_FAULTS:
+    with monkeypatch.context() as m:
+      inject(m)
+      with pytest.raises(training.CheckpointWriteError) as e:
+        training.train(SMALL, digits, work, resume=resume, progress=False, devices=1)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"could not write {what} in "), (fault, line)
+    assert str(work.resolve() / where) in line or str(work / where) in line, (fault, line)
+    assert "No space left on device" in line and e.value.resumable == resumable, (fault, line)
+    assert (checkpoints.latest_step(work) is not None) == resumable, fault
+    assert ("continue with --resume" if resumable else "again (without --resume)") in line
+    assert not list(work.glob(".*.tmp")), f"{fault}: a failed write left its temporary file"
+    resume = resumable  # what the line says the next command is
+  done = training.train(SMALL, digits, work, resume=resume, progress=False, devices=1)
   assert done["finished"]
-  for a, b in zip(uninterrupted, jax.tree.leaves(done["trainer"].params)):
-    np.testing.assert_array_equal(a, np.asarray(b))
+  uninterrupted = training.train(SMALL, digits, tmp_path / "uninterrupted", progress=False,
+                                 devices=1)
+  for a, b in zip(jax.tree.leaves(uninterrupted["trainer"].params),
+                  jax.tree.leaves(done["trainer"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _namespace_tmpfs() -> list[str] | None:
@@ -133,8 +131,8 @@ def _namespace_tmpfs() -> list[str] | None:
 def test_a_full_disk_during_text_training_is_one_line_and_the_same_command_finishes(tmp_path):
   """scripts/parity.py's byte-level GPT (the text task) on an 8 MiB tmpfs: one checkpoint
   fits, the next does not.  One line (``error: could not write the checkpoint of step N …``,
-  exit 2, no traceback); with space freed, the same command finishes the study, its run ending
-  where an uninterrupted one does."""
+  exit 2, no traceback); with space freed, the same command finishes the study, resuming the
+  run from its checkpoint."""
   prefix = _namespace_tmpfs()
   if prefix is None:
     pytest.skip("no mount namespace for a tmpfs here (unshare -rm refused)")
@@ -159,10 +157,7 @@ def test_a_full_disk_during_text_training_is_one_line_and_the_same_command_finis
   assert "No space left on device" in lines[0] and "run the same command again" in lines[0]
   assert (tmp_path / "again.rc").read_text().strip() == "0", (tmp_path / "again.err").read_text()
   import json  # pylint: disable=import-outside-toplevel
-  from models.benchmarks import parity  # pylint: disable=import-outside-toplevel
   resumed = json.loads((tmp_path / "record.json").read_text())
-  assert resumed["resumed"] is True
-  task = parity.quick(parity.TASKS["text"])
-  cfg = training.TrainConfig(**{**resumed["config"]})
-  reference = training.train(cfg, task.load(0), tmp_path / "reference", progress=False)
-  assert resumed["summary"]["final_test_loss"] == reference["final_test_loss"]
+  # (that a resumed run ends bit-identical to an uninterrupted one: the test above)
+  assert resumed["resumed"] is True and resumed["summary"]["finished"]
+  assert resumed["summary"]["steps"] == resumed["summary"]["total_steps"]
