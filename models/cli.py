@@ -138,6 +138,7 @@ def check(config, error: type[Exception] = ValueError) -> None:
 
 
 def _int_at_least(text: str, least: int) -> int:
+  """``text`` as an integer of at least ``least`` (an argparse error naming the value otherwise)."""
   try:
     value = int(text)
   except ValueError:

@@ -241,6 +241,8 @@ class Stack(nnx.Module):
                               for s, e, _ in groups])
 
   def _apply_block(self, layer: int = 0):
+    """How layer ``layer`` runs: under ``nnx.remat`` with the plan's names for it (a memory
+    plan), or the stack's policy, or as it is."""
     apply = lambda block, x, key: block(x, key)
     if self.save_names is not None:
       names = self.save_names[layer if len(self.save_names) > 1 else 0]
@@ -275,6 +277,8 @@ class Stack(nnx.Module):
 
   @staticmethod
   def _scan(blocks, x, keys, apply):
+    """``blocks`` (stacked) applied to ``x`` under ``nnx.scan``, each with its key of ``keys``
+    (None: no dropout keys)."""
     if keys is None:
       @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
       def body(x, block):

@@ -48,6 +48,8 @@ def _flash_fwd(q, k, v, causal):
 
 
 def _flash_bwd(causal, res, do):
+  """The flash attention's backward: the probabilities recomputed from q, k and the row
+  log-sum-exp, then dq, dk, dv."""
   q, k, v, o, lse = res
   p = jnp.exp(_logits(q, k, causal) - lse)
   dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), do)
@@ -112,6 +114,9 @@ def _namer(named: bool) -> Callable:
 
 def _attention(p, x, heads: int, causal: bool, rotary: bool = False, *, named: bool = False,
                attend: Callable = attention):
+  """Multi-head attention of ``x`` [batch, seq, d] through ``attend`` (grouped-query where
+  the key/value projections are narrower), biases where ``p`` has them, projections tagged
+  with MaxText's names where ``named``."""
   b, t, d = x.shape
   dh, name = d // heads, _namer(named)
 

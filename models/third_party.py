@@ -107,6 +107,8 @@ def expected(name: str, layers: int) -> dict[str, int]:
 
 
 def _transformers(name: str, size, dtype):
+  """A Hugging Face Flax model (``bert``, ``gpt2``, ``vit``, ``llama``) of ``size`` =
+  (hidden, layers, heads, seq, batch): ``(loss(params), params)``."""
   import transformers as tf  # pylint: disable=import-outside-toplevel
   hidden, layers, heads, seq, batch = size
   common = dict(num_hidden_layers=layers, num_attention_heads=heads, hidden_size=hidden,
@@ -142,6 +144,7 @@ def _transformers(name: str, size, dtype):
 
 
 def _equinox(size, dtype):
+  """An Equinox pre-LN transformer of ``size``: ``(loss(params), params)``."""
   import equinox as eqx  # pylint: disable=import-outside-toplevel
   hidden, layers, heads, seq, batch = size
 
@@ -180,6 +183,8 @@ def _equinox(size, dtype):
 
 
 def _nnx(size, dtype):
+  """A Flax NNX pre-LN transformer of ``size`` whose activation is captured at construction
+  (attribute swapping cannot reach it): ``(loss(params), params)``."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   hidden, layers, heads, seq, batch = size
 
@@ -213,6 +218,8 @@ def _nnx(size, dtype):
 
 
 def _keras_hub(name: str, size, dtype):
+  """A keras-hub backbone (``keras_*``) of ``size`` on Keras's JAX backend:
+  ``(loss(trainable), trainable)``."""
   import os  # pylint: disable=import-outside-toplevel
   os.environ.setdefault("KERAS_BACKEND", "jax")
   import keras  # pylint: disable=import-outside-toplevel
@@ -262,6 +269,8 @@ def _keras_hub(name: str, size, dtype):
 
 
 def _penzai(name: str, size, dtype):
+  """A penzai transformer (``penzai_*``: GPT-NeoX or Llama-like) of ``size``:
+  ``(loss(params), params)``."""
   from penzai import pz  # pylint: disable=import-outside-toplevel
   from penzai.models.transformer.variants import gpt_neox  # pylint: disable=import-outside-toplevel
   from penzai.models.transformer.variants import llamalike_common  # pylint: disable=import-outside-toplevel

@@ -85,6 +85,8 @@ def _padded(a, multiples, value=0):
 
 def _fwd_kernel(*refs, n, d, vocab, tiles, vocab_axis, dot_dtype, scale, cap, has_bias,
                 precision):
+  """One block of tokens' statistics: walks the vocabulary tile by tile into the online
+  log-sum-exp, the label's logit, the logit sum and the first argmax."""
   it = iter(refs)
   x_ref, w_ref = next(it), next(it)
   b_ref = next(it) if has_bias else None
@@ -185,6 +187,8 @@ def _logits_gradient(z, cols, label, lse, g, *, vocab, smoothing, z_loss, cap, s
 
 def _bwd_kernel(*refs, n, d, vocab, tiles, vocab_axis, dot_dtype, scale, cap, has_bias,
                 smoothing, z_loss, skip_below, precision):
+  """One (token block, vocabulary tile): its logits recomputed, their gradient formed and
+  added into ``dx``, ``dw`` and ``db`` with atomic adds (unless the filter drops the tile)."""
   it = iter(refs)
   x_ref, w_ref = next(it), next(it)
   b_ref = next(it) if has_bias else None

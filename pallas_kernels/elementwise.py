@@ -112,6 +112,8 @@ class ApproxOps:
 
 
 def _fwd_kernel(f, bit_fn, n, n8, x_ref, *out_refs):
+  """One block of rows: the activation's output and, for a non-monotone one, the packed
+  branch bits."""
   x = x_ref[...]
   y_ref = out_refs[0]
   y_ref[...] = f(x).astype(y_ref.dtype)
@@ -157,6 +159,8 @@ def forward(f: TileFn, bit_fn: TileFn | None, x: jax.Array, *, block_rows: int |
 
 
 def _bwd_kernel(g_fn, compute_dtype, has_bits, *refs):
+  """One block of rows: the input gradient from the output (and branch bits) and the
+  output's cotangent."""
   if has_bits:
     y_ref, m_ref, dy_ref, dx_ref = refs
   else:

@@ -47,6 +47,8 @@ def _load(ref, cols, mask):
 
 
 def _fwd_kernel(*refs, rms, eps, chunk, has_scale, has_bias):
+  """One row: its statistics, the normalized row (kept for the backward) and the scaled,
+  shifted output."""
   it = iter(refs)
   x_ref = next(it)
   scale_ref = next(it) if has_scale else None
@@ -106,6 +108,8 @@ def forward(x, scale, bias, *, rms: bool, eps: float, out_dtype, interpret: bool
 
 
 def _bwd_kernel(*refs, rms, chunk, has_scale):
+  """One row: the input gradient from the kept normalized row, its reciprocal standard
+  deviation and the output's cotangent."""
   it = iter(refs)
   xhat_ref, rstd_ref, dz_ref = next(it), next(it), next(it)
   scale_ref = next(it) if has_scale else None

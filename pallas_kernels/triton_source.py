@@ -69,6 +69,8 @@ def cast(expr: str, dtype) -> str:
 
 
 def _literal(value, dtype) -> str:
+  """A Triton source literal of ``value`` in ``dtype`` broadcast to a [BR, 8] block
+  (NaN and infinities from their bits)."""
   dt = jnp.dtype(dtype)
   tdt = triton_dtype(dt)
   if dt == jnp.bool_:

@@ -1,5 +1,6 @@
 """Layout facts: the top-level packages (two in the wheel, a third in the checkout), the import
 arrows, one activation list."""
+import ast
 import importlib
 import os
 import pathlib
@@ -157,7 +158,6 @@ def test_nothing_runs_a_script_as_a_child_process():
 def test_the_library_has_no_function_over_80_lines_and_a_short_program_module():
   """Facts a reader can check: every function in invact_jax/ fits on a screen, and
   convert/_program.py (tracing, options, the call) stays at most 400 lines."""
-  import ast  # pylint: disable=import-outside-toplevel
   long = []
   for path in (ROOT / "invact_jax").rglob("*.py"):
     for node in ast.walk(ast.parse(path.read_text())):
@@ -171,7 +171,6 @@ def test_the_library_has_no_function_over_80_lines_and_a_short_program_module():
 def test_files_a_newcomer_can_hold_in_their_head():
   """No file in invact_jax/ or models/ over 600 lines, no class in invact_jax/ over 300, no
   function in models/ over 80 (invact_jax's: the test above)."""
-  import ast  # pylint: disable=import-outside-toplevel
   big = []
   for pkg in ("invact_jax", "models"):
     for path in (ROOT / pkg).rglob("*.py"):
@@ -185,6 +184,20 @@ def test_files_a_newcomer_can_hold_in_their_head():
         if isinstance(node, ast.FunctionDef) and pkg == "models" and size > 80:
           big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {size}")
   assert not big, big
+
+
+def test_every_non_trivial_private_function_says_what_it_does():
+  """A private function of 8 lines or more in the library, the kernels or models/ has a
+  docstring (a newcomer reads what it is for before how)."""
+  missing = []
+  for pkg in ("invact_jax", "pallas_kernels", "models"):
+    for path in (ROOT / pkg).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.FunctionDef) and node.name.startswith("_")
+            and not node.name.startswith("__") and node.name != "_"
+            and node.end_lineno - node.lineno + 1 >= 8 and ast.get_docstring(node) is None):
+          missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+  assert not missing, missing
 
 
 def test_one_description_per_kind_in_the_layout():

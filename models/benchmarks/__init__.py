@@ -16,7 +16,7 @@ through :mod:`.child`.
 import os
 import platform
 
-__all__ = ["host"]
+__all__ = ["host", "versions"]
 
 
 def host() -> str:
@@ -33,3 +33,16 @@ def host() -> str:
     pass
   return f"{model}, {os.cpu_count()} cores"
 
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+  """The installed version of each of ``packages`` (None where one is not installed), for the
+  benchmarks' JSON beside the device."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name in packages:
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out

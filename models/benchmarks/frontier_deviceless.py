@@ -39,6 +39,7 @@ import numpy as np
 
 import invact_jax
 from invact_jax import memory, targets
+from models import benchmarks
 from models.benchmarks import child
 from models.benchmarks import frontier
 from models.benchmarks.frontier.schema import DevicelessRow, Row, Spec
@@ -393,15 +394,8 @@ def markdown(predicted: list[dict], measured: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def _versions() -> dict:
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-  out = {}
-  for name in ("jax", "jaxlib", "jax-cuda12-plugin", "tokamax", "flax"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out[name] = None
-  return out
+#: The packages whose versions the JSON records.
+VERSIONED = ("jax", "jaxlib", "jax-cuda12-plugin", "tokamax", "flax")
 
 
 def run(out_dir: pathlib.Path, device: str, *, stacks=STACKS, plans: bool = True,
@@ -417,8 +411,8 @@ def run(out_dir: pathlib.Path, device: str, *, stacks=STACKS, plans: bool = True
   path = pathlib.Path(out_dir) / f"frontier_deviceless_{device_slug(target.name)}_{date}.json"
   path.write_text(json.dumps({
       "device": target.name, "device_kind": target.device_kind, "date": date, "deviceless": True,
-      "versions": _versions(), "options": {k: str(v) for k, v in target.compiler_options
-                                           if k != "xla_gpu_cuda_data_dir"},
+      "versions": benchmarks.versions(*VERSIONED),
+      "options": {k: str(v) for k, v in target.compiler_options if k != "xla_gpu_cuda_data_dir"},
       "rows": rs}, indent=1) + "\n")
   return path
 
@@ -433,7 +427,8 @@ def run_fsdp(out_dir: pathlib.Path, device: str = FSDP["device"], *, date: str |
   path = pathlib.Path(out_dir) / f"frontier_deviceless_{device_slug(target.name)}_{date}.json"
   path.write_text(json.dumps({
       "device": target.name, "device_kind": target.device_kind, "date": date, "deviceless": True,
-      "fsdp": {k: v for k, v in FSDP.items() if k != "device"}, "versions": _versions(),
+      "fsdp": {k: v for k, v in FSDP.items() if k != "device"},
+      "versions": benchmarks.versions(*VERSIONED),
       "options": {k: str(v) for k, v in target.compiler_options if k != "xla_gpu_cuda_data_dir"},
       "rows": rs}, indent=1) + "\n")
   return path

@@ -52,15 +52,8 @@ __all__ = ["SECTIONS", "SETUPS", "label", "newest_per_device", "newest_per_secti
            "models", "max_batch", "planner", "measure", "markdown", "write_docs", "run"]
 
 
-def _versions() -> dict:
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
-  out = {}
-  for name in ("jax", "jaxlib", "flax", "optax", "triton", "jax-triton", "numpy"):
-    try:
-      out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      out[name] = None
-  return out
+#: The packages whose versions the JSON records.
+VERSIONED = ("jax", "jaxlib", "flax", "optax", "triton", "jax-triton", "numpy")
 
 
 def environment() -> dict:
@@ -76,7 +69,7 @@ def environment() -> dict:
   dev = jax.devices()[0]
   return {"date": datetime.date.today().isoformat(), "platform": jax.default_backend(),
           "host": benchmarks.host(), "device": str(dev.device_kind), "device_count": jax.device_count(), "driver": driver,
-          "python": platform.python_version(), "versions": _versions()}
+          "python": platform.python_version(), "versions": benchmarks.versions(*VERSIONED)}
 
 
 # --------------------------------------------------------------------------- kernels
@@ -419,6 +412,8 @@ def write_docs(paths: Sequence[pathlib.Path], doc_path: pathlib.Path) -> int:
 
 
 def _kernels(report, args, dry, on_gpu, progress, section_deadline, deadline):
+  """The report's ``kernels`` section: the activations' op speed per implementation the
+  device runs (``dry``: one activation, one small size)."""
   from invact_jax import available  # pylint: disable=import-outside-toplevel
   del args, section_deadline, deadline
   impls = ["xla"] + [i for i in ("pallas", "triton") if on_gpu and available(i)[0]]
@@ -430,6 +425,8 @@ def _kernels(report, args, dry, on_gpu, progress, section_deadline, deadline):
 
 
 def _models(report, args, dry, on_gpu, progress, section_deadline, deadline):
+  """The report's ``models`` section: peak memory and step time of ViT-B/16 and GPT-2 per
+  configuration (``dry``: a one-layer ViT-Ti/16), continuing from the earlier report's rows."""
   del args, on_gpu, deadline
   specs = ([{"model": "vit-ti16", "dtype": "bfloat16", "batch": 2, "seq_len": 0, "depth": 1}]
            if dry else
@@ -442,6 +439,8 @@ def _models(report, args, dry, on_gpu, progress, section_deadline, deadline):
 
 
 def _max_batch(report, args, dry, on_gpu, progress, section_deadline, deadline):
+  """The report's ``max_batch`` section: the largest batch of ViT-B/16 that fits, standard
+  and inverted, each search started near what the measured peaks predict."""
   import jax  # pylint: disable=import-outside-toplevel
   del args, deadline
   model, start = ("vit-ti16", 2) if dry else ("vit-b16", 256)

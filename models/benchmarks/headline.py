@@ -25,6 +25,8 @@ def _source(path: str, doc: str) -> str:
 
 
 def _gpu_rows(report: dict, path: str) -> list[str]:
+  """The headline's GPU rows from a GPU report (``path`` as linked): per model, peak memory
+  and step time standard vs inverted, and the largest batch."""
   env = report["environment"]
   rows = []
   for g in report.get("models", []):

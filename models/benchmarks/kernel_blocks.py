@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _median_seconds(f, *args, repeats: int) -> float:
+  """The median wall time of ``f(*args)`` over ``repeats`` calls after one warm-up call."""
   import jax  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(f(*args))
   ts = []

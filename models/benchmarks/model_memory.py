@@ -118,6 +118,8 @@ def _check(args) -> str | None:
 
 
 def _plot(rows, path):
+  """A bar chart of the rows' activation memory per (model, activation, dtype, batch),
+  one bar per configuration, written to ``path``."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel

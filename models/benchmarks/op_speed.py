@@ -351,6 +351,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _cost(args, meta, tqdm) -> int:
+  """``--cost``: the CPU cost table of the activations' forward and backward, written to
+  ``bench/activation_cost.json`` (or ``--out``); the exit code."""
   names = args.activations.split(",")
   with tqdm(total=len(names) * len(args.dtypes.split(",")), desc="cost", unit="row") as bar:
     def progress(msg):
@@ -363,6 +365,9 @@ def _cost(args, meta, tqdm) -> int:
 
 
 def _cost_split(args, meta, tqdm) -> int:
+  """``--cost-split``: where the XLA path's time goes per non-monotone activation
+  (:func:`cost_split`), written to ``bench/activation_cost_split.json`` (or ``--out``); the
+  exit code."""
   names = args.activations.split(",")
   rows = []
   for name in tqdm(names, desc="cost split", unit="activation"):

@@ -74,6 +74,8 @@ def program(model: str, *, dtype: str, batch: int, seq_len: int,
 
 
 def _plot(results: dict, path: pathlib.Path) -> None:
+  """Per model, the plans' recompute FLOPs against their compiled bytes, the fixed policies
+  beside them, written to ``path``."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -106,6 +108,8 @@ def _cannot_write(paths: list[pathlib.Path]) -> str | None:
 
 
 def _replot(path: pathlib.Path) -> int:
+  """``--replot``: the table and plot again from a JSON this script wrote (one line and exit
+  code 2 where it is missing, incomplete or its plot cannot be written)."""
   if not path.is_file():
     print(f"error: --replot: no such file {str(path)!r}", file=sys.stderr)
     return 2

@@ -146,6 +146,7 @@ def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib
 
 
 def _plot(runs, path):
+  """The comparison's plot: training and test loss, and test accuracy, per run."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel

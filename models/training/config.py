@@ -111,6 +111,8 @@ class TrainConfig:
       raise errors.ConfigError(str(e)) from None
 
   def _text_config(self, dataset: data_lib.Dataset) -> text.TextConfig:
+    """The text model for ``dataset`` (a text preset, its vocabulary the data's); one
+    ConfigError line for another preset or a bad override."""
     if self.preset not in text.PRESETS or text.PRESETS[self.preset].family == "bert":
       raise errors.ConfigError(f"unknown preset {self.preset!r} for text data; choose from "
                         f"{sorted(k for k, v in text.PRESETS.items() if v.family != 'bert')}")

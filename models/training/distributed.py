@@ -200,6 +200,8 @@ class _Watchdog:
       w.client.key_value_set(f"{cls.PREFIX}/done/{w.me}", "1", allow_overwrite=True)
 
   def _run(self) -> None:
+    """The watchdog's loop: bump this process's heartbeat, relay another process's one-line
+    error, and end the run when a process stops answering or the coordination service goes."""
     seen = {p: (None, time.monotonic()) for p in range(self.n) if p != self.me}
     beat = 0
     while not self.stop.wait(self.poll_s):

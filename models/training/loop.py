@@ -40,6 +40,8 @@ def _all_finite(tree) -> bool:
 
 
 def _stop_diverged(manager, bar, what: str):
+  """End a run whose loss or parameters turned non-finite: the saves in flight finish,
+  nothing more is saved, one TrainingDiverged line says what the last checkpoint holds."""
   manager.wait_until_finished()
   last = manager.latest_step()
   manager.close()
@@ -137,6 +139,8 @@ def _write(workdir: pathlib.Path, what: str, path: pathlib.Path, text: str) -> N
 def _train(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib.Path, trainer,
            data: str, *, resume: bool, progress: bool, stop_after: int | None,
            time_steps: bool, main: bool) -> dict[str, Any]:
+  """The run in ``workdir`` (its lock held): restore or start, train the steps, checkpoint,
+  log, and the summary."""
   if main:  # the other processes read it in prepare_workdir: replaced at once
     _write(workdir, "the run's options", workdir / "config.json",
            json.dumps(run_dir.run_identity(cfg, data), indent=1))

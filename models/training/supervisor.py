@@ -91,6 +91,8 @@ def as_worker() -> bool:
 
 
 def _relay(child, coordinator, timeout_s, argv) -> int:
+  """Relay the worker's stderr, holding back XLA's native logs; the exit code and, where the
+  worker could not say why it ended (XLA aborted, a signal killed it), the one line."""
   native: list[bytes] = []  # held back: shown as they were if the child ends normally
   fatal = in_native = said_error = False
   pending = b""
