@@ -1,7 +1,7 @@
 """Fault injection into a run's checkpoints: every fault ends in the newest checkpoint that
 verifies or in a one-line error; nothing that verifies is renamed, nothing silently wrong is
 loaded.  (That a resume past a checkpoint set aside ends bit-identical to an uninterrupted run
-is tests/training/test_training.py's test_resume_after_kill_matches_uninterrupted.)"""
+is tests/training/test_storage.py's chain of faults, which ends with one set aside.)"""
 import json
 import pathlib
 import shutil

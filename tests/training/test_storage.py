@@ -1,9 +1,10 @@
 """Storage faults: a write to the run directory that fails (a full disk) at each place the
 run writes — its options, the metrics log, a checkpoint's checksums, the checkpoint itself, the
 summary — is one line naming what, where and why and saying the next command; that command
-ends in the uninterrupted run's state.  :data:`STORAGE_FAULTS` is the table a new kind of fault
+ends in the uninterrupted run's state, a kill's torn checkpoint and log line on top included.  :data:`STORAGE_FAULTS` is the table a new kind of fault
 joins; the last test fills a real (tmpfs) disk during text training through the script."""
 import errno
+import json
 import os
 import pathlib
 import shutil
@@ -108,8 +109,23 @@ def test_each_failed_write_is_one_line_and_its_next_command_recovers(digits, tmp
     assert ("continue with --resume" if resumable else "again (without --resume)") in line
     assert not list(work.glob(".*.tmp")), f"{fault}: a failed write left its temporary file"
     resume = resumable  # what the line says the next command is
-  done = training.train(SMALL, digits, work, resume=resume, progress=False, devices=1)
-  assert done["finished"]
+  # Then a kill's damage on top: the newest checkpoint torn, the log's last line cut short.
+  # The resume sets the checkpoint aside (a warning), falls back to the one before, and logs
+  # no step twice.
+  assert resume
+  newest = checkpoints.latest_step(work)
+  for f in (work / "checkpoints" / str(newest)).rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"torn write")
+  with (work / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 12, "lo')
+  with pytest.warns(UserWarning, match=rf"checkpoint step {newest} does not verify: it is "
+                                       r"unreadable.*falling back"):
+    done = training.train(SMALL, digits, work, resume=True, progress=False, devices=1)
+  assert done["finished"] and (work / "checkpoints" / f"{newest}.corrupt").is_dir()
+  logged = [json.loads(line)["step"] for line in (work / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+  assert logged == sorted(set(logged)) and logged[-1] == SMALL.steps
   uninterrupted = training.train(SMALL, digits, tmp_path / "uninterrupted", progress=False,
                                  devices=1)
   for a, b in zip(jax.tree.leaves(uninterrupted["trainer"].params),
@@ -156,7 +172,6 @@ def test_a_full_disk_during_text_training_is_one_line_and_the_same_command_finis
                                                   "step "), first[-3000:]
   assert "No space left on device" in lines[0] and "run the same command again" in lines[0]
   assert (tmp_path / "again.rc").read_text().strip() == "0", (tmp_path / "again.err").read_text()
-  import json  # pylint: disable=import-outside-toplevel
   resumed = json.loads((tmp_path / "record.json").read_text())
   # (that a resumed run ends bit-identical to an uninterrupted one: the test above)
   assert resumed["resumed"] is True and resumed["summary"]["finished"]

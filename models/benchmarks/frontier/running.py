@@ -287,7 +287,7 @@ def earlier_rows(out_dir, device: str) -> list[Row]:
 
 def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.inf,
         stacks=None, progress: Callable[[str], None] = lambda _: None) -> dict:
-  """The frontier section: rows for :data:`GPU_STACKS` (``dry``: :data:`DRY_STACKS`, three
+  """The frontier section: rows for :data:`GPU_STACKS` (``dry``: :data:`DRY_STACKS`, two
   policies, no plans — tests/benchmarks/test_frontier.py runs those —, in this process),
   continuing from the device's newest frontier JSON in
   ``out_dir`` (its rows carried over), their Pareto front, ``frontier_<device>_<date>.json``
@@ -296,7 +296,7 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
   import re  # pylint: disable=import-outside-toplevel
   stacks = stacks or list(DRY_STACKS if dry else GPU_STACKS)
   rs = report.pareto(rows(stacks, dtype="float32" if dry else "bfloat16",
-                   policies=["none", "full", "dots_no_batch"] if dry else None,
+                   policies=["none", "full"] if dry else None,
                    repeats=2 if dry else 7, in_process=dry,
                    torch_configurations=("eager", "checkpoint") if dry else None,
                    deadline=deadline, progress=progress, date=date, plans=not dry,
