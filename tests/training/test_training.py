@@ -127,24 +127,6 @@ def test_batch_order_and_augmentation_are_deterministic():
   np.testing.assert_array_equal(data_lib.random_shift(x, 1, 0, 3), data_lib.random_shift(x, 1, 0, 3))
 
 
-def test_compare_writes_table_json_png(digits, tmp_path):
-  from models.training import compare
-  # Scanned layers: with unrolled ones XLA:CPU (JAX 0.10) recomputes GELU's last multiply from
-  # the pre-activation and the tanh in the inverted backward fusion, keeping both alive, and
-  # the inverted step then compiles 0.2 % above the standard one (digits ViT, float32; README
-  # "Status").  Scanned, it is 31 % below.
-  cfg = dataclasses.replace(SMALL, steps=6, scan_layers=True)
-  out = compare.compare(cfg, digits, tmp_path / "cmp", progress=False)
-  assert "| final test accuracy |" in out["table"]
-  assert out["png"].stat().st_size > 1000
-  runs = json.loads(out["json"].read_text())["runs"]
-  assert set(runs) == {"standard", "inverted"}
-  # Same seed, same data order: the first logged losses agree to float tolerance.
-  first = {k: next(h for h in v["history"] if "loss" in h)["loss"] for k, v in runs.items()}
-  assert abs(first["standard"] - first["inverted"]) < 1e-3
-  assert runs["inverted"]["compiled_temp_bytes"] < runs["standard"]["compiled_temp_bytes"]
-
-
 # Planned vs unplanned gradients of the digits ViT: the plan runs invert() of the loss, whose
 # backward is within 6.5 float32 ulps per element (tests/convert/test_program.py's bound);
 # twice that, relative L2.  Measured 2.6e-7 to 2.9e-7 (JAX 0.10.2, CPU).
