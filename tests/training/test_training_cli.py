@@ -318,6 +318,8 @@ def test_sigint_stops_at_a_step_boundary_after_the_saves_in_flight(digits, tmp_p
     ("bench_lm_head", ["--tokens", "256", "--vocab", "4096", "--repeats", "99"], "SIGINT", ""),
     ("train_vit", ["--no-progress"], "SIGTERM", " before training started: nothing was saved; "
                                                "run the same command again"),
+    ("parity", ["--quick", "--no-progress", "--workdir", "w", "--out", "o/p"], "SIGINT",
+     "; run the same command again to continue the study"),
 ])
 def test_a_signal_while_a_script_starts_is_one_line(script, args, signum, words, tmp_path):
   """Ctrl-C (or SIGTERM) while the script imports JAX or loads its data: one line and 128 +
