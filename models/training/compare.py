@@ -114,11 +114,14 @@ def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib
     try:
       s = loop.train(c, dataset, workdir / c.run_name, resume=resume and started[c.run_name],
                      progress=progress, shard_params=shard_params)
-    except errors.Interrupted as e:  # resumable where either run has a checkpoint
+    except (errors.Interrupted, checkpoints.CheckpointWriteError) as e:
+      # --compare --resume continues where either run has a checkpoint
       if e.resumable or not any(checkpoints.latest_step(workdir / r) is not None
                                 for r in started):
         raise
-      raise errors.Interrupted(e.signum, e.step, workdir, resumable=True) from None
+      if isinstance(e, errors.Interrupted):
+        raise errors.Interrupted(e.signum, e.step, workdir, resumable=True) from None
+      raise checkpoints.CheckpointWriteError(e.what, e.where, e.cause, resumable=True) from None
     started[c.run_name] = True
     trainer = s.pop("trainer")
     s["compiled_temp_bytes"] = trainer.compiled_memory().temp

@@ -10,7 +10,9 @@ import pytest
 from models import training
 from models.training import checkpoints
 from models.training import compare
+from models.training import config
 from models.training import loop
+from models.training import run_dir
 from tests.training import SMALL
 
 
@@ -108,6 +110,30 @@ def test_a_comparison_stopped_before_any_checkpoint_says_to_start_over(digits, t
   monkeypatch.undo()
   with pytest.raises(training.ConfigError, match="run it again without --resume"):
     compare.compare(COMPARED, digits, tmp_path, resume=True, progress=False)
+
+
+@pytest.mark.parametrize("stop", ["signal", "full disk"])
+def test_a_comparison_run_stopped_while_the_other_holds_checkpoints_says_resume(
+    digits, tmp_path, monkeypatch, stop):
+  """One run of a comparison stopped before its own first checkpoint (a signal, or a write
+  that fails) while the other run holds checkpoints: the line says --resume, which --compare
+  --resume continues (the test above runs it), not "the same command again", which --compare
+  would refuse on finding the other run's checkpoints."""
+  first, second = (c.run_name for c in compare._runs(COMPARED))  # pylint: disable=protected-access
+  (tmp_path / second / "checkpoints" / "6").mkdir(parents=True)  # the other run's checkpoint
+  monkeypatch.setattr(config, "validate", lambda *a, **k: None)
+  monkeypatch.setattr(run_dir, "prepare_workdir", lambda *a, **k: None)
+
+  def train(cfg, *args, **kwargs):  # the first run stops before its first checkpoint
+    assert cfg.run_name == first
+    if stop == "signal":
+      raise training.Interrupted(15, 0, tmp_path / first, resumable=False)
+    raise training.CheckpointWriteError("the checkpoint of step 1", tmp_path / first,
+                                        "No space left on device", resumable=False)
+  monkeypatch.setattr(loop, "train", train)
+  with pytest.raises((training.Interrupted, training.CheckpointWriteError)) as e:
+    compare.compare(COMPARED, digits, tmp_path, resume=True, progress=False)
+  assert e.value.resumable and "--resume" in str(e.value) and "without" not in str(e.value)
 
 
 def test_a_step_damaged_twice_is_set_aside_again(digits, tmp_path):
