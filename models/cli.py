@@ -26,7 +26,8 @@ __all__ = ["ArgumentParser", "nearest_existing", "parser", "option", "flag", "ad
            "from_args", "check",
            "positive_int", "nonnegative_int", "positive_float", "output_file", "output_prefix",
            "comma_list",
-           "stop_on_signals", "say_on_stop", "finish", "one_line"]
+           "stop_on_signals", "say_on_stop", "finish", "one_line", "first_line",
+           "one_line_warnings"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -284,8 +285,7 @@ def finish(main: Callable[[], int]) -> NoReturn:
     main: the script's job; returns its exit code.
   """
   import sys  # pylint: disable=import-outside-toplevel
-  import warnings  # pylint: disable=import-outside-toplevel
-  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+  one_line_warnings()
   try:
     code = main()
   except Exception as e:  # pylint: disable=broad-except  # one line, or the traceback of a bug
@@ -300,10 +300,21 @@ def finish(main: Callable[[], int]) -> NoReturn:
   sys.exit(code)
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """The first line of an exception's message (its type's name if empty), for one-line errors."""
+  text = str(error).strip()
+  return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 def one_line(error: BaseException) -> str:
   """An error as the one line a script prints: an ``OSError`` raised by the system (no message
   of its own) as ``FILE: why``, anything else as the first line of its message."""
   if isinstance(error, OSError) and error.strerror and len(error.args) <= 2:
     return f"{error.filename}: {error.strerror}" if error.filename is not None else error.strerror
-  text = str(error).strip()
-  return text.splitlines()[0] if text else type(error).__name__
+  return first_line(error, limit=2000)
+
+
+def one_line_warnings() -> None:
+  """From now on a warning prints as one line, ``warning: MESSAGE`` (no source line)."""
+  import warnings  # pylint: disable=import-outside-toplevel
+  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"

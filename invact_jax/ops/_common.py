@@ -141,8 +141,8 @@ def axis_size(name) -> int:
   return int(jax.lax.psum(1, name))  # JAX before axis_size: the size, as a Python int
 
 
-def _vma(x) -> frozenset:
-  return _shapes.varying_axes(x)
+#: The manual mesh axes a value varies over inside ``shard_map`` (empty elsewhere).
+_vma = _shapes.varying_axes
 
 
 #: ``a`` made varying over the manual mesh axes ``refs`` vary over (inside ``shard_map``, a

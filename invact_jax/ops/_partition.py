@@ -263,9 +263,14 @@ def _explicit_token_axes(x):
     return None
   axes = spec[0]
   types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
-  if not all("Explicit" in str(types.get(a)) for a in (axes if isinstance(axes, tuple) else (axes,))):
+  if not all("Explicit" in str(types.get(a)) for a in _axis_tuple(axes)):
     return None
   return mesh, axes
+
+
+def _axis_tuple(axes) -> tuple:
+  """A partition spec entry (one mesh axis name or a tuple of them) as a tuple."""
+  return axes if isinstance(axes, tuple) else (axes,)
 
 
 def _summing(fn: Callable, summed: Sequence[bool], axes):
@@ -285,7 +290,7 @@ def _token_axes(mesh, arg_shapes):
   axes = spec[0] if spec else None
   if axes is None:
     return None
-  parts = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))]))
+  parts = int(np.prod([mesh.shape[a] for a in _axis_tuple(axes)]))
   return axes if arg_shapes[0].shape[0] % parts == 0 else None
 
 
@@ -361,6 +366,6 @@ def tokens(fn: Callable, per_token: Sequence[bool], summed: Sequence[bool], *arg
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   return tuple(jax.shard_map(
       _summing(unpacked, summed, axes), mesh=mesh,
-      axis_names=set(axes if isinstance(axes, tuple) else (axes,)),
+      axis_names=set(_axis_tuple(axes)),
       in_specs=tuple(P(axes) if t else P() for t in flags),
       out_specs=tuple(P() if sm else P(axes) for sm in summed))(*arrays))

@@ -7,6 +7,8 @@ import contextlib
 import os
 import sys
 
+from models.cli import first_line  # noqa: F401  (re-exported: training.first_line)
+
 
 
 class TrainingDiverged(RuntimeError):
@@ -137,7 +139,3 @@ def quiet_libraries():
     sys.unraisablehook, threading.excepthook = hooks
 
 
-def first_line(error: BaseException, limit: int = 300) -> str:
-  """The first line of an exception's message (its type's name if empty), for one-line errors."""
-  text = str(error).strip()
-  return text.splitlines()[0][:limit] if text else type(error).__name__

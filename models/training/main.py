@@ -79,8 +79,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         [sys.executable, "-m", __name__ if __name__ != "__main__" else "models.training.main",
          *argv],
         coordinator=args.coordinator, timeout_s=args.distributed_timeout)
-  import warnings  # pylint: disable=import-outside-toplevel
-  warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+  cli.one_line_warnings()
   import jax  # pylint: disable=import-outside-toplevel
   from jax import errors as jax_errors  # pylint: disable=import-outside-toplevel
   several = False
