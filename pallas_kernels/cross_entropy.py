@@ -68,12 +68,18 @@ def _logits_tile(x_ref, w_ref, b_ref, r0, c0, *, n, d, vocab, tiles, vocab_axis,
     wb = w_ref[pl.ds(c0, v), pl.ds(i * k, k)].astype(dot_dtype)
     return acc + plgpu.dot(xb, wb, trans_b=True, precision=precision)
   u = lax.fori_loop(0, d // k, step, jnp.zeros((t, v), jnp.float32))
-  if b_ref is not None:
-    u = u + b_ref[pl.ds(c0, v)].astype(jnp.float32)[None, :]
+  z = _capped_logits(u, None if b_ref is None else b_ref[pl.ds(c0, v)], scale=scale, cap=cap)
+  return jnp.where(cmask[None, :], z, -jnp.inf), rmask, cmask
+
+
+def _capped_logits(u, bias, *, scale: float, cap: float | None):
+  """The logits from the float32 products ``u`` [rows, entries]: plus ``bias`` (read in float32;
+  None: none), times ``scale``, through the soft cap ``cap * tanh(. / cap)`` (None: none)."""
+  if bias is not None:
+    u = u + bias.astype(jnp.float32)[None, :]
   if scale != 1.0:
     u = u * scale
-  z = cap * jnp.tanh(u / cap) if cap is not None else u
-  return jnp.where(cmask[None, :], z, -jnp.inf), rmask, cmask
+  return cap * jnp.tanh(u / cap) if cap is not None else u
 
 
 def _padded(a, multiples, value=0):
@@ -277,11 +283,7 @@ def _logits_math(x, w, bias, *, vocab_axis: int, scale: float, soft_cap: float |
   wt = w.astype(dot_dtype)
   u = jnp.dot(x, wt if vocab_axis == 1 else wt.T, precision=_precision(dot_dtype),
               preferred_element_type=jnp.float32)
-  if bias is not None:
-    u = u + bias.astype(jnp.float32)[None, :]
-  if scale != 1.0:
-    u = u * scale
-  return soft_cap * jnp.tanh(u / soft_cap) if soft_cap is not None else u
+  return _capped_logits(u, bias, scale=scale, cap=soft_cap)
 
 
 def forward_math(x, w, labels, bias=None, *, vocab_axis: int = 1, scale: float = 1.0,

@@ -223,6 +223,12 @@ def _small_constants(refs, positions) -> dict:
           and not isinstance(refs[k].val, jax.core.Tracer)}
 
 
+def _branch_constants(node: _graph.Node) -> dict:
+  """A ``cond``'s small constant operands by branch input index (its first operand, the
+  index, is no branch input)."""
+  return {k - 1: lit for k, lit in _small_constants(node.ins, range(1, len(node.ins))).items()}
+
+
 def _convert_closed(closed, opts: Options, known: dict | None = None):
   """A converted copy of a nested body (same input and output types), or None.  ``known``:
   body input index -> the constant it always receives."""
@@ -261,11 +267,12 @@ def _in_place(node: _graph.Node, invals, opts: Options) -> list:
     body_opts = dataclasses.replace(opts, in_loop=True)
     return _graph.rescan(node, lambda *a: run(graph, a, body_opts), invals)
   if name == "cond":
-    known = {k - 1: lit for k, lit in _small_constants(node.ins, range(1, len(node.ins))).items()}
+    known = _branch_constants(node)
     graphs = [_body_graph(b, known) for b in p["branches"]]
     return list(jax.lax.switch(invals[0], [lambda *a, g=g: tuple(run(g, a, opts))
                                             for g in graphs], *invals[1:]))
-  return run(_body_graph(p["jaxpr"], _small_constants(node.ins, range(len(node.ins)))), invals, opts)
+  graph = _body_graph(p["jaxpr"], _small_constants(node.ins, range(len(node.ins))))
+  return run(graph, invals, opts)
 
 
 def _body_graph(closed, known: dict) -> _graph.Graph:
@@ -364,7 +371,7 @@ def nested(opts: Options):
       new = _convert_closed(p["jaxpr"], body_opts, _small_constants(node.ins, consts))
       return None if new is None else _rebound(node, invals, jaxpr=new)
     if name == "cond":
-      known = {k - 1: lit for k, lit in _small_constants(node.ins, range(1, len(node.ins))).items()}
+      known = _branch_constants(node)
       branches = [_convert_closed(b, opts, known) for b in p["branches"]]
       if any(b is None for b in branches):
         return None

@@ -93,9 +93,12 @@ def _softmax_call_fn(match: _match.FormMatch, region, target):
   return f
 
 
-_BUILDERS = {"activation": lambda m, region, g, opts: _activation_fn(m, region, opts.implementations["activation"]),
-             "scaled_silu": lambda m, region, g, opts: _scaled_silu_fn(m, region, opts.implementations["activation"]),
-             "softmax": lambda m, region, g, opts: _softmax_call_fn(m, region, g)}
+_BUILDERS = {
+    "activation": lambda m, region, g, opts: _activation_fn(
+        m, region, opts.implementations["activation"]),
+    "scaled_silu": lambda m, region, g, opts: _scaled_silu_fn(
+        m, region, opts.implementations["activation"]),
+    "softmax": lambda m, region, g, opts: _softmax_call_fn(m, region, g)}
 
 
 def _floating_outputs(g: _graph.Graph) -> list:

@@ -141,10 +141,6 @@ def axis_size(name) -> int:
   return int(jax.lax.psum(1, name))  # JAX before axis_size: the size, as a Python int
 
 
-#: The manual mesh axes a value varies over inside ``shard_map`` (empty elsewhere).
-_vma = _shapes.varying_axes
-
-
 #: ``a`` made varying over the manual mesh axes ``refs`` vary over (inside ``shard_map``, a
 #: loop's initial carry must have its body's type); ``a`` itself elsewhere.
 varying_like = _shapes.varying_like
@@ -171,7 +167,7 @@ def cotangent_like(ct, primal):
   """
   if ct is None:
     return None
-  extra = tuple(sorted(_vma(ct) - _vma(primal)))
+  extra = tuple(sorted(_shapes.varying_axes(ct) - _shapes.varying_axes(primal)))
   return jax.lax.psum(ct, extra) if extra else ct
 
 

@@ -143,35 +143,45 @@ def _compound(specs) -> set:
   return inner - whole
 
 
-def _partitioned(fn, args, n_out: int, shardings, rule):
-  """``fn`` applied to ``args`` as a ``custom_partitioning`` op: ``shardings`` gives the
-  output's and the operands' shardings on the mesh, ``fn`` runs per shard, ``rule`` is its
-  sharding rule."""
+def _partitioned(fn, args, n_out: int, shardings, rule, local=None):
+  """``fn`` applied to ``args`` as a ``custom_partitioning`` op: ``shardings(mesh, arg_shapes)``
+  gives the outputs' sharding (one for all ``n_out``, or a tuple of one per output) and the
+  operands', ``rule`` is its sharding rule; each shard runs ``fn``, or ``local(mesh,
+  arg_shapes)`` where given (what a shard computes can depend on the layout)."""
   op = custom_partitioning(fn)
+
+  def out_shardings(out):
+    return out if isinstance(out, tuple) or n_out == 1 else (out,) * n_out
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    out, _ = shardings(mesh, arg_shapes)
-    return out if n_out == 1 else (out,) * n_out
+    return out_shardings(shardings(mesh, arg_shapes)[0])
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     out, ins = shardings(mesh, arg_shapes)
-    return mesh, fn, (out if n_out == 1 else (out,) * n_out), ins
+    return (mesh, fn if local is None else local(mesh, arg_shapes), out_shardings(out), ins)
 
   op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
   return op(*args)
+
+
+def _axis_tuple(axes) -> tuple:
+  """A partition spec entry (one mesh axis name or a tuple of them) as a tuple."""
+  return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _parts(mesh, axes) -> int:
+  """How many shards a partition spec entry ``axes`` splits an axis into on ``mesh``."""
+  return int(np.prod([mesh.shape[a] for a in _axis_tuple(axes)]))
 
 
 def _whole_last(mesh, spec, shape):
   """``spec`` (padded to ``shape``) with the last axis unsharded unless shards hold whole bytes."""
   spec = tuple(spec) + (None,) * (len(shape) - len(spec))
   last = spec[-1]
-  if last is not None:
-    axes = last if isinstance(last, tuple) else (last,)
-    parts = int(np.prod([mesh.shape[a] for a in axes]))
-    if shape[-1] % (8 * parts):
-      spec = spec[:-1] + (None,)
+  if last is not None and shape[-1] % (8 * _parts(mesh, last)):
+    spec = spec[:-1] + (None,)
   return jax.sharding.PartitionSpec(*spec)
 
 
@@ -268,11 +278,6 @@ def _explicit_token_axes(x):
   return mesh, axes
 
 
-def _axis_tuple(axes) -> tuple:
-  """A partition spec entry (one mesh axis name or a tuple of them) as a tuple."""
-  return axes if isinstance(axes, tuple) else (axes,)
-
-
 def _summing(fn: Callable, summed: Sequence[bool], axes):
   """``fn`` with its ``summed`` outputs added over the mesh axes ``axes`` (None: as they are)."""
   def run(*a):
@@ -290,8 +295,7 @@ def _token_axes(mesh, arg_shapes):
   axes = spec[0] if spec else None
   if axes is None:
     return None
-  parts = int(np.prod([mesh.shape[a] for a in _axis_tuple(axes)]))
-  return axes if arg_shapes[0].shape[0] % parts == 0 else None
+  return axes if arg_shapes[0].shape[0] % _parts(mesh, axes) == 0 else None
 
 
 def _tokens_partitioned(unpacked: Callable, arrays, flags, summed):
@@ -318,19 +322,9 @@ def _tokens_partitioned(unpacked: Callable, arrays, flags, summed):
     ins = tuple(split(len(a.shape)) if t else whole for a, t in zip(arg_shapes, flags))
     return outs, ins
 
-  op = custom_partitioning(unpacked)
-
-  def infer(mesh, arg_shapes, result_shape):
-    del result_shape
-    return shardings(mesh, arg_shapes)[0]
-
-  def partition(mesh, arg_shapes, result_shape):
-    del result_shape
-    outs, ins = shardings(mesh, arg_shapes)
-    return mesh, _summing(unpacked, summed, _token_axes(mesh, arg_shapes)), outs, ins
-
-  op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
-  return tuple(op(*arrays))
+  return tuple(_partitioned(
+      unpacked, arrays, len(summed), shardings, rule,
+      local=lambda mesh, arg_shapes: _summing(unpacked, summed, _token_axes(mesh, arg_shapes))))
 
 
 def tokens(fn: Callable, per_token: Sequence[bool], summed: Sequence[bool], *args,

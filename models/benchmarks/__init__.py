@@ -34,7 +34,6 @@ def host() -> str:
   return f"{model}, {os.cpu_count()} cores"
 
 
-
 def versions(*packages: str) -> dict[str, str | None]:
   """The installed version of each of ``packages`` (None where one is not installed), for the
   benchmarks' JSON beside the device."""

@@ -10,7 +10,6 @@ import sys
 from models.cli import first_line  # noqa: F401  (re-exported: training.first_line)
 
 
-
 class TrainingDiverged(RuntimeError):
   """The loss or the parameters became non-finite; the run stopped before checkpointing them."""
   exit_code = 1  #: a script that meets it ends with this code (:func:`models.cli.finish`)
@@ -137,5 +136,3 @@ def quiet_libraries():
     for lg, level in zip(loggers, levels):
       lg.setLevel(level)
     sys.unraisablehook, threading.excepthook = hooks
-
-
