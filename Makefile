@@ -12,7 +12,7 @@ train: $(VENV)/.installed
 	$(BIN)/python scripts/train_vit.py $(ARGS)
 
 test: $(VENV)/.installed $(VENV)/deviceless/.installed-2
-	$(BIN)/python -m pytest -n 2 --dist loadfile README.md docs invact_jax pallas_kernels models tests $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder README.md docs invact_jax pallas_kernels models tests $(ARGS)
 
 # The compilers for compiling for a GPU or TPU without one (invact_jax.targets,
 # docs/deviceless.md): XLA:GPU's (the CUDA plugin at the venv's jaxlib version, ptxas, and

@@ -110,21 +110,34 @@ def pytest_pyfunc_call(pyfuncitem):
               f"{done.stdout[-8000:]}\n{done.stderr[-2000:]}", pytrace=False)
 
 
-# The longest files first: pytest-xdist (``--dist loadfile``) hands files out in collection
-# order, so a long file collected last runs alone at the end while the other worker idles.
-# Ordered by measured per-file time, 2 cores, 2026-11-26 (``--junitxml`` of ``make test``).
-_LONG_FILES = ("tests/training/test_distributed.py", "tests/training/test_training.py",
-               "tests/training/test_permissions.py",
-               "tests/ops/activations/test_pallas.py", "tests/planner/test_api.py",
-               "tests/benchmarks/test_plan_memory.py",
-               "tests/convert/test_keras_penzai.py", "tests/models/test_models.py",
-               "tests/convert/test_attributes.py", "tests/ops/activations/test_triton.py",
-               "tests/ops/activations/test_xla.py", "tests/benchmarks/test_gpu_report.py",
-               "tests/convert/test_program.py", "tests/convert/test_fusion.py",
-               "tests/benchmarks/test_frontier.py", "tests/convert/test_third_party.py",
-               "tests/benchmarks/test_parity.py", "tests/ops/test_cross_entropy.py",
-               "tests/training/test_training_cli.py", "tests/ops/activations/test_fits.py",
-               "tests/convert/test_cross_entropy.py", "tests/training/test_checkpoints.py")
+# The longest files first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``, the
+# Makefile's) hands files out in this order, so no long file runs alone at the end while the
+# other worker idles.  (Without the flag xdist >= 3.5 orders files by their number of tests:
+# tests/training/test_distributed.py, 107 s in 9 tests, started 235 s into the run.)
+# Every file of 4 s or more, by measured per-file time (the sum of its tests' ``--durations=0``
+# lines in ``make test ARGS=--durations=0``), 2 cores, JAX 0.10.2, 2026-11-29.
+_LONG_FILES = ("tests/training/test_distributed.py", "tests/ops/activations/test_xla.py",
+               "tests/ops/activations/test_pallas.py", "tests/training/test_training.py",
+               "tests/test_targets.py", "tests/convert/test_cross_entropy.py",
+               "tests/planner/test_api.py", "tests/convert/test_program.py",
+               "tests/benchmarks/test_frontier.py", "tests/ops/test_cross_entropy.py",
+               "tests/models/test_models.py", "tests/ops/activations/test_triton.py",
+               "tests/training/test_training_cli.py", "tests/convert/test_third_party.py",
+               "tests/training/test_storage.py", "tests/ops/norms/test_pallas.py",
+               "tests/training/test_recovery.py", "tests/training/test_permissions.py",
+               "tests/ops/norms/test_triton.py", "tests/benchmarks/test_parity.py",
+               "tests/benchmarks/test_frontier_deviceless.py",
+               "tests/convert/test_keras_penzai.py", "tests/convert/test_algebra.py",
+               "tests/ops/test_cross_entropy_pallas.py", "tests/ops/activations/test_fits.py",
+               "tests/convert/test_attributes.py", "tests/benchmarks/test_gpu_report.py",
+               "tests/benchmarks/test_plan_memory.py", "tests/benchmarks/test_plan_program.py",
+               "tests/convert/test_fusion.py", "tests/test_memory.py",
+               "tests/training/test_checkpoints.py", "tests/test_packaging.py",
+               "tests/benchmarks/test_floor.py", "tests/benchmarks/test_invert_models.py",
+               "tests/ops/test_softmax.py", "tests/benchmarks/test_lm_head.py",
+               "tests/convert/test_deferred_softmax.py",
+               "tests/ops/activations/test_accuracy.py", "tests/benchmarks/test_op_speed.py",
+               "tests/ops/norms/test_xla.py")
 
 
 # ``pytest -m gpu`` (``make gpu-test`` on a GPU machine): the tests whose outcome depends on the
