@@ -1,8 +1,9 @@
 """Storage faults: a write to the run directory that fails (a full disk) at each place the
 run writes — its options, the metrics log, a checkpoint's checksums, the checkpoint itself, the
 summary — is one line naming what, where and why and saying the next command; that command
-ends in the uninterrupted run's state, a kill's torn checkpoint and log line on top included.  :data:`STORAGE_FAULTS` is the table a new kind of fault
-joins; the last test fills a real (tmpfs) disk during text training through the script."""
+ends in the uninterrupted run's state, a kill's torn checkpoint and log line on top included.
+:data:`STORAGE_FAULTS` is the table a new kind of fault joins; the last test fills a real
+(tmpfs) disk during text training through the script."""
 import errno
 import json
 import os
