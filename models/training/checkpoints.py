@@ -302,6 +302,12 @@ class CheckpointWriteError(OSError):
     super().__init__(self.said("continue with --resume" if resumable else
                                "run the same command again (without --resume)"))
 
+  def resumable_in(self, workdir) -> "CheckpointWriteError":
+    """The same failure, said as resumable (``--resume`` of the command that ran in
+    ``workdir`` has a checkpoint to continue from); ``where`` stays the file that failed."""
+    del workdir
+    return CheckpointWriteError(self.what, self.where, self.cause, resumable=True)
+
   def said(self, next_step: str) -> str:
     """The one line, ending with ``next_step`` (how the command that was running continues)."""
     kept = ("the checkpoints written before are intact" if self.resumable else

@@ -119,9 +119,7 @@ def compare(cfg: config.TrainConfig, dataset: data_lib.Dataset, workdir: pathlib
       if e.resumable or not any(checkpoints.latest_step(workdir / r) is not None
                                 for r in started):
         raise
-      if isinstance(e, errors.Interrupted):
-        raise errors.Interrupted(e.signum, e.step, workdir, resumable=True) from None
-      raise checkpoints.CheckpointWriteError(e.what, e.where, e.cause, resumable=True) from None
+      raise e.resumable_in(workdir) from None
     started[c.run_name] = True
     trainer = s.pop("trainer")
     s["compiled_temp_bytes"] = trainer.compiled_memory().temp

@@ -66,6 +66,11 @@ class Interrupted(RuntimeError):
     self.signum, self.step, self.workdir, self.resumable = signum, step, workdir, resumable
     self.code = self.exit_code = 128 + signum
 
+  def resumable_in(self, workdir) -> "Interrupted":
+    """The same stop, said as resumable with ``--resume --workdir WORKDIR`` (a comparison's
+    run stopped before its first checkpoint while the other run holds checkpoints)."""
+    return Interrupted(self.signum, self.step, workdir, resumable=True)
+
 
 _STOP: dict = {"signum": None}  # the signal stop_on_signals noted, if any
 
