@@ -9,6 +9,7 @@ process, the steps timed interleaved.
   python scripts/bench_lm_head.py ... --profile 8   # where each head's time goes
   python scripts/bench_lm_head.py ... --device h100  # the temp columns for an H100, on any machine
   python scripts/bench_lm_head.py ... --skip-below 1e-6 1e-4  # the fused head's gradient filter
+  python scripts/bench_lm_head.py ... --heads plain "invact_jax" --pallas-blocks 64x4 128x8
 
 Where torch is importable, PyTorch's plain head and Liger-Kernel's fused linear cross-entropy
 (on a CUDA GPU with liger-kernel) run on the same head, each in its own process.
@@ -48,6 +49,11 @@ def main(argv=None) -> int:
                  help="also the fused Pallas head dropping backward tiles whose gradient "
                       "entries are all below T (its gradient error; interpret mode without a "
                       "GPU)")
+  p.add_argument("--heads", nargs="+", choices=lm_head.HEADS, default=None,
+                 help="only these heads (default: every one that runs here)")
+  p.add_argument("--pallas-blocks", nargs="+", type=lm_head.parse_block, default=[],
+                 metavar="ROWSxWARPS",
+                 help="also the fused Pallas head at these token blocks and warps (a sweep)")
   p.add_argument("--device", default=None,
                  help="predict the memory columns for this device without it (h100, h200, a "
                       "GpuTargetConfigProto file; docs/deviceless.md): compile only, no timing")

@@ -353,7 +353,10 @@ def with_step_times(predicted: list[DevicelessRow], measured: list[Row]
 
 def agreement(predicted: list[dict], measured: list[dict]) -> list[dict]:
   """Every measured row that has a prediction, beside it: ``{key fields, measured,
-  predicted, error}`` (``error``: measured / predicted − 1)."""
+  predicted, error, compile_peak}`` (``error``: measured / predicted − 1; ``compile_peak``:
+  the measured bytes are the compile's peak, an upper bound of the step's,
+  :func:`models.benchmarks.frontier.report.compile_peak`)."""
+  from models.benchmarks.frontier import report  # pylint: disable=import-outside-toplevel
   by = {_row_key(r): r for r in predicted if "error" not in r}
   out = []
   for m in measured:
@@ -364,13 +367,16 @@ def agreement(predicted: list[dict], measured: list[dict]) -> list[dict]:
                 "head": m.get("head", ""), "layers": m.get("layers"), "batch": m.get("batch"),
                 "date": m.get("date", ""), "file": m.get("file", ""),
                 "measured": m["activation_bytes"], "predicted": p["predicted_activation_bytes"],
-                "error": m["activation_bytes"] / p["predicted_activation_bytes"] - 1})
+                "error": m["activation_bytes"] / p["predicted_activation_bytes"] - 1,
+                "compile_peak": report.compile_peak(m)})
   return out
 
 
 def markdown(predicted: list[dict], measured: list[dict]) -> str:
-  """The predictions as a table, each beside its device row where one was measured (bytes;
-  the step time where :func:`with_step_times` predicted one)."""
+  """The predictions as a table, each beside its device row where one was measured (bytes,
+  ``≤`` where they are the compile's peak; the step time where :func:`with_step_times`
+  predicted one)."""
+  from models.benchmarks.frontier import report  # pylint: disable=import-outside-toplevel
   seen = {_row_key(m): m for m in measured}
   lines = ["| model | configuration | invact | head | layers × batch | predicted GiB | "
            "measured GiB | measured / predicted − 1 | predicted ms | measured ms |",
@@ -383,7 +389,8 @@ def markdown(predicted: list[dict], measured: list[dict]) -> str:
                    f"{head} | {shape} | — | — | {r['error'][:80]} | — | — |")
       continue
     a = seen.get(_row_key(r))
-    measured_cell = f"{a['activation_bytes'] / 2**30:.3f}" if a else "—"
+    bound = "≤ " if a and report.compile_peak(a) else ""
+    measured_cell = f"{bound}{a['activation_bytes'] / 2**30:.3f}" if a else "—"
     error_cell = (f"{a['activation_bytes'] / r['predicted_activation_bytes'] - 1:+.2%}" if a
                   else "")
     ms = f"{r['predicted_step_ms']:.0f}" if r.get("predicted_step_ms") else "—"

@@ -115,9 +115,11 @@ def _block(shape: dict, liger: bool):
   return Block
 
 
-def _model(shape: dict, choices: Choices, dtype, device):
+def _model(shape: dict, choices: Choices, dtype, device, annotate: bool = False):
   """The stack (or language model) of ``shape`` in PyTorch under ``choices`` (checkpointed
-  blocks, Liger's kernels and fused linear cross-entropy, torch.compile)."""
+  blocks, Liger's kernels and fused linear cross-entropy, torch.compile); with ``annotate``,
+  the head's forward inside ``record_function("head")`` (for the profile)."""
+  import contextlib  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   from torch import nn  # pylint: disable=import-outside-toplevel
   import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
@@ -151,9 +153,10 @@ def _model(shape: dict, choices: Choices, dtype, device):
       h = self.norm(self.layers(self.embed(x[:, :-1])))
       w = self.embed.weight if self.head is None else self.head.weight  # [V, d]
       labels = x[:, 1:].reshape(-1)
-      if liger:
-        return self.fused(w, h.reshape(-1, d), labels)
-      return F.cross_entropy((h @ w.T).float().reshape(-1, vocab), labels)
+      with torch.profiler.record_function("head") if annotate else contextlib.nullcontext():
+        if liger:
+          return self.fused(w, h.reshape(-1, d), labels)
+        return F.cross_entropy((h @ w.T).float().reshape(-1, vocab), labels)
   model = StackModel().to(device=device, dtype=dtype)
   return torch.compile(model) if choices.compile else model
 
@@ -170,7 +173,7 @@ def measure(spec: dict) -> dict:
   device = "cuda" if cuda else "cpu"
   dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec["dtype"]]
   torch.manual_seed(0)
-  model = _model(shape, choices, dtype, device)
+  model = _model(shape, choices, dtype, device, annotate=bool(spec.get("profile")))
   if shape.get("vocab"):
     x = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), device=device)
   else:
@@ -215,8 +218,42 @@ def measure(spec: dict) -> dict:
     if cuda:
       torch.cuda.synchronize()
     times.append(time.perf_counter() - t0)
-  return {"activation_bytes": int(activation), "step_ms": 1e3 * statistics.median(times),
-          "memory": how, "torch": torch.__version__}
+  row = {"activation_bytes": int(activation), "step_ms": 1e3 * statistics.median(times),
+         "memory": how, "torch": torch.__version__}
+  if spec.get("profile"):
+    try:
+      row["profile"] = _profile(step, spec["profile"], spec.get("trace_out"))
+    except Exception as e:  # pylint: disable=broad-except  (the row's figures stand without it)
+      row["profile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+  return row
+
+
+def _profile(step, top: int, trace_out: str | None = None) -> list[dict]:
+  """The ``top`` largest kernels of one ``step()`` under ``torch.profiler`` (after the timed
+  steps: warm), :func:`models.benchmarks.profile.torch_kernels`; the head's forward
+  annotated; the Chrome trace gzipped to ``trace_out`` where given."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  from models.benchmarks import profile as op_profile  # pylint: disable=import-outside-toplevel
+  activities = [torch.profiler.ProfilerActivity.CPU]
+  if torch.cuda.is_available():
+    activities.append(torch.profiler.ProfilerActivity.CUDA)
+  with torch.profiler.profile(activities=activities) as prof:
+    step()
+    if torch.cuda.is_available():
+      torch.cuda.synchronize()
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f:
+      raw = f.read()
+  if trace_out:
+    with gzip.open(trace_out, "wb") as f:
+      f.write(raw)
+  return op_profile.torch_kernels(json.loads(raw)["traceEvents"], steps=1, top=top)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -168,6 +169,28 @@ def skip_heads(thresholds) -> dict[str, Callable]:
           for t in thresholds}
 
 
+def pallas_heads(blocks) -> dict[str, Callable]:
+  """Per ``(block_rows, num_warps)`` in ``blocks``, ``"invact_jax pallas RxW"``: the fused
+  kernels at that token block and warps (the GPU sweep that picks their defaults)."""
+  return {f"invact_jax pallas {r}x{w}": functools.partial(
+      invact_jax.linear_cross_entropy,
+      implementation=invact_jax.Implementation(name="pallas", block_rows=r, num_warps=w))
+          for r, w in blocks}
+
+
+def parse_block(text: str) -> tuple[int, int]:
+  """``"RxW"`` (token block, warps: powers of two) -> ``(R, W)``.
+
+  Raises:
+    ValueError: not of that form.
+  """
+  parts = text.lower().split("x")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 and not int(p) & (int(p) - 1)
+                                for p in parts):
+    raise ValueError(f"a block is ROWSxWARPS, each a power of two, got {text!r}")
+  return int(parts[0]), int(parts[1])
+
+
 def tile_heads(tiles) -> dict[str, Callable]:
   """Per ``(mode, tokens, vocabulary entries)`` in ``tiles``, ``"invact_jax MODE TxV"``:
   :func:`invact_jax.linear_cross_entropy` with that gradient mode and tile (the sweep that
@@ -226,7 +249,7 @@ def compile_step(name: str, loss: Callable, head: Head, g64=None) -> tuple[dict,
 
 
 def predicted_rows(tokens: int, d: int, vocab: int, dtypes=("float32",), names=None, tiles=(),
-                   device: str = "h100") -> list[dict]:
+                   device: str = "h100", pallas_blocks=()) -> list[dict]:
   """:func:`rows`' memory columns predicted for ``device`` without it (deviceless,
   :mod:`invact_jax.targets`): per dtype and head (``names``; None: all) and tile, the
   compiled temp of the head's step and whether it holds an [N, V] buffer; no time, no
@@ -240,7 +263,7 @@ def predicted_rows(tokens: int, d: int, vocab: int, dtypes=("float32",), names=N
                jax.ShapeDtypeStruct((tokens,), jnp.int32))
     with targets.compiling_for(target):
       losses = {k: f for k, f in heads().items() if names is None or k in names}
-    for name, loss in {**losses, **tile_heads(tiles)}.items():
+    for name, loss in {**losses, **tile_heads(tiles), **pallas_heads(pallas_blocks)}.items():
       row = {"dtype": dtype, "tokens": tokens, "d": d, "vocab": vocab, "framework": "jax",
              "head": name}
       try:
@@ -315,9 +338,9 @@ def torch_rows(head: Head, dtype: str, repeats: int, timeout_s: float = 600.0,
 
 def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
          names=None, torch: bool = True, tiles=(), profile: int = 0,
-         skip_below=()) -> list[dict]:
+         skip_below=(), pallas_blocks=()) -> list[dict]:
   """Every head in ``names`` (None: all) and every ``(mode, tokens, entries)`` tile of
-  ``tiles`` (:func:`tile_heads`) on one head per dtype, timed interleaved; with ``torch``,
+  ``tiles`` (:func:`tile_heads`) and ``pallas_blocks`` (:func:`pallas_heads`) on one head per dtype, timed interleaved; with ``torch``,
   PyTorch's rows on the same head where torch is importable.  ``temp_vs_plain`` and
   ``time_vs_plain`` are against the plain head of the same framework and dtype
   (:data:`DTYPES`; PyTorch's rows for one-dtype heads only).  With ``profile``, each JAX row's
@@ -332,7 +355,8 @@ def rows(tokens: int, d: int, vocab: int, dtypes=("float32",), repeats: int = 5,
     g64 = reference_grads(head)
     losses = {k: f for k, f in heads().items() if names is None or k in names}
     measured, steps = [], {}
-    for name, loss in {**losses, **tile_heads(tiles), **skip_heads(skip_below)}.items():
+    for name, loss in {**losses, **tile_heads(tiles), **skip_heads(skip_below),
+                       **pallas_heads(pallas_blocks)}.items():
       row, compiled = compile_step(name, loss, head, g64)
       measured.append(row)
       if compiled is not None:
@@ -471,13 +495,15 @@ def run(a: argparse.Namespace, argv: list[str]) -> int:
   meta = {"jax": jax.__version__, "host": benchmarks.host(), "device": jax.devices()[0].device_kind,
           "tokens": a.tokens, "d": a.d, "vocab": a.vocab, "repeats": a.repeats,
           "date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
-          "command": "python scripts/bench_lm_head.py " + " ".join(argv)}
+          "command": "python scripts/bench_lm_head.py " + shlex.join(argv)}
   print(f"JAX {meta['jax']}, {meta['device']}, Python {meta['python']}, N={a.tokens} "
         f"d={a.d} V={a.vocab}, median of {a.repeats}, {meta['date']}")
   measured = []
   for i, dtype in enumerate(a.dtypes):  # each dtype's rows written as they are done: a run
     measured += rows(a.tokens, a.d, a.vocab, (dtype,), a.repeats, tiles=a.tiles,  # cut
-                     profile=a.profile, skip_below=getattr(a, "skip_below", ()) or ())  # short keeps them
+                     profile=a.profile, skip_below=getattr(a, "skip_below", ()) or (),  # short
+                     names=getattr(a, "heads", None),  # keeps them
+                     pallas_blocks=getattr(a, "pallas_blocks", ()) or ())
     print(table([r for r in measured if r["dtype"] == dtype]), flush=True)
     for r in measured:
       if r["dtype"] == dtype and r.get("profile"):
@@ -498,10 +524,12 @@ def _run_deviceless(a: argparse.Namespace, argv: list[str]) -> int:
           "target": target.name, "deviceless": True, "tokens": a.tokens, "d": a.d,
           "vocab": a.vocab, "date": datetime.date.today().isoformat(),
           "python": sys.version.split()[0],
-          "command": "python scripts/bench_lm_head.py " + " ".join(argv)}
+          "command": "python scripts/bench_lm_head.py " + shlex.join(argv)}
   print(f"JAX {meta['jax']}, compiled for {target.name} ({target.device_kind}) without it, "
         f"N={a.tokens} d={a.d} V={a.vocab}, {meta['date']}")
-  predicted = predicted_rows(a.tokens, a.d, a.vocab, a.dtypes, tiles=a.tiles, device=target)
+  predicted = predicted_rows(a.tokens, a.d, a.vocab, a.dtypes, tiles=a.tiles, device=target,
+                             names=getattr(a, "heads", None),
+                             pallas_blocks=getattr(a, "pallas_blocks", ()) or ())
   print(table(predicted), flush=True)
   if a.json:
     with open(a.json, "w") as f:

@@ -35,7 +35,13 @@ KNOWN_MISSES = {
     ("llama3-1b", "save_qkv_proj", "invact"): "measured above both the cuBLAS (4.44 GiB) and "
                                               "the Triton (4.24 GiB) prediction: 4.72 GiB",
     ("llama3-1b", "full", "tokamax"): "the autotuner's Triton matmuls (cuBLAS 3.00 GiB, "
-                                      "Triton 2.68 GiB; measured 2.74 GiB)",
+                                      "Triton 2.68 GiB; measured 2.74 GiB; H200, batch 3: "
+                                      "predicted 4.45 GiB, measured 4.20 GiB)",
+    ("llama3-1b", "program plan 25 %", "invact"): "H200: the device planned another program "
+                                                  "(keeps mlpwi_1 and the attention's "
+                                                  "residuals, not the QKV and out projections): "
+                                                  "its own prediction 17.68 GiB, measured "
+                                                  "+2.5 %; the deviceless plan's 16.01 GiB",
 }
 
 
@@ -54,6 +60,9 @@ def test_every_committed_device_row_agrees_with_its_prediction():
   checked = []
   for path, data, measured in committed:
     for a in frontier_deviceless.agreement(data["rows"], measured):
+      if a["compile_peak"]:  # the compile's peak, not the step's: it bounds it from above
+        assert a["error"] > 0, (path.name, a)
+        continue
       miss = abs(a["error"]) > frontier_deviceless.TOLERANCE
       assert miss == ((a["model"], a["configuration"], a["head"]) in KNOWN_MISSES), (path.name, a)
       checked.append(a)

@@ -1,5 +1,6 @@
 """The LM head benchmark (models/benchmarks/lm_head.py): rows, PyTorch's rows, the table."""
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -110,7 +111,8 @@ def test_each_dtypes_rows_are_written_as_they_are_done(monkeypatch, tmp_path):
   which it did not."""
   import argparse  # pylint: disable=import-outside-toplevel
 
-  def rows(tokens, d, vocab, dtypes, repeats, tiles=(), profile=0, skip_below=()):
+  def rows(tokens, d, vocab, dtypes, repeats, tiles=(), profile=0, skip_below=(), **kw):
+    assert kw == {"names": None, "pallas_blocks": ()}, kw
     if dtypes == ("bfloat16",):
       raise TimeoutError("cut short")
     return [{"dtype": dtypes[0], "head": "plain", "framework": "jax", "time_s": 1.0}]
@@ -123,3 +125,25 @@ def test_each_dtypes_rows_are_written_as_they_are_done(monkeypatch, tmp_path):
   saved = json.loads(out.read_text())
   assert [r["dtype"] for r in saved["rows"]] == ["float32"]
   assert saved["meta"]["unfinished"] == ["bfloat16"]
+
+
+def test_the_fused_heads_block_sweep_names_its_rows_and_rejects_bad_blocks():
+  """``--pallas-blocks ROWSxWARPS``: the fused kernels at each token block and warps (the GPU
+  sweep), each a row of its own; a block that is no power of two is one line, exit 2."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  assert lm_head.parse_block("128x8") == (128, 8)
+  for bad in ("96x4", "128", "64x3", "ax4"):
+    with pytest.raises(ValueError, match="ROWSxWARPS"):
+      lm_head.parse_block(bad)
+  heads = lm_head.pallas_heads([(128, 8), (64, 4)])
+  assert list(heads) == ["invact_jax pallas 128x8", "invact_jax pallas 64x4"]
+  impl = heads["invact_jax pallas 128x8"].keywords["implementation"]
+  assert (impl.name, impl.block_rows, impl.num_warps) == ("pallas", 128, 8)
+  script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_lm_head.py"
+  for args, message in ((["--pallas-blocks", "96x4"], "--pallas-blocks"),
+                        (["--heads", "nope"], "--heads")):
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                         check=False, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -4,6 +4,7 @@ default step fits)."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import statistics
 import time
 
@@ -20,12 +21,21 @@ from models.benchmarks.frontier.schema import Row, Spec
 
 def measure(spec: Spec) -> Row:
   """One row: ``spec`` = {stack, policy, invact, dtype, repeats[, layers][, batch][, head]
-  [, runs, configuration][, profile]}; with ``profile`` (K), the row's ``profile``: the step's
-  K largest XLA operations (:func:`models.benchmarks.profile.op_times`).  One row with its
+  [, runs, configuration][, profile[, trace_out]][, hlo_out]}; with ``profile`` (K), the row's
+  ``profile``: the step's K largest XLA operations (:func:`models.benchmarks.profile.op_times`;
+  the profiler's trace copied to ``trace_out`` where given); with
+  ``hlo_out`` (a path), the compiled step's optimized HLO written there, gzipped (what
+  :func:`models.benchmarks.profile.groups` reads the operations' kinds from).  One row with its
   profile, as a later GPU session asks for it: ``python -m models.benchmarks.frontier
   '{"stack": "llama3-1b", "policy": "none", "invact": true, "dtype": "bfloat16",
   "repeats": 3, "batch": 2, "profile": 15}'``."""
   s = model_stack.shape_of(spec)
+  cache = {CACHE_HIT: 0, CACHE_MISS: 0}
+
+  def count(event, **_):
+    if event in cache:
+      cache[event] += 1
+  jax.monitoring.register_event_listener(count)
   planned = None
   if "program_budget" in spec:  # invact_jax.plan of the model as written (no remat, plain head)
     loss, args = model_stack.build(s, "none", False, jnp.dtype(spec["dtype"]), None, "plain")
@@ -37,7 +47,11 @@ def measure(spec: Spec) -> Row:
                        spec.get("runs"), spec.get("head", "plain"))
   step = jax.jit(jax.value_and_grad(loss))
   compiled = step.lower(*args).compile()
+  if spec.get("compile_only"):  # (the first of two processes: :func:`isolated_row`)
+    return {"compiled": True, **({"planning_s": round(planning_s, 2)} if planned else {})}
   row = {**model_stack.row_key(spec), "layers": s.layers, "batch": s.batch}
+  if cache[CACHE_HIT] or cache[CACHE_MISS]:
+    row["compile_cache"] = {"hits": cache[CACHE_HIT], "misses": cache[CACHE_MISS]}
   if planned is not None:
     rep = planned.report
     row.update({"plan_program": rep.configuration, "plan_keeps": list(rep.keep),
@@ -48,6 +62,7 @@ def measure(spec: Spec) -> Row:
                 "planning_s": round(planning_s, 2)})
   if spec["invact"] and s.vocab:
     row["head_tiles"] = model_stack.head_tiles(s, targets.platform())
+  row["compiled_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
   if memory.reports_peak():
     peak = memory.device_peak(step, *args)
     # activations: the step's peak increase minus what it returns (the gradients: params'
@@ -55,7 +70,7 @@ def measure(spec: Spec) -> Row:
     row["activation_bytes"] = peak["peak_increase"] - peak["output_bytes"]
     row["memory"] = "device peak"
   else:
-    row["activation_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+    row["activation_bytes"] = row["compiled_temp_bytes"]
     row["memory"] = "compiled temp"
   jax.block_until_ready(compiled(*args))
   times = []
@@ -65,8 +80,56 @@ def measure(spec: Spec) -> Row:
     times.append(time.perf_counter() - t0)
   row["step_ms"] = 1e3 * statistics.median(times)
   if spec.get("profile"):
-    row["profile"] = op_profile.op_times(compiled, *args, steps=1, top=spec["profile"])
+    try:
+      row["profile"] = op_profile.op_times(compiled, *args, steps=1, top=spec["profile"],
+                                           trace_out=spec.get("trace_out"))
+    except Exception as e:  # pylint: disable=broad-except  (the row's figures stand without it)
+      row["profile_error"] = child.error_row(e)["error"]
+  if spec.get("hlo_out"):
+    with gzip.open(spec["hlo_out"], "wt") as f:
+      f.write(compiled.as_text())
   return row
+
+
+#: The events JAX records when a compile is answered from its persistent cache, or not.
+CACHE_HIT, CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+
+def cache_env(directory: str) -> dict[str, str]:
+  """The environment that gives a child process JAX's persistent compilation cache in
+  ``directory``, every executable cached."""
+  return {"JAX_COMPILATION_CACHE_DIR": directory,
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def isolated_row(spec: Spec, timeout_s: float, env: dict) -> Row | dict:
+  """A row measured in a child process that compiles nothing itself: a first child compiles
+  the row's step (and plans it, for a program plan) into a fresh persistent compilation
+  cache, and the measuring child loads every executable from it.
+
+  A device allocator's peak never resets, and compiling for a GPU autotunes: the autotuner's
+  buffers (a candidate's operands and outputs, several of a large matmul's) count in the
+  process's peak, so a step whose own peak lies under its compile's would report the
+  compile's (2026-11-29, H200: three invert rows of llama3-1b, predicted 4.4-6.8 GiB, all
+  measured 7.83 GiB to the byte).  The planning time is the first child's (the second
+  plans from the cache)."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  module = "models.benchmarks.frontier"
+  deadline = time.time() + timeout_s
+  cache = tempfile.mkdtemp(prefix="frontier_compile_cache_")
+  try:
+    env = {**env, **cache_env(cache)}
+    first = child.run_child(module, {**spec, "compile_only": True}, timeout_s, env=env)
+    if "error" in first:
+      return first
+    row = child.run_child(module, spec, deadline - time.time(), env=env)
+    if "planning_s" in first and "error" not in row:
+      row["planning_s"] = first["planning_s"]
+    return row
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 def child_row(spec: Spec) -> Row | dict:

@@ -165,16 +165,21 @@ def jax_row(rs: list[Row], stack: str, configuration: str, invact: bool) -> Row 
 
 def program_plan_spec(rs: list[Row], stack: str, percent: int, *, dtype: str, repeats: int,
                       fields: dict) -> Spec:
-  """The row spec of :class:`ProgramPlanRow` ``percent``: its budget (``program_budget``,
-  ``budget_bytes``) that fraction of the measured JAX default's activation bytes, or an
-  ``error`` where that row is missing."""
+  """The row spec of :class:`ProgramPlanRow` ``percent``: its budget (``budget_bytes``) that
+  fraction of the measured JAX default's activation bytes, or an ``error`` where that row is
+  missing.  The planner plans compiled temp (``program_budget``): the budget less what the
+  device's peak holds beyond a step's compiled temp, as JAX default's row measured it
+  (``activation_bytes - compiled_temp_bytes``; 127.5 MiB on the H200 of 2026-11-29, every
+  row alike; nothing where the row recorded no compiled temp, or on a CPU)."""
   spec = {"stack": stack, "policy": "none", "invact": True, "dtype": dtype, "repeats": repeats,
           "configuration": f"program plan {percent} %", **fields}
   default = jax_row(rs, stack, "default", False)
   if default is None:
     return {**spec, "error": "JAX default's row, the budget's reference, is missing"}
   budget = int(percent / 100 * default["activation_bytes"])
-  return {**spec, "program_budget": budget, "budget_bytes": budget}
+  beyond = max(default["activation_bytes"] - default.get("compiled_temp_bytes",
+                                                         default["activation_bytes"]), 0)
+  return {**spec, "program_budget": budget - beyond, "budget_bytes": budget}
 
 
 def program_plan_prediction(row: Row, rs: list[Row]) -> Row:

@@ -18,18 +18,20 @@ from models.benchmarks.frontier.schema import (JaxRow, PlanRow, ProgramPlanRow, 
                                                Spec, TorchRow)
 
 
-#: A language model's rows, the decisive ones first: a deadline cuts the rest.  ``full``
-#: with invact is early because the plans are calibrated on each side's ``default``,
-#: ``full`` and ``dots_no_batch``.
+#: A language model's rows, the decisive ones first: a deadline cuts the rest.  JAX default
+#: (the budgets' reference), then what decides the open targets at 10 % and 25 % of its bytes
+#: (``invact_jax.plan``'s rows and the rows that fit there, with invert and JAX-only with
+#: tokamax's head), the profiled rows and PyTorch's, then the rest.  The calibrated plans come
+#: after each side's ``default``, ``full`` and ``dots_no_batch``, which they are calibrated on.
 LM_ORDER: tuple[RowKind, ...] = (
-    JaxRow("none", False, "plain"), JaxRow("dots_no_batch", False, "plain"),
+    JaxRow("none", False, "plain"), ProgramPlanRow(10), ProgramPlanRow(25),
+    JaxRow("full", True, "invact"), JaxRow("save_qkv_proj", True, "invact"),
+    JaxRow("full", False, "tokamax"), JaxRow("save_qkv_proj", False, "tokamax"),
+    JaxRow("dots_no_batch", False, "plain"), JaxRow("none", True, "invact"),
+    TorchRow("eager"), TorchRow("liger"), ProgramPlanRow(50),
     JaxRow("full", False, "plain"), JaxRow("save_qkv_proj", False, "plain"),
-    JaxRow("minimal_offloaded", False, "plain"), JaxRow("none", True, "invact"),
-    JaxRow("dots_no_batch", True, "invact"), JaxRow("full", True, "invact"),
-    JaxRow("save_qkv_proj", True, "invact"), PlanRow(25), PlanRow(50), TorchRow("eager"),
-    TorchRow("liger"), ProgramPlanRow(25), ProgramPlanRow(50),
-    JaxRow("dots_no_batch", False, "tokamax"),
-    JaxRow("save_qkv_proj", False, "tokamax"), JaxRow("full", False, "tokamax"),
+    JaxRow("dots_no_batch", True, "invact"), JaxRow("minimal_offloaded", False, "plain"),
+    PlanRow(25), PlanRow(50), JaxRow("dots_no_batch", False, "tokamax"),
     *(JaxRow(p, i, "invact" if i else "plain") for p in (
         "minimal", "save_dot_except_mlp", "save_out_proj", "dots") for i in (False, True)),
     JaxRow("minimal_offloaded", True, "invact"), PlanRow(75), ProgramPlanRow(75),
@@ -58,17 +60,34 @@ class _Rows:
   date: str
   progress: Callable[[str], None]
   out: list[Row] = dataclasses.field(default_factory=list)
+  isolated: bool | None = None  #: :meth:`isolate`'s answer (None: not asked yet)
 
   def one(self, spec: Spec) -> Row:
-    row = (measurement.child_row(spec) if self.in_process else
-           {**model_stack.row_key(spec), **child.run_child(
-               "models.benchmarks.frontier", spec, self.deadline - time.time(),
-               env={**os.environ, **model_stack.ROW_ENV})})
+    """A JAX row: in this process, or a child's; on a device that reports its peak, a
+    child that compiles nothing itself (:func:`measurement.isolated_row`)."""
+    if self.in_process:
+      row = measurement.child_row(spec)
+    else:
+      env = {**os.environ, **model_stack.ROW_ENV}
+      timeout = self.deadline - time.time()
+      row = {**model_stack.row_key(spec), **(
+          measurement.isolated_row(spec, timeout, env) if self.isolate() else
+          child.run_child("models.benchmarks.frontier", spec, timeout, env=env))}
     return {**row, "date": self.date} if self.date else row
 
-  def torch_row(self, name: str, configuration: str, fields: dict) -> Row:
+  def isolate(self) -> bool:
+    """Whether rows compile in a child of their own (:func:`measurement.isolated_row`):
+    where the device reports its allocator's peak, which a compile's autotuning raises."""
+    if self.isolated is None:
+      from invact_jax import memory  # pylint: disable=import-outside-toplevel
+      self.isolated = memory.reports_peak()
+    return self.isolated
+
+  def torch_row(self, name: str, configuration: str, fields: dict, extra=None) -> Row:
+    """A PyTorch row; ``extra``: more of the child's spec (``profile``, ``trace_out``)."""
     spec = {"stack": name, "configuration": configuration, "dtype": self.dtype,
-            "repeats": self.repeats, "shape": dataclasses.asdict(dataclasses.replace(model_stack.STACKS[name], **fields))}
+            "repeats": self.repeats, **(extra or {}),
+            "shape": dataclasses.asdict(dataclasses.replace(model_stack.STACKS[name], **fields))}
     res = child.run_child("models.benchmarks.frontier_torch", spec, self.deadline - time.time())
     head = torch_head(configuration) if model_stack.STACKS[name].vocab else ""
     return {"model": name, "framework": "torch", "configuration": configuration, "invact": False,
@@ -196,6 +215,7 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
   shape = dataclasses.replace(model_stack.STACKS[name], **fields)
   earlier = [r for r in done if r.get("model") == name and "error" not in r
+             and not remeasure(r)
              and all(r.get(k) == v for k, v in fields.items())
              and (not r.get("invact") or r.get("head_tiles") == model_stack.head_tiles(
                  shape, (r.get("head_tiles") or {}).get("platform", "")))]
@@ -242,6 +262,12 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     out.append(torch_row(name, item.configuration, fields) if key["framework"] == "torch"
                else one(spec))
   return True
+
+
+def remeasure(r: Row) -> bool:
+  """Whether an earlier run's row is measured again rather than carried over: its bytes were
+  its compile's peak (:func:`report.compile_peak`)."""
+  return report.compile_peak(r)
 
 
 def carried_fit(done: list[Row], name: str, field: str) -> int | None:

@@ -28,6 +28,10 @@ class Spec(TypedDict, total=False):
   predicted_bytes: int    #: a plan's predicted activation bytes
   predicted_step_ms: float  #: a plan's predicted step
   profile: int            #: record the step's K largest XLA operations
+  hlo_out: str            #: write the compiled step's optimized HLO here (gzipped text)
+  trace_out: str          #: with ``profile``: copy the profiler's trace here (gzipped)
+  compile_only: bool      #: compile (and plan) only: the first of two processes
+                          #: (:func:`~.measurement.isolated_row`)
   error: str              #: why the row cannot be measured (it is recorded as such)
   fit: str                #: not a row: the stack whose layers (or batch) that fit to find
   field: str              #: with ``fit``: "layers" or "batch"
@@ -48,10 +52,15 @@ class Row(TypedDict, total=False):
   activation_bytes: int   #: device peak minus parameters, inputs and gradients; or the
                           #: compiled temp (``memory`` says which)
   memory: str             #: "device peak", "compiled temp", or torch's measure
+  compiled_temp_bytes: int  #: a JAX row's compiled temp, as the device's compiler gave it
   step_ms: float          #: the median step
   pareto: bool            #: no row of the model is as fast with as few bytes
   error: str              #: why there is no measurement (out of memory, of time, ...)
-  profile: list           #: the step's largest XLA operations (``Spec.profile``)
+  profile: list           #: the step's largest operations (``Spec.profile``; a PyTorch
+                          #: row's: its kernels, :func:`~models.benchmarks.profile.torch_kernels`)
+  profile_error: str      #: why the profile is missing (the row's figures stand)
+  compile_cache: dict     #: ``{"hits", "misses"}`` of the persistent compilation cache (an
+                          #: isolated row's process compiled nothing itself: no misses)
   head_tiles: dict        #: an invact language model's head tiles, per gradient mode
   torch: str              #: a PyTorch row's torch version
   budget_bytes: int       #: a plan's budget

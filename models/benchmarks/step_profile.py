@@ -1,0 +1,187 @@
+"""Where a language model's step goes, per operation, on the device: JAX's rows under
+``jax.profiler`` (every XLA operation's device time, the compiled HLO beside it) and PyTorch +
+Liger's under ``torch.profiler`` (every kernel's, the head's forward annotated).
+
+``scripts/profile_step.py`` runs :data:`ROWS` for a frontier model, one process per row as the
+frontier measures them (each row also a frontier row: bytes and median step), writes
+``profile_<device>_<date>.json`` (every row with its ``profile``) and, in the folder of the
+same name beside it, the raw files (``hlo_<row>.txt.gz``, the compiled step's optimized HLO;
+``trace_<row>.json.gz``, the profiler's trace), and seeds the device's frontier JSON of the
+day with the rows, so that ``scripts/gpu_report.py --sections frontier`` carries them over
+(and their batch: no fit).  :func:`from_traces` recomputes the JAX rows' profiles from their
+traces (after a change to :func:`models.benchmarks.profile.ops_from_trace`); :func:`markdown`
+groups each row's time by kind and by where it runs (:func:`models.benchmarks.profile.groups`)
+for docs/profile.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import time
+from typing import Callable
+
+from models.benchmarks.frontier import model_stack, running
+
+#: The rows profiled, in order: invert's (no remat, its head), JAX's fastest fitting policy
+#: (``dots_no_batch``, the plain head), PyTorch + Liger.
+ROWS = (("jax", "default", True), ("jax", "dots_no_batch", False), ("torch", "liger", False))
+
+#: Operations kept per row: all of them (the grouping needs every one).
+ALL = 1_000_000
+
+
+def slug(text: str) -> str:
+  """A file-name form of a device or row name."""
+  return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloat16",
+         repeats: int = 5, deadline: float = math.inf, date: str = "",
+         progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+  """:data:`ROWS` of ``stack`` at ``fields`` (layers, batch), each with its ``profile``; the raw
+  HLO and traces written to ``raw_dir``."""
+  run = running._Rows(dtype, repeats, False, deadline, date, progress)  # pylint: disable=protected-access
+  out = []
+  for framework, configuration, invact in ROWS:
+    name = slug(f"{framework}-{configuration}{'-invact' if invact else ''}")
+    if time.time() > deadline:
+      out.append({"model": stack, "framework": framework, "configuration": configuration,
+                  "invact": invact, "error": "out of time"})
+      continue
+    progress(f"profile {stack} {name}")
+    if framework == "torch":
+      row = run.torch_row(stack, configuration, fields, extra={
+          "profile": ALL, "trace_out": str(raw_dir / f"trace_{name}.json.gz")})
+    else:
+      policy = "none" if configuration == "default" else configuration
+      row = run.one({"stack": stack, "policy": policy, "invact": invact, "dtype": dtype,
+                     "repeats": repeats, "head": "plain", **fields, "profile": ALL,
+                     "hlo_out": str(raw_dir / f"hlo_{name}.txt.gz"),
+                     "trace_out": str(raw_dir / f"trace_{name}.json.gz")})
+    row["raw"] = name
+    out.append(row)
+    progress(f"  {row.get('step_ms', float('nan')):.1f} ms, "
+             f"{row.get('activation_bytes', 0) / 2**30:.2f} GiB {row.get('error', '')}")
+  return out
+
+
+def seed_frontier(frontier_dir: pathlib.Path, device: str, date: str, versions: dict,
+                  measured: list[dict]) -> pathlib.Path | None:
+  """The profiled rows (without their profiles) as the device's frontier JSON of ``date``,
+  where there is none yet: the frontier run carries them over.  None where one exists."""
+  path = frontier_dir / f"frontier_{slug(device)}_{date}.json"
+  if path.exists():
+    return None
+  keep = [{k: v for k, v in r.items() if k not in ("profile", "raw")} for r in measured
+          if "error" not in r]
+  path.write_text(json.dumps({"device": device, "date": date, "dry": False,
+                              "versions": versions, "rows": keep}, indent=1))
+  return path
+
+
+def batch_predicted(bench_dir: pathlib.Path, target: str, stack: str) -> int | None:
+  """The batch the committed deviceless frontier of ``target`` (h100, h200) fitted ``stack``
+  to (``frontier_deviceless_<target>_<date>.json``, the newest): None where there is none."""
+  for p in sorted(bench_dir.glob(f"frontier_deviceless_{target}_????-??-??.json"), reverse=True):
+    batches = {r.get("batch") for r in json.loads(p.read_text())["rows"]
+               if r.get("model") == stack and "error" not in r}
+    if len(batches) == 1:
+      return batches.pop()
+  return None
+
+
+def run(stack: str, out_dir: pathlib.Path, bench_dir: pathlib.Path, *, batch: int | None,
+        repeats: int, budget_s: float, progress: Callable[[str], None] = print) -> int:
+  """``scripts/profile_step.py``'s job: the rows, ``out_dir/profile_<device>_<date>.json``
+  and the raw files beside it, the frontier JSON seeded in ``bench_dir``; the exit code."""
+  for k, v in (("XLA_PYTHON_CLIENT_PREALLOCATE", "false"), ("PYTHONUNBUFFERED", "1")):
+    os.environ.setdefault(k, v)  # (this process must not take the device's memory)
+  from models.benchmarks import gpu_report  # pylint: disable=import-outside-toplevel
+  env = gpu_report.environment()
+  target = {"NVIDIA H200": "h200"}.get(env["device"], "h100")
+  s = model_stack.STACKS[stack]
+  if batch is None:
+    batch = batch_predicted(bench_dir, target, stack) or s.batch
+  fields = {"layers": s.layers, "batch": batch}
+  path = out_dir / f"profile_{slug(env['device'])}_{env['date']}.json"
+  raw = path.with_suffix("")
+  raw.mkdir(parents=True, exist_ok=True)
+  t0 = time.time()
+  measured = rows(stack, fields, raw, repeats=repeats, deadline=t0 + budget_s,
+                  date=env["date"], progress=lambda m: progress(f"[{time.time() - t0:6.1f} s] {m}"))
+  path.write_text(json.dumps({"environment": env, "model": stack, **fields,
+                              "command": "python scripts/profile_step.py", "rows": measured},
+                             indent=1))
+  seeded = seed_frontier(bench_dir, env["device"], env["date"], env["versions"], measured)
+  progress(f"wrote {path}" + (f"; seeded {seeded}" if seeded else ""))
+  return 0 if all("error" not in r for r in measured) else 1
+
+
+def from_traces(path: pathlib.Path) -> int:
+  """Rewrite the profile JSON at ``path``: each JAX row's ``profile`` recomputed from its trace
+  in the raw folder beside it (:func:`models.benchmarks.profile.ops_from_trace`, every
+  operation); the number of rows recomputed."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  from models.benchmarks import profile as op_profile  # pylint: disable=import-outside-toplevel
+  data = json.loads(path.read_text())
+  done = 0
+  for r in data["rows"]:
+    trace = path.with_suffix("") / f"trace_{r.get('raw')}.json.gz"
+    if r.get("framework") == "jax" and trace.is_file():
+      with gzip.open(trace) as f:
+        r["profile"] = op_profile.ops_from_trace(json.load(f)["traceEvents"], steps=1)
+      done += 1
+  path.write_text(json.dumps(data, indent=1))
+  return done
+
+
+def _label(r: dict) -> str:
+  name = "PyTorch + Liger" if r["framework"] == "torch" else (
+      f"invert, {r['configuration']}" if r.get("invact") else f"JAX {r['configuration']}")
+  return name
+
+
+def markdown(data: dict, source: str) -> str:
+  """docs/profile.md's table of one profile JSON: per row its step, device busy time and
+  milliseconds per kind of work inside and outside the layers
+  (:func:`models.benchmarks.profile.groups`), then each row's largest kernels."""
+  from models.benchmarks import profile as op_profile  # pylint: disable=import-outside-toplevel
+  env = data["environment"]
+  rows = [r for r in data["rows"] if r.get("profile")]
+  head = (f"Measured by `python scripts/profile_step.py` on {env['device']} (driver "
+          f"{env.get('driver')}), JAX {env['versions'].get('jax')}, torch "
+          f"{next((r.get('torch') for r in rows if r.get('torch')), '—')}, {env['date']}: "
+          f"{data['model']}, batch {data['batch']}, {data['layers']} layers; one profiled step "
+          f"per row (`{source}`).\n")
+  cols = [_label(r) for r in rows]
+  lines = ["| ms per step | " + " | ".join(cols) + " |", "|---" + "|---:" * len(cols) + "|",
+           "| step (median, unprofiled) | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows) + " |",
+           "| activation GiB | " + " | ".join(f"{r['activation_bytes'] / 2**30:.2f}" for r in rows)
+           + " |",
+           "| device busy (kernels summed) | "
+           + " | ".join(f"{sum(k['ms'] for k in r['profile']):.1f}" for r in rows) + " |"]
+  grouped = [op_profile.groups(r["profile"], data["layers"]) for r in rows]
+  for where, label in (("layers", "in the layers"), ("outside", "outside them (head, embedding, loss)")):
+    for k in op_profile.KINDS:
+      lines.append(f"| {k}, {label} | " + " | ".join(f"{g[k][where]:.1f}" for g in grouped) + " |")
+  out = [head, "\n".join(lines)]
+  for r, label in zip(rows, cols):
+    top = sorted(r["profile"], key=lambda k: -k["ms"])[:12]
+    out.append(f"\n**{label}**, largest kernels:\n\n| kernel | kind | ms | calls |\n|---|---|---:|---:|\n"
+               + "\n".join(f"| `{(k.get('kernel') or k['op'])[:70]}` | "
+                            f"{op_profile.kind(k.get('kernel') or k['op'])} | {k['ms']:.2f} | "
+                            f"{k['calls']:g} |" for k in top))
+  return "\n".join(out)
+
+
+def render_docs(text: str, root: pathlib.Path) -> str:
+  """``text`` (docs/profile.md) with every ``<!-- profile: PATH -->`` ... ``<!-- end -->``
+  block regenerated from the profile JSON at ``PATH`` (relative to ``root``)."""
+  def block(m):
+    rel = m.group(1)
+    data = json.loads((root / rel).read_text())
+    return f"<!-- profile: {rel} -->\n{markdown(data, rel)}\n<!-- end -->"
+  return re.sub(r"<!-- profile: (\S+) -->.*?<!-- end -->", block, text, flags=re.S)

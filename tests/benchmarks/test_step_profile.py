@@ -1,0 +1,93 @@
+"""models.benchmarks.step_profile: a language model's step profiled per kernel, its JSON, the
+frontier seeded with its rows, and docs/profile.md generated from the committed JSON."""
+import gzip
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from models.benchmarks import step_profile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _event(op, kernel, ts, dur):
+  return {"ph": "X", "pid": 2, "tid": 1, "ts": ts, "dur": dur, "name": kernel,
+          "args": {"hlo_op": op, "hlo_module": "jit_lm_loss"}}
+
+
+def _data(tmp_path):
+  raw = tmp_path / "profile_gpu-x_2026-11-29"
+  raw.mkdir()
+  trace = {"traceEvents": [{"ph": "M", "pid": 2, "name": "process_name",
+                            "args": {"name": "/device:GPU:0"}}]
+           + [_event("command_buffer_1", "nvjet_gemm", 10 * i, 5) for i in range(2)]
+           + [_event("command_buffer_1", "wrapped_convert_1", 100, 300)]}
+  with gzip.open(raw / "trace_jax-default-invact.json.gz", "wt") as f:
+    json.dump(trace, f)
+  rows = [{"model": "m", "framework": "jax", "configuration": "default", "invact": True,
+           "step_ms": 20.0, "activation_bytes": 2**30, "raw": "jax-default-invact",
+           "profile": [{"op": "command_buffer_1", "ms": 99.0, "calls": 1.0}]},
+          {"model": "m", "framework": "torch", "configuration": "liger", "invact": False,
+           "step_ms": 18.0, "activation_bytes": 2**31, "raw": "torch-liger", "torch": "2.11",
+           "profile": [{"kernel": "nvjet_gemm", "ms": 4.0, "calls": 4.0, "head": False},
+                       {"kernel": "liger_cross_entropy_kernel", "ms": 1.0, "calls": 2.0,
+                        "head": True}]}]
+  data = {"environment": {"device": "GPU X", "date": "2026-11-29", "driver": "1",
+                          "versions": {"jax": "0.11.2"}},
+          "model": "m", "layers": 2, "batch": 1, "rows": rows}
+  path = tmp_path / "profile_gpu-x_2026-11-29.json"
+  path.write_text(json.dumps(data))
+  return path
+
+
+def test_jax_rows_are_recomputed_from_their_traces_and_tabled_by_kind(tmp_path):
+  path = _data(tmp_path)
+  assert step_profile.from_traces(path) == 1  # the torch row has no JAX trace
+  data = json.loads(path.read_text())
+  jax_row = data["rows"][0]
+  assert [(k["kernel"], k["ms"], k["calls"]) for k in jax_row["profile"]] == [
+      ("wrapped_convert_1", 0.3, 1.0), ("nvjet_gemm", 0.01, 2.0)]
+  text = step_profile.markdown(data, "bench/p.json")
+  assert "| ms per step | invert, default | PyTorch + Liger |" in text
+  assert "| matmuls, in the layers | 0.0 | 4.0 |" in text  # 2 calls of 2 layers: in them
+  assert "| matmuls, outside them (head, embedding, loss) | 0.0 | 0.0 |" in text
+  assert "| copies and casts, outside them (head, embedding, loss) | 0.3 | 0.0 |" in text
+  assert "| elementwise and norms, outside them (head, embedding, loss) | 0.0 | 1.0 |" in text
+  assert "GPU X" in text and "torch 2.11" in text and "`bench/p.json`" in text
+  page = f"intro\n<!-- profile: {path.relative_to(tmp_path)} -->\nold\n<!-- end -->\ntail\n"
+  out = step_profile.render_docs(page, tmp_path)
+  assert out.startswith("intro\n<!-- profile: ") and out.endswith("<!-- end -->\ntail\n")
+  assert "old" not in out and step_profile.render_docs(out, tmp_path) == out
+
+
+def test_the_frontier_is_seeded_once_with_the_rows_and_the_batch_comes_from_the_prediction(tmp_path):
+  rows = [{"model": "m", "framework": "jax", "batch": 3, "profile": [1], "raw": "x"},
+          {"model": "m", "framework": "torch", "error": "no GPU"}]
+  path = step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-11-29", {"jax": "0.11.2"}, rows)
+  assert path.name == "frontier_nvidia-h200_2026-11-29.json"
+  seeded = json.loads(path.read_text())
+  assert seeded["rows"] == [{"model": "m", "framework": "jax", "batch": 3}] and not seeded["dry"]
+  assert step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-11-29", {}, rows) is None
+  assert step_profile.batch_predicted(tmp_path, "h200", "m") is None
+  (tmp_path / "frontier_deviceless_h200_2026-11-28.json").write_text(json.dumps({"rows": [
+      {"model": "m", "batch": 3}, {"model": "m", "batch": 3}, {"model": "n", "batch": 1}]}))
+  assert step_profile.batch_predicted(tmp_path, "h200", "m") == 3
+
+
+def test_docs_profile_is_generated_from_the_committed_json():
+  page = (ROOT / "docs" / "profile.md").read_text()
+  assert "<!-- profile: bench/" in page
+  assert page == step_profile.render_docs(page, ROOT), "python scripts/profile_step.py --docs"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stack", "vit-l16"], "--stack: a language model"),
+    (["--from-traces", "no/such.json"], "--from-traces: no such file"),
+    (["--batch", "0"], "--batch")])
+def test_bad_arguments_are_one_line_and_exit_2(args, message):
+  out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), *args],
+                       capture_output=True, text=True, check=False, timeout=120)
+  assert out.returncode == 2 and message in out.stderr and len(out.stderr.splitlines()) == 1, out
