@@ -48,9 +48,16 @@ def ops_from_trace(events: Iterable[dict], steps: int, top: int | None = None) -
   events = list(events)
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
   tagged = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
-  device = [e for e in tagged if names.get(e["pid"], "").startswith("/device:")]
-  tagged = device or tagged  # (a device's kernels nest in nothing, but may overlap: all count)
+  # (a device's kernels nest in nothing, but may overlap: all count; a kernel on a stream that
+  # carries no operation — a custom call's own launch, Pallas's Triton kernels — counts too)
+  device = [e for e in events if e.get("ph") == "X"
+            and names.get(e["pid"], "").startswith("/device:")
+            and ("hlo_op" in e.get("args", {})
+                 or threads.get((e["pid"], e.get("tid")), "").startswith("Stream"))]
+  tagged = device or tagged
   by_thread = collections.defaultdict(list)
   for e in tagged:
     by_thread[(e["pid"], e["tid"])].append(e)
@@ -60,8 +67,8 @@ def ops_from_trace(events: Iterable[dict], steps: int, top: int | None = None) -
     for e, nxt in zip(evs, evs[1:] + [None]):
       if not device and nxt is not None and nxt["ts"] < e["ts"] + e.get("dur", 0):
         continue  # it holds the next one: not innermost
-      op = e["args"]["hlo_op"]
-      key = (e["args"].get("hlo_module", ""), op, e["name"] if e["name"] != op else "")
+      op = e.get("args", {}).get("hlo_op", "")
+      key = (e.get("args", {}).get("hlo_module", ""), op, e["name"] if e["name"] != op else "")
       t = total[key]
       t[0] += e.get("dur", 0) / 1e3
       t[1] += 1

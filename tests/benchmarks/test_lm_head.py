@@ -141,9 +141,7 @@ def test_the_fused_heads_block_sweep_names_its_rows_and_rejects_bad_blocks():
   impl = heads["invact_jax pallas 128x8"].keywords["implementation"]
   assert (impl.name, impl.block_rows, impl.num_warps) == ("pallas", 128, 8)
   script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_lm_head.py"
-  for args, message in ((["--pallas-blocks", "96x4"], "--pallas-blocks"),
-                        (["--heads", "nope"], "--heads")):
-    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                         check=False, timeout=120)
-    assert out.returncode == 2 and message in out.stderr, out
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+  out = subprocess.run([sys.executable, str(script), "--pallas-blocks", "96x4"],
+                       capture_output=True, text=True, check=False, timeout=120)
+  assert out.returncode == 2 and "--pallas-blocks" in out.stderr, out
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -63,6 +63,17 @@ def test_a_device_counts_every_kernel_of_a_command_buffer_by_its_own_name():
   assert [(r["op"], r["kernel"], r["ms"], r["calls"]) for r in rows] == [
       ("command_buffer_3", "nvjet_sm90_gemm", 0.6, 2.0),
       ("command_buffer_3", "loop_add_fusion", 0.05, 1.0)]
+  # a kernel no operation tags (Pallas's Triton kernel) counts where it runs on a stream;
+  # a derived line of the device's (not a stream) does not
+  streams = gpu + [{"ph": "M", "pid": 2, "tid": 1, "name": "thread_name",
+                    "args": {"name": "Stream #14(Compute)"}},
+                   {"ph": "X", "pid": 2, "tid": 1, "ts": 800, "dur": 100, "name": "invact_head",
+                    "args": {}},
+                   {"ph": "X", "pid": 2, "tid": 9, "ts": 0, "dur": 900, "name": "XLA Modules",
+                    "args": {}}]
+  rows = profile.ops_from_trace(streams, steps=1)
+  assert [(r["op"], r.get("kernel"), r["ms"]) for r in rows][1] == ("", "invact_head", 0.1)
+  assert len(rows) == 3
 
 
 def _torch_event(cat, name, ts, dur, tid=1, **args):

@@ -85,8 +85,7 @@ def test_docs_profile_is_generated_from_the_committed_json():
 
 @pytest.mark.parametrize("args, message", [
     (["--stack", "vit-l16"], "--stack: a language model"),
-    (["--from-traces", "no/such.json"], "--from-traces: no such file"),
-    (["--batch", "0"], "--batch")])
+    (["--from-traces", "no/such.json"], "--from-traces: no such file")])
 def test_bad_arguments_are_one_line_and_exit_2(args, message):
   out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), *args],
                        capture_output=True, text=True, check=False, timeout=120)

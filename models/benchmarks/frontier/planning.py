@@ -197,3 +197,13 @@ def program_plan_prediction(row: Row, rs: list[Row]) -> Row:
   if base is not None and flops and flops > recompute:
     out["predicted_step_ms"] = base["step_ms"] * flops / (flops - recompute)
   return out
+
+
+def with_predictions(rs: list[Row]) -> list[Row]:
+  """``rs`` with every measured :class:`ProgramPlanRow`'s predictions
+  (:func:`program_plan_prediction`) taken against all of ``rs``: a plan measured before the
+  default row of the program it chose gets its predicted step once that row is there."""
+  for r in rs:
+    if str(r.get("configuration", "")).startswith("program plan") and "error" not in r:
+      r.update(program_plan_prediction(r, rs))
+  return rs

@@ -41,8 +41,8 @@ def plan_note(r: Row) -> str:
   else:
     return ""
   note += f"; predicted {r['predicted_bytes'] / 2**20:,.1f} MiB"
-  if "prediction_error" in r:
-    note += f" ({r['prediction_error']:+.1%})"
+  if "prediction_error" in r:  # (at most that, where the bytes are the compile's peak)
+    note += f" ({'≤ ' if compile_peak(r) else ''}{r['prediction_error']:+.1%})"
   if r.get("predicted_step_ms") is not None:
     note += f", {r['predicted_step_ms']:.1f} ms"
   return note

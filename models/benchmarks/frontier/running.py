@@ -19,15 +19,17 @@ from models.benchmarks.frontier.schema import (JaxRow, PlanRow, ProgramPlanRow, 
 
 
 #: A language model's rows, the decisive ones first: a deadline cuts the rest.  JAX default
-#: (the budgets' reference), then what decides the open targets at 10 % and 25 % of its bytes
+#: (the budgets' reference) and invert's (the inverted program's step, which a plan's
+#: predicted step scales), then what decides the open targets at 10 % and 25 % of its bytes
 #: (``invact_jax.plan``'s rows and the rows that fit there, with invert and JAX-only with
 #: tokamax's head), the profiled rows and PyTorch's, then the rest.  The calibrated plans come
 #: after each side's ``default``, ``full`` and ``dots_no_batch``, which they are calibrated on.
 LM_ORDER: tuple[RowKind, ...] = (
-    JaxRow("none", False, "plain"), ProgramPlanRow(10), ProgramPlanRow(25),
+    JaxRow("none", False, "plain"), JaxRow("none", True, "invact"),
+    ProgramPlanRow(10), ProgramPlanRow(25),
     JaxRow("full", True, "invact"), JaxRow("save_qkv_proj", True, "invact"),
     JaxRow("full", False, "tokamax"), JaxRow("save_qkv_proj", False, "tokamax"),
-    JaxRow("dots_no_batch", False, "plain"), JaxRow("none", True, "invact"),
+    JaxRow("dots_no_batch", False, "plain"),
     TorchRow("eager"), TorchRow("liger"), ProgramPlanRow(50),
     JaxRow("full", False, "plain"), JaxRow("save_qkv_proj", False, "plain"),
     JaxRow("dots_no_batch", True, "invact"), JaxRow("minimal_offloaded", False, "plain"),
@@ -321,12 +323,12 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
   import pathlib  # pylint: disable=import-outside-toplevel
   import re  # pylint: disable=import-outside-toplevel
   stacks = stacks or list(DRY_STACKS if dry else GPU_STACKS)
-  rs = report.pareto(rows(stacks, dtype="float32" if dry else "bfloat16",
+  rs = report.pareto(planning.with_predictions(rows(stacks, dtype="float32" if dry else "bfloat16",
                    policies=["none", "full"] if dry else None,
                    repeats=2 if dry else 7, in_process=dry,
                    torch_configurations=("eager", "checkpoint") if dry else None,
                    deadline=deadline, progress=progress, date=date, plans=not dry,
-                   done=() if dry else earlier_rows(out_dir, device)))
+                   done=() if dry else earlier_rows(out_dir, device))))
   out = pathlib.Path(out_dir) / f"frontier_{re.sub(r'[^a-z0-9]+', '-', device.lower())}_{date}"
   out.parent.mkdir(parents=True, exist_ok=True)
   versions = {"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None)}
