@@ -82,12 +82,16 @@ def seed_frontier(frontier_dir: pathlib.Path, device: str, date: str, versions: 
   return path
 
 
-def batch_predicted(bench_dir: pathlib.Path, target: str, stack: str) -> int | None:
-  """The batch the committed deviceless frontier of ``target`` (h100, h200) fitted ``stack``
-  to (``frontier_deviceless_<target>_<date>.json``, the newest): None where there is none."""
-  for p in sorted(bench_dir.glob(f"frontier_deviceless_{target}_????-??-??.json"), reverse=True):
-    batches = {r.get("batch") for r in json.loads(p.read_text())["rows"]
-               if r.get("model") == stack and "error" not in r}
+def batch_predicted(bench_dir: pathlib.Path, device_kind: str, stack: str) -> int | None:
+  """The batch the newest committed deviceless frontier for a device of ``device_kind`` ("NVIDIA
+  H200") fitted ``stack`` to (``frontier_deviceless_*_<date>.json``): None where there is none."""
+  paths = sorted(bench_dir.glob("frontier_deviceless_*_????-??-??.json"),
+                 key=lambda p: p.stem[-10:], reverse=True)
+  for p in paths:
+    data = json.loads(p.read_text())
+    if data.get("device_kind") != device_kind:
+      continue
+    batches = {r.get("batch") for r in data["rows"] if r.get("model") == stack and "error" not in r}
     if len(batches) == 1:
       return batches.pop()
   return None
@@ -101,10 +105,9 @@ def run(stack: str, out_dir: pathlib.Path, bench_dir: pathlib.Path, *, batch: in
     os.environ.setdefault(k, v)  # (this process must not take the device's memory)
   from models.benchmarks import gpu_report  # pylint: disable=import-outside-toplevel
   env = gpu_report.environment()
-  target = {"NVIDIA H200": "h200"}.get(env["device"], "h100")
   s = model_stack.STACKS[stack]
   if batch is None:
-    batch = batch_predicted(bench_dir, target, stack) or s.batch
+    batch = batch_predicted(bench_dir, env["device"], stack) or s.batch
   fields = {"layers": s.layers, "batch": batch}
   path = out_dir / f"profile_{slug(env['device'])}_{env['date']}.json"
   raw = path.with_suffix("")

@@ -66,7 +66,7 @@ def test_a_device_counts_every_kernel_of_a_command_buffer_by_its_own_name():
   # a kernel no operation tags (Pallas's Triton kernel) counts where it runs on a stream;
   # a derived line of the device's (not a stream) does not
   streams = gpu + [{"ph": "M", "pid": 2, "tid": 1, "name": "thread_name",
-                    "args": {"name": "Stream #14(Compute)"}},
+                    "args": {"name": "Stream 7 (Compute)"}},
                    {"ph": "X", "pid": 2, "tid": 1, "ts": 800, "dur": 100, "name": "invact_head",
                     "args": {}},
                    {"ph": "X", "pid": 2, "tid": 9, "ts": 0, "dur": 900, "name": "XLA Modules",

@@ -71,10 +71,15 @@ def test_the_frontier_is_seeded_once_with_the_rows_and_the_batch_comes_from_the_
   seeded = json.loads(path.read_text())
   assert seeded["rows"] == [{"model": "m", "framework": "jax", "batch": 3}] and not seeded["dry"]
   assert step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-11-29", {}, rows) is None
-  assert step_profile.batch_predicted(tmp_path, "h200", "m") is None
-  (tmp_path / "frontier_deviceless_h200_2026-11-28.json").write_text(json.dumps({"rows": [
-      {"model": "m", "batch": 3}, {"model": "m", "batch": 3}, {"model": "n", "batch": 1}]}))
-  assert step_profile.batch_predicted(tmp_path, "h200", "m") == 3
+  assert step_profile.batch_predicted(tmp_path, "NVIDIA H200", "m") is None
+  (tmp_path / "frontier_deviceless_h200_2026-11-28.json").write_text(json.dumps({
+      "device_kind": "NVIDIA H200", "rows": [
+          {"model": "m", "batch": 3}, {"model": "m", "batch": 3}, {"model": "n", "batch": 1}]}))
+  (tmp_path / "frontier_deviceless_h100_2026-11-29.json").write_text(json.dumps({
+      "device_kind": "NVIDIA H100 80GB HBM3", "rows": [{"model": "m", "batch": 2}]}))
+  assert step_profile.batch_predicted(tmp_path, "NVIDIA H200", "m") == 3
+  assert step_profile.batch_predicted(tmp_path, "NVIDIA H100 80GB HBM3", "m") == 2
+  assert step_profile.batch_predicted(ROOT / "bench", "NVIDIA H200", "llama3-1b") == 3
 
 
 def test_docs_profile_is_generated_from_the_committed_json():
