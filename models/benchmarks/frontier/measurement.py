@@ -24,8 +24,10 @@ def measure(spec: Spec) -> Row:
   [, runs, configuration][, profile[, trace_out]][, hlo_out]}; with ``profile`` (K), the row's
   ``profile``: the step's K largest XLA operations (:func:`models.benchmarks.profile.op_times`;
   the profiler's trace copied to ``trace_out`` where given); with
-  ``hlo_out`` (a path), the compiled step's optimized HLO written there, gzipped (what
-  :func:`models.benchmarks.profile.groups` reads the operations' kinds from).  One row with its
+  ``hlo_out`` (a path), the compiled step's optimized HLO written there, gzipped (each
+  profiled kernel's operation, its shapes and the computation it runs in, to read the
+  profile by); every row records its compiled temp and, where the persistent compilation
+  cache answered, ``compile_cache`` (:func:`isolated_row`).  One row with its
   profile, as a later GPU session asks for it: ``python -m models.benchmarks.frontier
   '{"stack": "llama3-1b", "policy": "none", "invact": true, "dtype": "bfloat16",
   "repeats": 3, "batch": 2, "profile": 15}'``."""
