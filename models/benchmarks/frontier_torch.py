@@ -224,7 +224,8 @@ def measure(spec: dict) -> dict:
     try:
       row["profile"] = _profile(step, spec["profile"], spec.get("trace_out"))
     except Exception as e:  # pylint: disable=broad-except  (the row's figures stand without it)
-      row["profile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+      from models.benchmarks import child  # pylint: disable=import-outside-toplevel
+      row["profile_error"] = child.error_row(e)["error"]
   return row
 
 

@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 from models.benchmarks.frontier import model_stack, running
+from models.benchmarks.frontier_deviceless import device_slug as slug
 
 #: The rows profiled, in order: invert's (no remat, its head), JAX's fastest fitting policy
 #: (``dots_no_batch``, the plain head), PyTorch + Liger.
@@ -31,11 +32,6 @@ ROWS = (("jax", "default", True), ("jax", "dots_no_batch", False), ("torch", "li
 
 #: Operations kept per row: all of them (the grouping needs every one).
 ALL = 1_000_000
-
-
-def slug(text: str) -> str:
-  """A file-name form of a device or row name."""
-  return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloat16",
@@ -142,9 +138,8 @@ def from_traces(path: pathlib.Path) -> int:
 
 
 def _label(r: dict) -> str:
-  name = "PyTorch + Liger" if r["framework"] == "torch" else (
+  return "PyTorch + Liger" if r["framework"] == "torch" else (
       f"invert, {r['configuration']}" if r.get("invact") else f"JAX {r['configuration']}")
-  return name
 
 
 def markdown(data: dict, source: str) -> str:

@@ -450,16 +450,27 @@ def test_a_row_isolated_from_its_compile_loads_every_executable_from_the_cache()
   assert row["configuration"] == "full" and row["invact"] and row["step_ms"] > 0
 
 
-def test_rows_known_to_report_their_compiles_peak_are_bounds_and_measured_again():
+def test_rows_known_to_report_their_compiles_peak_are_bounds_and_measured_again(monkeypatch):
   peak = {"date": "2026-11-29", "model": "llama3-1b", "configuration": "full", "invact": True,
           "head": "invact", "batch": 3, "framework": "jax", "activation_bytes": 8408260508,
           "step_ms": 527.9, "layers": 16, "memory": "device peak"}
   other = {**peak, "date": "2026-11-30"}  # measured again (isolated): a measurement
   assert frontier.report.compile_peak(peak) and not frontier.report.compile_peak(other)
-  from models.benchmarks.frontier import running  # pylint: disable=import-outside-toplevel
-  assert running.remeasure(peak) and not running.remeasure(other)
   assert "| ≤ 8,018.7 |" in frontier.report.markdown([peak])
   assert "| 8,018.7 |" in frontier.report.markdown([other])
+  # an earlier run's row so marked is measured again, not carried over
+  s = frontier.STACKS["dry-llama3"]
+  done = [{"model": "dry-llama3", "framework": "jax", "invact": False, "configuration": "default",
+           "head": "plain", "layers": s.layers, "batch": s.batch, "activation_bytes": 1,
+           "step_ms": 1.0, "date": "2026-11-29"}]
+
+  def run():
+    return frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
+                         torch_configurations=(), done=done, deadline=0.0)
+  assert run()[0] is done[0]
+  monkeypatch.setattr(frontier.report, "COMPILE_PEAKS", frozenset(
+      {("2026-11-29", "dry-llama3", "default", False, "plain", s.batch)}))
+  assert not any(r is done[0] for r in run())
 
 
 def test_a_program_plan_leaves_room_for_what_the_device_peak_holds_beyond_compiled_temp():

@@ -32,12 +32,7 @@ def measure(spec: Spec) -> Row:
   '{"stack": "llama3-1b", "policy": "none", "invact": true, "dtype": "bfloat16",
   "repeats": 3, "batch": 2, "profile": 15}'``."""
   s = model_stack.shape_of(spec)
-  cache = {CACHE_HIT: 0, CACHE_MISS: 0}
-
-  def count(event, **_):
-    if event in cache:
-      cache[event] += 1
-  jax.monitoring.register_event_listener(count)
+  before = dict(_cache_events())
   planned = None
   if "program_budget" in spec:  # invact_jax.plan of the model as written (no remat, plain head)
     loss, args = model_stack.build(s, "none", False, jnp.dtype(spec["dtype"]), None, "plain")
@@ -52,8 +47,9 @@ def measure(spec: Spec) -> Row:
   if spec.get("compile_only"):  # (the first of two processes: :func:`isolated_row`)
     return {"compiled": True, **({"planning_s": round(planning_s, 2)} if planned else {})}
   row = {**model_stack.row_key(spec), "layers": s.layers, "batch": s.batch}
-  if cache[CACHE_HIT] or cache[CACHE_MISS]:
-    row["compile_cache"] = {"hits": cache[CACHE_HIT], "misses": cache[CACHE_MISS]}
+  hits, misses = (_cache_events()[k] - before[k] for k in (CACHE_HIT, CACHE_MISS))
+  if hits or misses:
+    row["compile_cache"] = {"hits": hits, "misses": misses}
   if planned is not None:
     rep = planned.report
     row.update({"plan_program": rep.configuration, "plan_keeps": list(rep.keep),
@@ -96,6 +92,26 @@ def measure(spec: Spec) -> Row:
 #: The events JAX records when a compile is answered from its persistent cache, or not.
 CACHE_HIT, CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
+#: This process's counts of :data:`CACHE_HIT` and :data:`CACHE_MISS` (None: not listening yet).
+_CACHE_EVENTS: dict | None = None
+
+
+def _cache_events() -> dict:
+  """The process's cache-event counts so far, its one listener registered on the first call."""
+  global _CACHE_EVENTS  # pylint: disable=global-statement
+  if _CACHE_EVENTS is None:
+    _CACHE_EVENTS = {CACHE_HIT: 0, CACHE_MISS: 0}
+
+    def count(event, **_):
+      if event in _CACHE_EVENTS:
+        _CACHE_EVENTS[event] += 1
+    jax.monitoring.register_event_listener(count)
+  return _CACHE_EVENTS
+
+
+#: The module whose ``__main__`` measures one row in a child process (:func:`child_row`).
+CHILD = "models.benchmarks.frontier"
+
 
 def cache_env(directory: str) -> dict[str, str]:
   """The environment that gives a child process JAX's persistent compilation cache in
@@ -118,15 +134,14 @@ def isolated_row(spec: Spec, timeout_s: float, env: dict) -> Row | dict:
   plans from the cache)."""
   import shutil  # pylint: disable=import-outside-toplevel
   import tempfile  # pylint: disable=import-outside-toplevel
-  module = "models.benchmarks.frontier"
   deadline = time.time() + timeout_s
   cache = tempfile.mkdtemp(prefix="frontier_compile_cache_")
   try:
     env = {**env, **cache_env(cache)}
-    first = child.run_child(module, {**spec, "compile_only": True}, timeout_s, env=env)
+    first = child.run_child(CHILD, {**spec, "compile_only": True}, timeout_s, env=env)
     if "error" in first:
       return first
-    row = child.run_child(module, spec, deadline - time.time(), env=env)
+    row = child.run_child(CHILD, spec, deadline - time.time(), env=env)
     if "planning_s" in first and "error" not in row:
       row["planning_s"] = first["planning_s"]
     return row

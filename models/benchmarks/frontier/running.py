@@ -74,7 +74,7 @@ class _Rows:
       timeout = self.deadline - time.time()
       row = {**model_stack.row_key(spec), **(
           measurement.isolated_row(spec, timeout, env) if self.isolate() else
-          child.run_child("models.benchmarks.frontier", spec, timeout, env=env))}
+          child.run_child(measurement.CHILD, spec, timeout, env=env))}
     return {**row, "date": self.date} if self.date else row
 
   def isolate(self) -> bool:
@@ -217,7 +217,7 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
   shape = dataclasses.replace(model_stack.STACKS[name], **fields)
   earlier = [r for r in done if r.get("model") == name and "error" not in r
-             and not remeasure(r)
+             and not report.compile_peak(r)  # (measured again: its bytes were the compile's)
              and all(r.get(k) == v for k, v in fields.items())
              and (not r.get("invact") or r.get("head_tiles") == model_stack.head_tiles(
                  shape, (r.get("head_tiles") or {}).get("platform", "")))]
@@ -264,12 +264,6 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     out.append(torch_row(name, item.configuration, fields) if key["framework"] == "torch"
                else one(spec))
   return True
-
-
-def remeasure(r: Row) -> bool:
-  """Whether an earlier run's row is measured again rather than carried over: its bytes were
-  its compile's peak (:func:`report.compile_peak`)."""
-  return report.compile_peak(r)
 
 
 def carried_fit(done: list[Row], name: str, field: str) -> int | None:
