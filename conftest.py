@@ -142,8 +142,10 @@ _LONG_FILES = ("tests/training/test_distributed.py", "tests/ops/activations/test
 
 # ``pytest -m gpu`` (``make gpu-test`` on a GPU machine): the tests whose outcome depends on the
 # device -- the ops (compiled kernels run only on a GPU), memory and the models -- less the
-# interpret-mode classes (CPU stand-ins for the kernels) and the slow ones.
-_DEVICE_PATHS = ("tests/ops/", "tests/test_memory.py", "tests/models/")
+# interpret-mode classes (CPU stand-ins for the kernels) and the slow ones; and the converted
+# heads' numerics (on a GPU the head takes 16-bit logits from its matmul).
+_DEVICE_PATHS = ("tests/ops/", "tests/test_memory.py", "tests/models/",
+                 "tests/convert/test_cross_entropy.py")
 
 
 def _compiled_kernel_test(item) -> bool:

@@ -64,12 +64,18 @@ def device_slug(device_kind: str) -> str:
 
 def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> list[Spec]:
   """Every JAX row of ``stack`` (:func:`frontier.measure`'s specs): per policy (``policies``;
-  None: :data:`frontier.POLICIES`), the plain head, tokamax's and ``invert``'s."""
+  None: :data:`frontier.POLICIES`), the plain head, tokamax's and ``invert``'s; and the
+  frontier's unrolled rows (:class:`frontier.JaxRow` ``unrolled``)."""
   out = []
-  for policy in policies or frontier.POLICIES:
+  policies = policies or frontier.POLICIES
+  for policy in policies:
     for invact, head in ((False, "plain"), (False, "tokamax"), (True, "plain")):
       out.append({"stack": stack, "policy": policy, "invact": invact, "dtype": dtype,
                   "head": head, **fields})
+  for item in frontier.LM_ORDER:
+    if isinstance(item, frontier.JaxRow) and item.unrolled and item.policy in policies:
+      out.append({"stack": stack, "policy": item.policy, "invact": item.invact, "dtype": dtype,
+                  "head": "plain" if item.invact else item.head, "unrolled": True, **fields})
   return out
 
 
@@ -81,7 +87,8 @@ def _traced(spec: Spec) -> tuple[Callable, tuple]:
 
   def make():
     box["loss"], args = frontier.build(s, spec["policy"], spec["invact"], jnp.dtype(spec["dtype"]),
-                                       spec.get("runs"), spec.get("head", "plain"))
+                                       spec.get("runs"), spec.get("head", "plain"),
+                                       unrolled=spec.get("unrolled", False))
     return args
   args = jax.eval_shape(make)
   return box["loss"], args
@@ -307,12 +314,14 @@ def newest(bench: pathlib.Path, device_kind: str) -> list[Row]:
 
 
 def _step_group(r: Row) -> tuple:
-  """The rows whose step times one line through their FLOPs predicts: one model, head and
-  ``invert`` (a plan row: the program it took, as written with the plain head or inverted)."""
+  """The rows whose step times one line through their FLOPs predicts: one model, head,
+  ``invert`` and layers scanned or unrolled (the same FLOPs, not the same copies; a plan row:
+  the program it took, as written with the plain head or inverted)."""
   if "plan_program" in r:
     inverted = r["plan_program"] == "inverted"
-    return (r["model"], "invact" if inverted else "plain", inverted)
-  return (r["model"], r.get("head", ""), bool(r.get("invact")))
+    return (r["model"], "invact" if inverted else "plain", inverted, False)
+  return (r["model"], r.get("head", ""), bool(r.get("invact")),
+          str(r.get("configuration", "")).endswith(" unrolled"))
 
 
 def step_model(predicted: list[DevicelessRow], measured: list[Row]) -> dict[tuple, tuple]:

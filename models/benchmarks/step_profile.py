@@ -26,9 +26,11 @@ from typing import Callable
 from models.benchmarks.frontier import model_stack, running
 from models.benchmarks.frontier_deviceless import device_slug as slug
 
-#: The rows profiled, in order: invert's (no remat, its head), JAX's fastest fitting policy
-#: (``dots_no_batch``, the plain head), PyTorch + Liger.
-ROWS = (("jax", "default", True), ("jax", "dots_no_batch", False), ("torch", "liger", False))
+#: The rows profiled, in order: invert's (no remat, its head), the same with its layers
+#: unrolled (no scan's copies), JAX's fastest fitting policy (``dots_no_batch``, the plain
+#: head), PyTorch + Liger.
+ROWS = (("jax", "default", True), ("jax", "default unrolled", True),
+        ("jax", "dots_no_batch", False), ("torch", "liger", False))
 
 #: Operations kept per row: all of them (the grouping needs every one).
 ALL = 1_000_000
@@ -52,9 +54,11 @@ def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloa
       row = run.torch_row(stack, configuration, fields, extra={
           "profile": ALL, "trace_out": str(raw_dir / f"trace_{name}.json.gz")})
     else:
-      policy = "none" if configuration == "default" else configuration
-      row = run.one({"stack": stack, "policy": policy, "invact": invact, "dtype": dtype,
-                     "repeats": repeats, "head": "plain", **fields, "profile": ALL,
+      policy, unrolled = configuration.removesuffix(" unrolled"), configuration.endswith(
+          " unrolled")
+      row = run.one({"stack": stack, "policy": "none" if policy == "default" else policy,
+                     "invact": invact, "dtype": dtype, "repeats": repeats, "head": "plain",
+                     **fields, **({"unrolled": True} if unrolled else {}), "profile": ALL,
                      "hlo_out": str(raw_dir / f"hlo_{name}.txt.gz"),
                      "trace_out": str(raw_dir / f"trace_{name}.json.gz")})
     row["raw"] = name
@@ -64,17 +68,27 @@ def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloa
   return out
 
 
+def _same(a: dict, b: dict) -> bool:
+  return all(a.get(k) == b.get(k) for k in ("model", "framework", "configuration", "invact",
+                                            "head", "layers", "batch"))
+
+
 def seed_frontier(frontier_dir: pathlib.Path, device: str, date: str, versions: dict,
-                  measured: list[dict]) -> pathlib.Path | None:
-  """The profiled rows (without their profiles) as the device's frontier JSON of ``date``,
-  where there is none yet: the frontier run carries them over.  None where one exists."""
+                  measured: list[dict]) -> pathlib.Path:
+  """The profiled rows (without their profiles) in the device's frontier JSON of ``date``,
+  which the frontier run continues from (it carries them over, and their batch: no fit):
+  that day's file, else a new one holding the rows of the device's newest frontier JSON
+  (:func:`~models.benchmarks.frontier.running.earlier_rows`: nothing measured earlier is
+  lost), each row of the same model, configuration, head, layers and batch as a profiled one
+  replaced by it (the newer measurement)."""
   path = frontier_dir / f"frontier_{slug(device)}_{date}.json"
-  if path.exists():
-    return None
+  data = (json.loads(path.read_text()) if path.exists() else
+          {"device": device, "date": date, "dry": False, "versions": versions,
+           "rows": running.earlier_rows(frontier_dir, device)})
   keep = [{k: v for k, v in r.items() if k not in ("profile", "raw")} for r in measured
           if "error" not in r]
-  path.write_text(json.dumps({"device": device, "date": date, "dry": False,
-                              "versions": versions, "rows": keep}, indent=1))
+  data["rows"] = [r for r in data["rows"] if not any(_same(r, k) for k in keep)] + keep
+  path.write_text(json.dumps(data, indent=1))
   return path
 
 
@@ -115,7 +129,7 @@ def run(stack: str, out_dir: pathlib.Path, bench_dir: pathlib.Path, *, batch: in
                               "command": "python scripts/profile_step.py", "rows": measured},
                              indent=1))
   seeded = seed_frontier(bench_dir, env["device"], env["date"], env["versions"], measured)
-  progress(f"wrote {path}" + (f"; seeded {seeded}" if seeded else ""))
+  progress(f"wrote {path}; seeded {seeded}")
   return 0 if all("error" not in r for r in measured) else 1
 
 

@@ -276,6 +276,32 @@ def test_a_language_model_runs_from_tokens_to_the_loss_whatever_the_policy_and_h
   assert params["embed"].dtype == np.float32 and "head" not in params  # tied
 
 
+def test_unrolled_layers_give_the_scanned_stacks_loss_and_gradients():
+  """A row's layers unrolled, each with its own parameters: the scanned stack's loss and
+  gradients (float32, the same rounding as above), its parameters the same values as a list,
+  and no scan over the layers (the only scan left is the head's, under invert)."""
+  s = frontier.STACKS["dry-llama3"]
+  for invact in (False, True):
+    scanned, args = frontier.build(s, "none", invact, np.float32)
+    unrolled, uargs = frontier.build(s, "none", invact, np.float32, unrolled=True)
+    assert isinstance(uargs[0]["layers"], list) and len(uargs[0]["layers"]) == s.layers
+    restacked = jax.tree.map(lambda *a: np.stack(a), *uargs[0]["layers"])
+    for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(args[0]["layers"])):
+      np.testing.assert_array_equal(a, b)
+    value, grads = jax.jit(jax.value_and_grad(scanned))(*args)
+    uvalue, ugrads = jax.jit(jax.value_and_grad(unrolled))(*uargs)
+    np.testing.assert_allclose(uvalue, value, rtol=2e-6)
+    ugrads["layers"] = jax.tree.map(lambda *a: np.stack(a), *ugrads["layers"])
+    for a, b in zip(jax.tree.leaves(ugrads), jax.tree.leaves(grads)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    scans = [str(jax.make_jaxpr(f)(*a)).count(" scan[") for f, a in ((scanned, args),
+                                                                    (unrolled, uargs))]
+    assert scans == ([2, 1] if invact else [1, 0]), scans
+  spec = {"stack": "dry-llama3", "policy": "none", "invact": True, "dtype": "float32",
+          "unrolled": True}
+  assert frontier.model_stack.row_key(spec)["configuration"] == "default unrolled"
+
+
 def test_the_tokamax_head_or_its_error():
   s = frontier.STACKS["dry-llama3"]
   if frontier.model_stack.tokamax_loss() is None:
@@ -298,8 +324,9 @@ def test_language_model_rows_follow_the_order_and_carry_an_earlier_runs_rows():
                         in_process=True, torch_configurations=(), date="2026-11-26")
   keys = [(r["configuration"], r["invact"], r["head"]) for r in first]
   jax_rows = [k for k in keys if "plan" not in k[0]]
-  expected = [(("default" if p == "none" else p), i, h) for p, i, h in (
-      x for x in frontier.LM_ORDER if isinstance(x, frontier.JaxRow)) if p in policies]
+  expected = [(("default" if p == "none" else p) + (" unrolled" if u else ""), i, h)
+              for p, i, h, u in (x for x in frontier.LM_ORDER if isinstance(x, frontier.JaxRow))
+              if p in policies]
   assert jax_rows == expected, jax_rows
   plans = [r for r in first if "plan" in r["configuration"]]
   assert [r["configuration"] for r in plans] == [
@@ -388,8 +415,8 @@ def test_a_jax_row_process_takes_the_allocator_pool_at_start(monkeypatch):
                           (module, spec, env)) or {"error": "not run"})
   rs = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=False,
                      torch_configurations=(), plans=False)
-  assert [r["configuration"] for r in rs] == ["default", "default"]  # plain, invert
-  assert len(calls) == 2 and all(m == "models.benchmarks.frontier" for m, _, _ in calls)
+  assert [r["configuration"] for r in rs] == ["default", "default", "default unrolled"]
+  assert len(calls) == 3 and all(m == "models.benchmarks.frontier" for m, _, _ in calls)
   assert all(env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true" for _, _, env in calls), calls
 
 

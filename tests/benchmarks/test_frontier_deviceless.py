@@ -76,6 +76,10 @@ KNOWN_HEAD_MISSES = {
     ("bfloat16/float32", "invact_jax backward 4096x8192"):
         "the device's autotuner gave the tile's matmuls to Triton (predicted with Triton "
         "608.1 MiB, as measured; with cuBLAS 512.1 MiB)",
+    **{(dtype, "invact_jax.invert(plain)"):
+       "measured on 2026-11-27, before the converted head took the program's bfloat16 logits "
+       "from its matmul on a GPU (2026-11-29: predicted 18-19 % less since); the next device "
+       "run measures it again" for dtype in ("bfloat16/float32", "bfloat16")},
 }
 
 
@@ -134,6 +138,8 @@ def test_rows_of_a_small_model_for_the_h100():
   plain, inverted = by[("default", False, "plain")], by[("default", True, "invact")]
   assert plain["predicted_activation_bytes"] == plain["compiled_temp_bytes"] > 0
   assert inverted["head_tiles"]["platform"] == "gpu"
+  unrolled = by[("default unrolled", True, "invact")]  # (the frontier's unrolled row)
+  assert unrolled["predicted_activation_bytes"] > 0 and unrolled["layers"] == 2
   (full,) = frontier_deviceless.specs("dry-llama3", {"layers": 2, "batch": 2}, policies=["full"])[:1]
   full = frontier_deviceless.predict(full, H100)
   assert full["predicted_activation_bytes"] < plain["predicted_activation_bytes"]
@@ -181,16 +187,20 @@ def test_step_times_are_predicted_from_the_devices_rows_of_the_same_group():
                 dict(key, configuration="program plan 10 %", invact=True, head="plain",
                      plan_program="as written", step_flops=3e12),
                 dict(key, configuration="program plan 25 %", invact=True, head="plain",
-                     plan_program="inverted", step_flops=3e12)]
+                     plan_program="inverted", step_flops=3e12),
+                dict(key, configuration="default unrolled", invact=False, head="plain",
+                     step_flops=2e12)]
   measured = [dict(key, configuration=c, invact=False, head="plain", step_ms=ms)
               for c, ms in (("a", 110.0), ("b", 210.0), ("minimal_offloaded", 900.0))]
   measured.append(dict(key, configuration="d", invact=True, head="invact", step_ms=50.0))
   model = frontier_deviceless.step_model(predicted, measured)
-  assert set(model) == {("m", "plain", False)}
-  intercept, slope, n = model[("m", "plain", False)]
+  assert set(model) == {("m", "plain", False, False)}
+  intercept, slope, n = model[("m", "plain", False, False)]
   assert n == 2 and intercept == pytest.approx(10.0) and slope == pytest.approx(1e-10)
   rows = {r["configuration"]: r for r in frontier_deviceless.with_step_times(predicted, measured)}
   assert rows["c"]["predicted_step_ms"] == pytest.approx(410.0)
   assert rows["program plan 10 %"]["predicted_step_ms"] == pytest.approx(310.0)
   assert "predicted_step_ms" not in rows["program plan 25 %"]  # the inverted group: one row
   assert "predicted_step_ms" not in rows["d"]
+  # the same FLOPs unrolled: not the scanned line's step (not the same copies)
+  assert "predicted_step_ms" not in rows["default unrolled"]

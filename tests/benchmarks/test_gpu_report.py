@@ -43,7 +43,7 @@ def test_dry_run_fills_every_section(dry_report):
   rows = [r for r in fr["rows"] if r["framework"] == "jax" and r["head"] != "tokamax"
           and not r["configuration"].startswith("plan")]
   assert {(r["configuration"], r["invact"]) for r in rows} == {
-      (c, i) for c in ("default", "full") for i in (False, True)}
+      (c, i) for c in ("default", "full") for i in (False, True)} | {("default unrolled", True)}
   assert all(r["activation_bytes"] > 0 and r["step_ms"] > 0 for r in rows), rows
   by = {(r["configuration"], r["invact"]): r["activation_bytes"] for r in rows}
   assert by[("default", True)] < by[("default", False)]   # invact keeps less

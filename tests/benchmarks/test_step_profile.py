@@ -63,14 +63,26 @@ def test_jax_rows_are_recomputed_from_their_traces_and_tabled_by_kind(tmp_path):
   assert "old" not in out and step_profile.render_docs(out, tmp_path) == out
 
 
-def test_the_frontier_is_seeded_once_with_the_rows_and_the_batch_comes_from_the_prediction(tmp_path):
-  rows = [{"model": "m", "framework": "jax", "batch": 3, "profile": [1], "raw": "x"},
+def test_the_frontier_is_seeded_with_the_rows_and_the_batch_comes_from_the_prediction(tmp_path):
+  """The profiled rows go into the day's frontier JSON, replacing rows of the same key; a new
+  day's file starts from the device's newest one (nothing measured earlier is lost)."""
+  row = {"model": "m", "framework": "jax", "configuration": "default", "invact": True,
+         "head": "invact", "batch": 3}
+  rows = [{**row, "step_ms": 2.0, "profile": [1], "raw": "x"},
           {"model": "m", "framework": "torch", "error": "no GPU"}]
   path = step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-11-29", {"jax": "0.11.2"}, rows)
   assert path.name == "frontier_nvidia-h200_2026-11-29.json"
   seeded = json.loads(path.read_text())
-  assert seeded["rows"] == [{"model": "m", "framework": "jax", "batch": 3}] and not seeded["dry"]
-  assert step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-11-29", {}, rows) is None
+  assert seeded["rows"] == [{**row, "step_ms": 2.0}] and not seeded["dry"]
+  other = {**row, "configuration": "full", "step_ms": 5.0}
+  seeded["rows"].append(other)
+  path.write_text(json.dumps(seeded))
+  again = [{**row, "step_ms": 1.0}]
+  later = step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-12-01", {}, again)
+  assert json.loads(later.read_text())["rows"] == [other, {**row, "step_ms": 1.0}]
+  assert json.loads(path.read_text())["rows"] == [{**row, "step_ms": 2.0}, other]  # untouched
+  step_profile.seed_frontier(tmp_path, "NVIDIA H200", "2026-12-01", {}, [{**row, "step_ms": 0.5}])
+  assert json.loads(later.read_text())["rows"] == [other, {**row, "step_ms": 0.5}]
   assert step_profile.batch_predicted(tmp_path, "NVIDIA H200", "m") is None
   (tmp_path / "frontier_deviceless_h200_2026-11-28.json").write_text(json.dumps({
       "device_kind": "NVIDIA H200", "rows": [

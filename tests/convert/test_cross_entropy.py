@@ -14,9 +14,18 @@ import optax
 import pytest
 
 import invact_jax
+from invact_jax import targets
 from tests.convert.test_program import assert_at_float32_floor
 
 B, T, D, V = 2, 5, 16, 40
+
+
+def _gpu_compiler() -> bool:
+  try:
+    targets.resolve("h100")
+  except RuntimeError:
+    return False
+  return True
 
 
 def _inputs(dtype=jnp.float32, v=V):
@@ -333,6 +342,30 @@ def test_a_cross_entropy_the_program_computes_in_bfloat16_runs_in_float32(form):
   truth = float(np.mean(lse - np.take_along_axis(z, np.asarray(y)[..., None], -1)[..., 0]))
   ours, original = float(jax.jit(inv)(x, w)), float(jax.jit(f)(x, w))
   assert abs(ours - truth) <= 1e-6 * truth < abs(original - truth), (ours, original, truth)
+
+
+def _logits_dots(fn, *args) -> list[str]:
+  """The output types of ``fn``'s traced matmuls that give [tokens, V] logits (not the
+  weight gradient's [D, V])."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  return [t for t, rows in re.findall(r"(\w+)\[(\d+),%d\] = dot_general" % V, text)
+          if int(rows) != D]
+
+
+@pytest.mark.skipif(not _gpu_compiler(), reason="no XLA:GPU compiler here (make deviceless)")
+def test_on_a_gpu_the_head_takes_the_bfloat16_logits_from_its_matmul():
+  """Compiling for a GPU, the head's matmul writes the logits in the program's bfloat16 (a
+  GPU's matmul rounds its float32 sum once, as the program's own does; docs/profile.md: no
+  float32 tile written and read back to be rounded); on XLA:CPU, whose bfloat16-output dot
+  does not, a float32 matmul rounded after."""
+  x, w, _, y = _inputs()
+  inv = invact_jax.invert(_bfloat16_cross_entropy("optax_integer_labels", y))
+  grad = jax.grad(inv, argnums=(0, 1))
+  grad(x, w)
+  assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
+  assert set(_logits_dots(grad, x, w)) == {"f32"}
+  with targets.compiling_for("h100"):
+    assert set(_logits_dots(grad, x, w)) == {"bf16"}
 
 
 @pytest.mark.parametrize("form", sorted(_BF16_CROSS_ENTROPIES))

@@ -12,6 +12,7 @@ import math
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -439,6 +440,33 @@ def test_a_float32_weight_with_bfloat16_tokens_is_kept_as_it_is():
   assert sorted(kept) == [((D, V), "float32"), ((N, D), "float32")], kept
   g = jax.grad(lambda w: invact_jax.linear_cross_entropy(xb, w, y, **TILES))(w)
   assert g.dtype == jnp.float32
+
+
+def _casts_of(jaxpr, shape) -> tuple[int, int]:
+  """``(outside loops, inside them)``: how many ``convert_element_type`` s of an array of
+  ``shape`` the jaxpr holds (a ``scan``'s or ``while``'s body counted as inside)."""
+  outside = inside = 0
+  for e in jaxpr.eqns:
+    if e.primitive.name == "convert_element_type" and tuple(e.invars[0].aval.shape) == shape:
+      outside += 1
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      o, i = _casts_of(sub, shape)
+      if e.primitive.name in ("scan", "while"):
+        inside += o + i
+      else:
+        outside, inside = outside + o, inside + i
+  return outside, inside
+
+
+def test_gradients_in_the_forward_cast_a_float32_weight_once():
+  """With the gradients in the forward, a float32 weight is cast to the activations' dtype
+  once per call, before the loop over token chunks, not in every chunk (docs/profile.md:
+  per chunk it was a pass over the whole table)."""
+  x, w, _, y = _inputs()
+  xb = x.astype(jnp.bfloat16)
+  grad = jax.grad(lambda x, w: invact_jax.linear_cross_entropy(x, w, y, **TILES), argnums=(0, 1))
+  assert N // TILES["chunk_size"] > 1  # (several chunks)
+  assert _casts_of(jax.make_jaxpr(grad)(xb, w).jaxpr, (D, V)) == (1, 0)
 
 
 def test_the_default_mode_is_forward_where_its_accumulator_is_the_gradient():

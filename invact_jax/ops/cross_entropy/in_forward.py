@@ -130,11 +130,14 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False, Fal
   grads = any(need)
   shards = base.Shards(opts, w.shape[opts.vocab_axis])
   scale = jnp.where(opts.with_gradient(counted, y, shards.total), weights.astype(cd), 0.0)
+  # The weight (and bias) in the activations' dtype once, before the chunk loop: a float32
+  # master table is cast in one pass over it, not in one per chunk (docs/profile.md).
+  wx, bx = w.astype(x.dtype), None if b is None else b.astype(x.dtype)
 
   def chunk(acc, inputs):
     dw, db, dt = acc
     xc, lc, kc, sc = inputs
-    z, u, lse, loss, correct = _chunk_loss(xc, lc, kc, w, b, opts, shards, temperature)
+    z, u, lse, loss, correct = _chunk_loss(xc, lc, kc, wx, bx, opts, shards, temperature)
     if not grads:
       return acc, (loss, correct, None)
     dz, share = _logits_grad(z, lse, lc, sc, opts, shards, u, temperature)
@@ -143,7 +146,7 @@ def _run(x, w, b, y, weights, opts: base.Options, need=(False, False, False, Fal
     dzw = dz.astype(x.dtype)  # the matmuls run in the activations' dtype
     dxc = None
     if need_x:  # contracted with the weight's vocabulary axis
-      dxc = jax.lax.dot_general(dzw, w.astype(x.dtype), (((1,), (opts.vocab_axis,)), ((), ())),
+      dxc = jax.lax.dot_general(dzw, wx, (((1,), (opts.vocab_axis,)), ((), ())),
                                 preferred_element_type=cd)
     if need_w:
       dw = _add_weight_grad(dw, xc, dzw, opts)

@@ -41,7 +41,8 @@ def measure(spec: Spec) -> Row:
     planning_s = time.perf_counter() - t0
   else:
     loss, args = model_stack.build(s, spec["policy"], spec["invact"], jnp.dtype(spec["dtype"]),
-                       spec.get("runs"), spec.get("head", "plain"))
+                                   spec.get("runs"), spec.get("head", "plain"),
+                                   unrolled=spec.get("unrolled", False))
   step = jax.jit(jax.value_and_grad(loss))
   compiled = step.lower(*args).compile()
   if spec.get("compile_only"):  # (the first of two processes: :func:`isolated_row`)

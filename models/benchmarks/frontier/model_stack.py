@@ -165,14 +165,15 @@ def _head_loss(s: Shape, head: str, h, w, labels):
       logits.astype(jnp.float32), labels).mean()
 
 
-def _params(s: Shape, dtype):
-  """The stacked layers' parameters (and, for a language model, the embedding, the final
-  norm and an untied head) in the parameters' dtype."""
+def _params(s: Shape, dtype, unrolled: bool = False):
+  """The layers' parameters, stacked (``unrolled``: a list, one entry per layer), and, for a
+  language model, the embedding, the final norm and an untied head, in the parameters'
+  dtype."""
   kind = "llama" if s.kind == "llama" else "gpt2"
   pdtype = jnp.dtype(s.param_dtype or dtype)
   keys = jax.random.split(jax.random.key(0), s.layers + 2)
   layers = [reference_layers.init_layer(kind, s.d, s.ff, pdtype, k, s.kv_width) for k in keys[:-2]]
-  params = {"layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
+  params = {"layers": layers if unrolled else jax.tree.map(lambda *a: jnp.stack(a), *layers)}
   if s.vocab:
     params["embed"] = (jax.random.normal(keys[-2], (s.vocab, s.d)) / math.sqrt(s.d)).astype(pdtype)
     params["norm"] = jnp.ones((s.d,), pdtype)
@@ -182,8 +183,8 @@ def _params(s: Shape, dtype):
 
 
 def build(s: Shape, policy: str, invact: bool, dtype,
-          runs: list | None = None, head: str = "plain", named: bool = True
-          ) -> tuple[Callable, tuple]:
+          runs: list | None = None, head: str = "plain", named: bool = True,
+          unrolled: bool = False) -> tuple[Callable, tuple]:
   """``(loss(params, inputs...), (params, inputs...))``: the stack under ``lax.scan``, each
   layer under ``jax.checkpoint(policy)``; for a language model (``s.vocab``) from tokens
   through the embedding, the final norm and ``head`` to the mean cross-entropy.  ``invact``:
@@ -192,9 +193,14 @@ def build(s: Shape, policy: str, invact: bool, dtype,
   ...]`` in forward order (the third entry optional), each run a ``lax.scan`` of its own over
   its slice of the parameters, its layers under ``save_only_these_names(*kept)`` or, where it
   offloads, ``save_and_offload_only_these_names`` to ``pinned_host``.  ``named``: the
-  layers tag their projections with MaxText's ``checkpoint_name`` s (else no names)."""
+  layers tag their projections with MaxText's ``checkpoint_name`` s (else no names).
+  ``unrolled``: the layers one after another, each with its own parameters (a list; MaxText's
+  ``scan_layers=False``), not a ``lax.scan`` over stacked ones: no residual is stacked into a
+  [layers, ...] buffer in the forward and sliced out of it in the backward (on an H200 the
+  scan's copies took about 27 ms of llama3-1b's step, docs/profile.md), for a longer compile
+  and whatever the compiler's schedule of the unrolled program keeps."""
   dtype = jnp.dtype(dtype)
-  params = _params(s, dtype)
+  params = _params(s, dtype, unrolled)
   block = _block(s, named)
   if s.param_dtype and jnp.dtype(s.param_dtype) != dtype:  # cast where used, as MaxText
     layer_fn = block
@@ -217,8 +223,12 @@ def build(s: Shape, policy: str, invact: bool, dtype,
   def layers(stacked, h):
     start = 0
     for n, layer in plan:
-      run = jax.tree.map(lambda a, i=start, n=n: a[i:i + n], stacked)
-      h, _ = jax.lax.scan(lambda h, p, layer=layer: (layer(p, h), None), h, run)
+      if unrolled:  # each layer its own parameters and operations: nothing stacked
+        for p in stacked[start:start + n]:
+          h = layer(p, h)
+      else:
+        run = jax.tree.map(lambda a, i=start, n=n: a[i:i + n], stacked)
+        h, _ = jax.lax.scan(lambda h, p, layer=layer: (layer(p, h), None), h, run)
       start += n
     return h
 
@@ -256,7 +266,8 @@ def row_key(spec: Spec) -> Row:
   """The fields that name a JAX row (``configuration`` "default": no remat; a plan's
   ``configuration`` is given)."""
   configuration = spec.get("configuration") or (
-      "default" if spec["policy"] == "none" else spec["policy"])
+      ("default" if spec["policy"] == "none" else spec["policy"])
+      + (" unrolled" if spec.get("unrolled") else ""))
   return {"model": spec["stack"], "framework": "jax", "invact": spec["invact"],
           "configuration": configuration, "head": head_of(spec), "dtype": spec["dtype"]}
 

@@ -20,12 +20,14 @@ from models.benchmarks.frontier.schema import (JaxRow, PlanRow, ProgramPlanRow, 
 
 #: A language model's rows, the decisive ones first: a deadline cuts the rest.  JAX default
 #: (the budgets' reference) and invert's (the inverted program's step, which a plan's
-#: predicted step scales), then what decides the open targets at 10 % and 25 % of its bytes
-#: (``invact_jax.plan``'s rows and the rows that fit there, with invert and JAX-only with
-#: tokamax's head), the profiled rows and PyTorch's, then the rest.  The calibrated plans come
+#: predicted step scales; then the same with its layers unrolled: none of the scan's copies),
+#: then what decides the open targets at 10 % and 25 % of its bytes (``invact_jax.plan``'s
+#: rows and the rows that fit there, with invert and JAX-only with tokamax's head), the
+#: profiled rows and PyTorch's, then the rest.  The calibrated plans come
 #: after each side's ``default``, ``full`` and ``dots_no_batch``, which they are calibrated on.
 LM_ORDER: tuple[RowKind, ...] = (
     JaxRow("none", False, "plain"), JaxRow("none", True, "invact"),
+    JaxRow("none", True, "invact", unrolled=True),
     ProgramPlanRow(10), ProgramPlanRow(25),
     JaxRow("full", True, "invact"), JaxRow("save_qkv_proj", True, "invact"),
     JaxRow("full", False, "tokamax"), JaxRow("save_qkv_proj", False, "tokamax"),
@@ -250,7 +252,8 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
       if item.policy not in policies:
         continue
       spec = {"stack": name, "policy": item.policy, "invact": item.invact, "dtype": dtype,
-              "repeats": repeats, "head": "plain" if item.invact else item.head, **fields}
+              "repeats": repeats, "head": "plain" if item.invact else item.head, **fields,
+              **({"unrolled": True} if item.unrolled else {})}
       key = model_stack.row_key(spec)
     carried = next((r for r in earlier if _same_row(r, key)), None)
     if carried is not None:

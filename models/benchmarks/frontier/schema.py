@@ -23,6 +23,7 @@ class Spec(TypedDict, total=False):
   head: str               #: a language model's head (:data:`~.model_stack.HEADS`)
   configuration: str      #: the row's name where not its policy's (a plan's)
   runs: list              #: a plan: ``[[layers, [tags kept], [tags offloaded]], ...]``
+  unrolled: bool          #: the layers unrolled, each its own parameters (not scanned)
   program_budget: int     #: ``invact_jax.plan``'s budget (a :class:`ProgramPlanRow`)
   budget_bytes: int       #: a plan's budget
   predicted_bytes: int    #: a plan's predicted activation bytes
@@ -41,8 +42,9 @@ class Row(TypedDict, total=False):
   """A measured row (or one that failed: ``error``), as the frontier's JSON holds it."""
   model: str              #: the stack's name
   framework: Literal["jax", "torch"]
-  configuration: str      #: "default" (no remat), a policy, "plan N %", "program plan N %",
-                          #: or a PyTorch configuration
+  configuration: str      #: "default" (no remat), a policy (either with " unrolled": the
+                          #: layers not scanned), "plan N %", "program plan N %", or a
+                          #: PyTorch configuration
   invact: bool
   head: str               #: "" (a stack without a head), "plain", "tokamax", "invact", "liger"
   dtype: str
@@ -94,10 +96,13 @@ class DevicelessRow(Row, total=False):
 
 
 class JaxRow(NamedTuple):
-  """A JAX row: a remat policy (:data:`POLICIES`), with or without invert(), and the head."""
+  """A JAX row: a remat policy (:data:`POLICIES`), with or without invert(), and the head;
+  ``unrolled``: the layers one after another, each with its own parameters (no ``lax.scan``:
+  no residual stacked, :func:`~.model_stack.build`)."""
   policy: str
   invact: bool
   head: str
+  unrolled: bool = False
 
 
 class PlanRow(NamedTuple):
