@@ -61,6 +61,7 @@ def _attention(variant: str, implementation: str | None) -> Callable:
 
 
 def _inputs(shape: Shape, dtype):
+  """Random queries, keys, values and the output's cotangent of ``shape`` in ``dtype``."""
   import jax  # pylint: disable=import-outside-toplevel
   b, t, h, kv, dh = shape.batch, shape.seq, shape.heads, shape.kv_heads, shape.head_dim
   keys = jax.random.split(jax.random.key(0), 4)
