@@ -171,9 +171,11 @@ def torch_rows(shape: Shape, dtype: str, repeats: int, timeout_s: float = 300.0)
   if not torch.cuda.is_available():
     return []
   from models.benchmarks import child  # pylint: disable=import-outside-toplevel
-  return [child.run_child("models.benchmarks.attention",
-                          {"shape": dataclasses.asdict(shape), "dtype": dtype, "variant": variant,
-                           "repeats": repeats}, timeout_s)
+  # (a child that died before its row, or timed out, gives only an error: the row's key kept)
+  return [{"framework": "torch", "variant": variant, "implementation": "sdpa cudnn",
+           **child.run_child("models.benchmarks.attention",
+                             {"shape": dataclasses.asdict(shape), "dtype": dtype,
+                              "variant": variant, "repeats": repeats}, timeout_s)}
           for variant in TORCH_VARIANTS]
 
 

@@ -4,10 +4,11 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
-from models.benchmarks import attention
+from models.benchmarks import attention, child
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,24 @@ def test_both_variants_compute_the_same_attention_and_its_gradients():
 def test_a_shape_whose_heads_do_not_group_is_refused():
   with pytest.raises(ValueError, match="multiple of kv_heads"):
     attention.Shape(batch=1, seq=8, heads=6, kv_heads=4, head_dim=8)
+
+
+def test_a_pytorch_row_whose_process_died_keeps_its_key(monkeypatch):
+  """PyTorch's rows run in child processes; one that died or timed out is an error row that
+  still names its variant (the table shows it)."""
+  monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
+      cuda=types.SimpleNamespace(is_available=lambda: True)))
+  specs = []
+  monkeypatch.setattr(child, "run_child", lambda module, spec, timeout_s: specs.append(
+      (module, spec)) or {"error": "timed out after 300 s"})
+  shape = attention.Shape(batch=1, seq=8, heads=4, kv_heads=2, head_dim=8)
+  rows = attention.torch_rows(shape, "bfloat16", repeats=3)
+  assert rows == [{"framework": "torch", "variant": v, "implementation": "sdpa cudnn",
+                   "error": "timed out after 300 s"} for v in attention.TORCH_VARIANTS]
+  assert [m for m, _ in specs] == ["models.benchmarks.attention"] * 2
+  assert specs[0][1] == {"shape": {"batch": 1, "seq": 8, "heads": 4, "kv_heads": 2,
+                                   "head_dim": 8, "causal": True},
+                         "dtype": "bfloat16", "variant": "torch grouped", "repeats": 3}
 
 
 def test_the_script_writes_its_json(tmp_path):
