@@ -143,9 +143,13 @@ _LONG_FILES = ("tests/training/test_distributed.py", "tests/ops/activations/test
 # ``pytest -m gpu`` (``make gpu-test`` on a GPU machine): the tests whose outcome depends on the
 # device -- the ops (compiled kernels run only on a GPU), memory and the models -- less the
 # interpret-mode classes (CPU stand-ins for the kernels) and the slow ones; and the converted
-# heads' numerics (on a GPU the head takes 16-bit logits from its matmul).
-_DEVICE_PATHS = ("tests/ops/", "tests/test_memory.py", "tests/models/",
-                 "tests/convert/test_cross_entropy.py")
+# heads' tests of the program's bfloat16 logits (on a GPU the head takes them from its matmul).
+_HEAD = "tests/convert/test_cross_entropy.py::test_"
+_DEVICE_PATHS = ("tests/ops/", "tests/test_memory.py", "tests/models/", *(_HEAD + name for name in (
+    "bfloat16_logits_cast_to_float32", "a_cross_entropy_the_program_computes_in_bfloat16",
+    "on_a_gpu_the_head_takes_the_bfloat16_logits", "that_float32_arithmetic_changes_nothing",
+    "a_bfloat16_cast_of_a_float32_weight", "the_head_keeps_the_programs_bfloat16_rounding",
+    "where_xla_folds_the_programs_rounding")))
 
 
 def _compiled_kernel_test(item) -> bool:

@@ -363,7 +363,8 @@ def test_on_a_gpu_the_head_takes_the_bfloat16_logits_from_its_matmul():
   grad = jax.grad(inv, argnums=(0, 1))
   grad(x, w)
   assert inv.last_report.replaced == {"linear_cross_entropy": 1}, inv.last_report
-  assert set(_logits_dots(grad, x, w)) == {"f32"}
+  with targets.compiling_for("cpu"):
+    assert set(_logits_dots(grad, x, w)) == {"f32"}
   with targets.compiling_for("h100"):
     assert set(_logits_dots(grad, x, w)) == {"bf16"}
 
