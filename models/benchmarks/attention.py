@@ -17,7 +17,6 @@ gradients from the first row's (the variants compute the same function).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import statistics
 import time
 from typing import Callable
@@ -107,17 +106,13 @@ def jax_rows(shape: Shape, dtype: str, repeats: int, implementation: str | None)
       from models.benchmarks import child  # pylint: disable=import-outside-toplevel
       row = child.error_row(e, **row)
     rows.append(row)
-  times = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, compiled in steps.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(q, k, v))
-      times[name].append(time.perf_counter() - t0)
+  from models.benchmarks import op_speed  # pylint: disable=import-outside-toplevel
+  seconds = op_speed.interleaved(steps, (q, k, v), rounds=repeats, inner=1) if steps else {}
   first = None
   for row in rows:
     if row["variant"] not in steps:
       continue
-    row["ms"] = 1e3 * statistics.median(times[row["variant"]])
+    row["ms"] = 1e3 * seconds[row["variant"]]
     out = [np.asarray(a, np.float32) for a in steps[row["variant"]](q, k, v)]
     first = first or out
     row["max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(out, first))
@@ -205,16 +200,13 @@ def markdown(data: dict) -> str:
 
 def run(shape: Shape, dtype: str, repeats: int, implementation: str | None, torch: bool,
         command: str) -> dict:
-  """The benchmark's JSON: ``{"meta", "rows"}`` (JAX's rows, then PyTorch's where it runs)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from models import benchmarks  # pylint: disable=import-outside-toplevel
+  """The benchmark's JSON: ``{"meta", "rows"}`` (JAX's rows, then PyTorch's where it runs;
+  ``meta`` the GPU report's environment, :func:`models.benchmarks.gpu_report.environment`)."""
+  from models.benchmarks import gpu_report  # pylint: disable=import-outside-toplevel
   rows = jax_rows(shape, dtype, repeats, implementation)
   if torch:
     rows += torch_rows(shape, dtype, repeats)
-  meta = {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
-          "host": benchmarks.host(), "versions": benchmarks.versions("jax", "jaxlib", "torch"),
-          "date": datetime.date.today().isoformat(), "shape": dataclasses.asdict(shape),
-          "dtype": dtype,
+  meta = {**gpu_report.environment(), "shape": dataclasses.asdict(shape), "dtype": dtype,
           "repeats": repeats, "command": command}
   return {"meta": meta, "rows": rows}
 

@@ -42,6 +42,7 @@ from invact_jax import memory, targets
 from models import benchmarks
 from models.benchmarks import child
 from models.benchmarks import frontier
+from models.benchmarks.frontier.running import device_slug
 from models.benchmarks.frontier.schema import DevicelessRow, Row, Spec
 
 __all__ = ["STACKS", "PLAN_PERCENTS", "TOLERANCE", "FSDP", "specs", "predict", "fitted", "rows",
@@ -55,11 +56,6 @@ STACKS = ("llama3-1b", "llama3-8b")
 PLAN_PERCENTS = (10, 25, 50)
 #: How far a device row may lie from its prediction (relative): the docs' and the test's.
 TOLERANCE = 0.05
-
-
-def device_slug(device_kind: str) -> str:
-  """A device kind as the frontier's file names spell it (``nvidia-h100-80gb-hbm3``)."""
-  return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
 
 
 def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> list[Spec]:
@@ -321,7 +317,7 @@ def _step_group(r: Row) -> tuple:
     inverted = r["plan_program"] == "inverted"
     return (r["model"], "invact" if inverted else "plain", inverted, False)
   return (r["model"], r.get("head", ""), bool(r.get("invact")),
-          str(r.get("configuration", "")).endswith(" unrolled"))
+          str(r.get("configuration", "")).endswith(frontier.model_stack.UNROLLED))
 
 
 def step_model(predicted: list[DevicelessRow], measured: list[Row]) -> dict[tuple, tuple]:

@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -383,10 +382,6 @@ def markdown(report: dict) -> str:
 BEGIN, END = "<!-- gpu-report:begin -->", "<!-- gpu-report:end -->"
 
 
-def _slug(text: str) -> str:
-  return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
 def write_docs(paths: Sequence[pathlib.Path], doc_path: pathlib.Path) -> int:
   """Regenerate the report block of ``doc_path`` (docs/gpu-report.md) from report JSONs (the
   newest per device and section); the exit code (2: a path that is not a report)."""
@@ -509,7 +504,8 @@ def run(args: argparse.Namespace) -> int:
   t_start = time.time()
   deadline = t_start + args.budget_s
   env = environment()
-  out = args.out_dir / f"gpu_{_slug(env['device'])}_{env['date']}.json"
+  from models.benchmarks.frontier.running import device_slug  # pylint: disable=import-outside-toplevel
+  out = args.out_dir / f"gpu_{device_slug(env['device'])}_{env['date']}.json"
   report = json.loads(out.read_text()) if out.is_file() else {}
   report["seconds_earlier"] = report.get("seconds", 0.0)
   report["environment"] = env

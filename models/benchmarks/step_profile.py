@@ -24,13 +24,14 @@ import time
 from typing import Callable
 
 from models.benchmarks.frontier import model_stack, running
-from models.benchmarks.frontier_deviceless import device_slug as slug
+from models.benchmarks.frontier.running import device_slug as slug
+from models.benchmarks.frontier.schema import JaxRow, TorchRow
 
 #: The rows profiled, in order: invert's (no remat, its head), the same with its layers
 #: unrolled (no scan's copies), JAX's fastest fitting policy (``dots_no_batch``, the plain
 #: head), PyTorch + Liger.
-ROWS = (("jax", "default", True), ("jax", "default unrolled", True),
-        ("jax", "dots_no_batch", False), ("torch", "liger", False))
+ROWS = (JaxRow("none", True, "invact"), JaxRow("none", True, "invact", unrolled=True),
+        JaxRow("dots_no_batch", False, "plain"), TorchRow("liger"))
 
 #: Operations kept per row: all of them (the grouping needs every one).
 ALL = 1_000_000
@@ -43,23 +44,24 @@ def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloa
   HLO and traces written to ``raw_dir``."""
   run = running._Rows(dtype, repeats, False, deadline, date, progress)  # pylint: disable=protected-access
   out = []
-  for framework, configuration, invact in ROWS:
-    name = slug(f"{framework}-{configuration}{'-invact' if invact else ''}")
+  for item in ROWS:
+    if isinstance(item, TorchRow):
+      spec = None
+      key = {"model": stack, "framework": "torch", "configuration": item.configuration,
+             "invact": False}
+    else:
+      spec = running.jax_spec(stack, item, fields, dtype=dtype, repeats=repeats)
+      key = model_stack.row_key(spec)
+    name = slug(f"{key['framework']}-{key['configuration']}{'-invact' if key['invact'] else ''}")
     if time.time() > deadline:
-      out.append({"model": stack, "framework": framework, "configuration": configuration,
-                  "invact": invact, "error": "out of time"})
+      out.append({**key, "error": "out of time"})
       continue
     progress(f"profile {stack} {name}")
-    if framework == "torch":
-      row = run.torch_row(stack, configuration, fields, extra={
+    if spec is None:
+      row = run.torch_row(stack, item.configuration, fields, extra={
           "profile": ALL, "trace_out": str(raw_dir / f"trace_{name}.json.gz")})
     else:
-      policy, unrolled = configuration.removesuffix(" unrolled"), configuration.endswith(
-          " unrolled")
-      row = run.one({"stack": stack, "policy": "none" if policy == "default" else policy,
-                     "invact": invact, "dtype": dtype, "repeats": repeats, "head": "plain",
-                     **fields, **({"unrolled": True} if unrolled else {}), "profile": ALL,
-                     "hlo_out": str(raw_dir / f"hlo_{name}.txt.gz"),
+      row = run.one({**spec, "profile": ALL, "hlo_out": str(raw_dir / f"hlo_{name}.txt.gz"),
                      "trace_out": str(raw_dir / f"trace_{name}.json.gz")})
     row["raw"] = name
     out.append(row)
@@ -69,8 +71,8 @@ def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloa
 
 
 def _same(a: dict, b: dict) -> bool:
-  return all(a.get(k) == b.get(k) for k in ("model", "framework", "configuration", "invact",
-                                            "head", "layers", "batch"))
+  return running.same_row(a, b) and a.get("layers") == b.get("layers") and \
+      a.get("batch") == b.get("batch")
 
 
 def seed_frontier(frontier_dir: pathlib.Path, device: str, date: str, versions: dict,

@@ -107,3 +107,13 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message):
   out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), *args],
                        capture_output=True, text=True, check=False, timeout=120)
   assert out.returncode == 2 and message in out.stderr and len(out.stderr.splitlines()) == 1, out
+
+
+def test_rows_past_the_deadline_are_keyed_as_the_frontiers(tmp_path):
+  """Each profiled row (:data:`step_profile.ROWS`) carries the frontier's key for its kind, the
+  unrolled one included, so that it replaces the frontier's row of the same key."""
+  rows = step_profile.rows("dry-llama3", {"layers": 2, "batch": 2}, tmp_path, deadline=0.0)
+  assert [(r["framework"], r["configuration"], r["invact"], r["error"]) for r in rows] == [
+      ("jax", "default", True, "out of time"), ("jax", "default unrolled", True, "out of time"),
+      ("jax", "dots_no_batch", False, "out of time"), ("torch", "liger", False, "out of time")]
+  assert all(r["model"] == "dry-llama3" for r in rows)

@@ -41,13 +41,12 @@ GRADIENT_NAME = "linear_cross_entropy gradient"
 
 
 def _chunk_loss(xc, lc, kc, w, b, opts: base.Options, shards: base.Shards, temperature=None):
-  """One chunk's logits and loss: ``(z, u, lse, per-token loss, correct)``; ``lc`` the labels
-  with ignored ones set to 0, ``kc`` whether a token counts; ``u`` the logits a traced
-  ``temperature`` multiplies (None without one)."""
+  """One chunk's logits and loss: ``(z, u, lse, per-token loss, correct)``; ``w`` and ``b`` in
+  the activations' dtype, ``lc`` the labels with ignored ones set to 0, ``kc`` whether a token
+  counts; ``u`` the logits a traced ``temperature`` multiplies (None without one)."""
   cd = _common.compute_dtype(xc.dtype)
   vocab = shards.total
-  z, _, u = base._logits(xc, w.astype(xc.dtype), None if b is None else b.astype(xc.dtype),
-                         opts, cd, temperature)
+  z, _, u = base._logits(xc, w, b, opts, cd, temperature)
   inside = (lc >= 0) & (lc < vocab)
   here = opts.pick_label(lc, vocab) - shards.offset
   picked = jnp.take_along_axis(z, jnp.clip(here, 0, shards.local - 1)[:, None], axis=-1)[:, 0]

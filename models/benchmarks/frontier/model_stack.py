@@ -262,12 +262,16 @@ def head_of(spec: Spec) -> str:
   return "invact" if spec["invact"] else spec.get("head", "plain")
 
 
+#: What a row's ``configuration`` ends with where its layers are unrolled (``Spec.unrolled``).
+UNROLLED = " unrolled"
+
+
 def row_key(spec: Spec) -> Row:
   """The fields that name a JAX row (``configuration`` "default": no remat; a plan's
   ``configuration`` is given)."""
   configuration = spec.get("configuration") or (
       ("default" if spec["policy"] == "none" else spec["policy"])
-      + (" unrolled" if spec.get("unrolled") else ""))
+      + (UNROLLED if spec.get("unrolled") else ""))
   return {"model": spec["stack"], "framework": "jax", "invact": spec["invact"],
           "configuration": configuration, "head": head_of(spec), "dtype": spec["dtype"]}
 

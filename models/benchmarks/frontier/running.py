@@ -49,7 +49,14 @@ def torch_head(configuration: str) -> str:
   return "liger" if frontier_torch.CONFIGURATIONS[configuration].liger else "plain"
 
 
-def _same_row(a: Row, b: Row) -> bool:
+def jax_spec(name: str, item: JaxRow, fields: dict, *, dtype: str, repeats: int) -> Spec:
+  """The spec of :class:`JaxRow` ``item`` of stack ``name`` at ``fields`` (layers, batch)."""
+  return {"stack": name, "policy": item.policy, "invact": item.invact, "dtype": dtype,
+          "repeats": repeats, "head": "plain" if item.invact else item.head, **fields,
+          **({"unrolled": True} if item.unrolled else {})}
+
+
+def same_row(a: Row, b: Row) -> bool:
   return all(a.get(k) == b.get(k) for k in ("model", "framework", "configuration", "invact",
                                             "head"))
 
@@ -251,11 +258,9 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     else:
       if item.policy not in policies:
         continue
-      spec = {"stack": name, "policy": item.policy, "invact": item.invact, "dtype": dtype,
-              "repeats": repeats, "head": "plain" if item.invact else item.head, **fields,
-              **({"unrolled": True} if item.unrolled else {})}
+      spec = jax_spec(name, item, fields, dtype=dtype, repeats=repeats)
       key = model_stack.row_key(spec)
-    carried = next((r for r in earlier if _same_row(r, key)), None)
+    carried = next((r for r in earlier if same_row(r, key)), None)
     if carried is not None:
       out.append(carried)
       continue
@@ -297,13 +302,18 @@ GPU_STACKS = ("llama3-1b", "llama3-8b", "llama", "gpt2-medium", "vit-l16")
 DRY_STACKS = ("dry-llama3",)
 
 
+def device_slug(device_kind: str) -> str:
+  """A device kind as the benchmarks' file names spell it (``nvidia-h100-80gb-hbm3``)."""
+  import re  # pylint: disable=import-outside-toplevel
+  return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+
+
 def earlier_rows(out_dir, device: str) -> list[Row]:
   """The rows of the newest non-dry frontier JSON of ``device`` in ``out_dir`` (what a run
   continues from), or []."""
   import pathlib  # pylint: disable=import-outside-toplevel
-  import re  # pylint: disable=import-outside-toplevel
-  slug = re.sub(r"[^a-z0-9]+", "-", device.lower())
-  for p in sorted(pathlib.Path(out_dir).glob(f"frontier_{slug}_????-??-??.json"), reverse=True):
+  for p in sorted(pathlib.Path(out_dir).glob(f"frontier_{device_slug(device)}_????-??-??.json"),
+                  reverse=True):
     data = json.loads(p.read_text())
     if not data.get("dry"):
       return data["rows"]
@@ -318,7 +328,6 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
   ``out_dir`` (its rows carried over), their Pareto front, ``frontier_<device>_<date>.json``
   (``device``, ``rows``), ``.md`` and ``.png`` in ``out_dir``."""
   import pathlib  # pylint: disable=import-outside-toplevel
-  import re  # pylint: disable=import-outside-toplevel
   stacks = stacks or list(DRY_STACKS if dry else GPU_STACKS)
   rs = report.pareto(planning.with_predictions(rows(stacks, dtype="float32" if dry else "bfloat16",
                    policies=["none", "full"] if dry else None,
@@ -326,7 +335,7 @@ def run(out_dir, *, device: str, date: str, dry: bool, deadline: float = math.in
                    torch_configurations=("eager", "checkpoint") if dry else None,
                    deadline=deadline, progress=progress, date=date, plans=not dry,
                    done=() if dry else earlier_rows(out_dir, device))))
-  out = pathlib.Path(out_dir) / f"frontier_{re.sub(r'[^a-z0-9]+', '-', device.lower())}_{date}"
+  out = pathlib.Path(out_dir) / f"frontier_{device_slug(device)}_{date}"
   out.parent.mkdir(parents=True, exist_ok=True)
   versions = {"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None)}
   out.with_suffix(".json").write_text(json.dumps({"device": device, "date": date, "dry": dry,
