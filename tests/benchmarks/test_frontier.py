@@ -1,11 +1,13 @@
 """The frontier's stacks and policies: every policy keeps what it names, gradients unchanged."""
 import dataclasses
+import time
 
 import jax
 import numpy as np
 
 from invact_jax import memory
 from models.benchmarks import child, frontier
+from models.benchmarks.frontier import model_stack
 
 
 def _temp(stack, policy, invact=False):
@@ -482,7 +484,9 @@ def test_rows_known_to_report_their_compiles_peak_are_bounds_and_measured_again(
           "head": "invact", "batch": 3, "framework": "jax", "activation_bytes": 8408260508,
           "step_ms": 527.9, "layers": 16, "memory": "device peak"}
   other = {**peak, "date": "2026-11-30"}  # measured again (isolated): a measurement
+  isolated = {**peak, "compile_cache": {"hits": 35, "misses": 0}}  # (the same day)
   assert frontier.report.compile_peak(peak) and not frontier.report.compile_peak(other)
+  assert not frontier.report.compile_peak(isolated)
   assert "| ≤ 8,018.7 |" in frontier.report.markdown([peak])
   assert "| 8,018.7 |" in frontier.report.markdown([other])
   # an earlier run's row so marked is measured again, not carried over
@@ -498,6 +502,12 @@ def test_rows_known_to_report_their_compiles_peak_are_bounds_and_measured_again(
   monkeypatch.setattr(frontier.report, "COMPILE_PEAKS", frozenset(
       {("2026-11-29", "dry-llama3", "default", False, "plain", s.batch)}))
   assert not any(r is done[0] for r in run())
+  # where that measurement fails (the deadline), the bound is kept, not an error row
+  monkeypatch.setattr(frontier.running._Rows, "one",  # pylint: disable=protected-access
+                      lambda self, spec: {**model_stack.row_key(spec), "error": "timed out after 6 s"})
+  rows = frontier.rows(["dry-llama3"], dtype="float32", policies=["none"], in_process=True,
+                       torch_configurations=(), done=done, deadline=time.time() + 600, plans=False)
+  assert [r for r in rows if frontier.running.same_row(r, done[0])] == [done[0]]
 
 
 def test_a_program_plan_leaves_room_for_what_the_device_peak_holds_beyond_compiled_temp():

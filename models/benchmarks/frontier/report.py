@@ -74,9 +74,11 @@ COMPILE_PEAKS = frozenset({
 
 
 def compile_peak(r: Row) -> bool:
-  """Whether row ``r``'s activation bytes are its compile's peak (:data:`COMPILE_PEAKS`)."""
-  return (r.get("date"), r.get("model"), r.get("configuration"), r.get("invact"), r.get("head"),
-          r.get("batch")) in COMPILE_PEAKS
+  """Whether row ``r``'s activation bytes are its compile's peak (:data:`COMPILE_PEAKS`; never
+  a row that compiled in a process of its own, which carries ``compile_cache``)."""
+  return "compile_cache" not in r and (
+      r.get("date"), r.get("model"), r.get("configuration"), r.get("invact"), r.get("head"),
+      r.get("batch")) in COMPILE_PEAKS
 
 
 def markdown(rs: list[Row]) -> str:

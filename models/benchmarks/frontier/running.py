@@ -221,15 +221,18 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
              progress) -> bool:
   """A language model's rows in :data:`LM_ORDER` appended to ``out`` (rows of ``done`` for
   the same model, configuration, invact, head, layers and batch carried over, an invact row
-  only while its head's tiles are today's, :func:`head_tiles`); False when the deadline cut
-  them."""
+  only while its head's tiles are today's, :func:`head_tiles`; a row whose bytes bound the
+  step's, :func:`report.compile_peak`, measured again, and kept where that fails); False when
+  the deadline cut them."""
   from models.benchmarks import frontier_torch  # pylint: disable=import-outside-toplevel
   shape = dataclasses.replace(model_stack.STACKS[name], **fields)
-  earlier = [r for r in done if r.get("model") == name and "error" not in r
-             and not report.compile_peak(r)  # (measured again: its bytes were the compile's)
-             and all(r.get(k) == v for k, v in fields.items())
-             and (not r.get("invact") or r.get("head_tiles") == model_stack.head_tiles(
-                 shape, (r.get("head_tiles") or {}).get("platform", "")))]
+  usable = [r for r in done if r.get("model") == name and "error" not in r
+            and all(r.get(k) == v for k, v in fields.items())
+            and (not r.get("invact") or r.get("head_tiles") == model_stack.head_tiles(
+                shape, (r.get("head_tiles") or {}).get("platform", "")))]
+  # a bound (its compile's peak) is measured again, and kept where that measurement fails
+  earlier = [r for r in usable if not report.compile_peak(r)]
+  bounds = [r for r in usable if report.compile_peak(r)]
   wanted = frontier_torch.CONFIGURATIONS if torch_configurations is None else torch_configurations
   for item in LM_ORDER:
     if isinstance(item, PlanRow):
@@ -269,8 +272,11 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
       return False
     progress(f"frontier {name} {key['configuration']} head={key['head']}"
              f"{' +invact' if key['invact'] else ''}")
-    out.append(torch_row(name, item.configuration, fields) if key["framework"] == "torch"
-               else one(spec))
+    row = torch_row(name, item.configuration, fields) if key["framework"] == "torch" else one(spec)
+    bound = next((r for r in bounds if same_row(r, key)), None) if "error" in row else None
+    if bound is not None:
+      progress(f"  {row['error']}: the earlier bound kept")
+    out.append(bound or row)
   return True
 
 
