@@ -36,7 +36,8 @@ def gelu_erf_forward(x):
 
 
 def gelu_tanh_forward(x):  # 0.5 (1 + tanh(u)) == expit(2u), without cancellation
-  return x * _sp().expit(2.0 * _SQRT_2_OVER_PI * (x + _GELU_TANH_A * x ** 3))
+  # (x * x * x, not x ** 3: NumPy's pow takes ~100x as long, most of a refit's time)
+  return x * _sp().expit(2.0 * _SQRT_2_OVER_PI * (x + _GELU_TANH_A * (x * x * x)))
 
 
 def silu_forward(x):
@@ -103,7 +104,7 @@ def gelu_erf_derivative(x):
 
 def gelu_tanh_derivative(x):
   xf = _clip(x)
-  u2 = 2.0 * _SQRT_2_OVER_PI * (xf + _GELU_TANH_A * xf ** 3)
+  u2 = 2.0 * _SQRT_2_OVER_PI * (xf + _GELU_TANH_A * (xf * xf * xf))
   s, sm = _sp().expit(u2), _sp().expit(-u2)
   return s + xf * s * sm * 2.0 * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_A * xf * xf)
 
