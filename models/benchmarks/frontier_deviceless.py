@@ -42,7 +42,7 @@ from invact_jax import memory, targets
 from models import benchmarks
 from models.benchmarks import child
 from models.benchmarks import frontier
-from models.benchmarks.frontier.running import device_slug
+from models.benchmarks.frontier.running import device_slug, jax_spec
 from models.benchmarks.frontier.schema import DevicelessRow, Row, Spec
 
 __all__ = ["STACKS", "PLAN_PERCENTS", "TOLERANCE", "FSDP", "specs", "predict", "fitted", "rows",
@@ -68,10 +68,9 @@ def specs(stack: str, fields: dict, dtype: str = "bfloat16", policies=None) -> l
     for invact, head in ((False, "plain"), (False, "tokamax"), (True, "plain")):
       out.append({"stack": stack, "policy": policy, "invact": invact, "dtype": dtype,
                   "head": head, **fields})
-  for item in frontier.LM_ORDER:
-    if isinstance(item, frontier.JaxRow) and item.unrolled and item.policy in policies:
-      out.append({"stack": stack, "policy": item.policy, "invact": item.invact, "dtype": dtype,
-                  "head": "plain" if item.invact else item.head, "unrolled": True, **fields})
+  out += [jax_spec(stack, item, fields, dtype=dtype, repeats=1)
+          for item in frontier.LM_ORDER
+          if isinstance(item, frontier.JaxRow) and item.unrolled and item.policy in policies]
   return out
 
 

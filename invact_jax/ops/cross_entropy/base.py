@@ -251,15 +251,12 @@ def _logits(x, w, b, opts: Options, cd, temperature=None):
   ``temperature`` where one is given, soft-capped: ``(z, raw / cap, u)``, ``u`` the logits
   the temperature multiplies (None without one)."""
   contract = (1,) if opts.vocab_axis == 0 else (0,)
-  dims = (((1,), contract), ((), ()))
-  if opts.logits_dtype is not None and targets.platform() == "gpu":
-    # A GPU's matmul rounds its float32 accumulator to the 16-bit output once, as the
-    # program's own 16-bit matmul does: no float32 tile written and read back to be rounded.
-    # (Not on XLA:CPU, whose 16-bit-output dot inside the head's loop does not round a
-    # float32 sum once: 2e-4 off the program's loss, tests/convert/test_cross_entropy.py.)
-    z = jax.lax.dot_general(x, w, dims, preferred_element_type=opts.logits_dtype)
-  else:
-    z = jax.lax.dot_general(x, w, dims, preferred_element_type=cd)
+  # A GPU's matmul rounds its float32 accumulator to the 16-bit output once, as the program's
+  # own 16-bit matmul does: no float32 tile written and read back to be rounded.  (Not on
+  # XLA:CPU, whose 16-bit-output dot inside the head's loop does not round a float32 sum once:
+  # 2e-4 off the program's loss, tests/convert/test_cross_entropy.py.)
+  out = opts.logits_dtype if opts.logits_dtype is not None and targets.platform() == "gpu" else cd
+  z = jax.lax.dot_general(x, w, (((1,), contract), ((), ())), preferred_element_type=out)
   if opts.logits_dtype is not None:
     z = z.astype(opts.logits_dtype)
     if b is not None:
