@@ -50,6 +50,11 @@ def inputs(shape, dtype, seed=0):
   return jnp.asarray(x.astype(np_dtype(dtype)))
 
 
+def each_shape(f):
+  """``jax.jit`` of ``f`` mapped over a list of arrays: one program for several shapes."""
+  return jax.jit(lambda xs: [f(x) for x in xs])
+
+
 def ulp_diff(a, b, dt):
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
@@ -100,35 +105,42 @@ class ActivationTestBase(ImplementationTestCase):
     return CASES[name]
 
   # ------------------------------------------------------------------------ forward
-  @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=SHAPES)
-  def test_forward_and_bits(self, name, dtype, shape):
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES)
+  def test_forward_and_bits(self, name, dtype):
+    """Every shape of SHAPES, each function compiled once for all of them (one program per
+    function instead of one per shape: a compile's fixed cost is most of a tiny one's)."""
     self.skip_interpreted_float16(dtype)
     case = self.case(name)
-    x = inputs(shape, dtype)
-    y = jax.jit(case.fn(self.impl))(x)
-    y_ref = jax.jit(case.reference())(x)
-    self.assertEqual(y.dtype, y_ref.dtype)
-    self.assertEqual(y.shape, y_ref.shape)
-    if self.IMPLEMENTATION == "xla":
-      np.testing.assert_array_equal(raw_bits(y), raw_bits(y_ref))
-    elif self.exact_tile_math():  # kernels compute 16-bit inputs in float32 and round once
-      y_tile = jax.jit(case.op.kernel_forward)(x)
-      self.assertLessEqual(float(np.max(ulp_diff(y, y_tile, dtype), initial=0)), 1.0)
-    else:
-      # Compiled: the kernel's exp/tanh/log are Triton's (libdevice, ex2.approx), not XLA's
-      # (Triton's interpreter: NumPy's), so bits differ by a few ulp; it must be as accurate
-      # as jax.nn on this device.
-      self.assertLessEqual(forward_error(case, x, y), max(2.0, 2 * forward_error(case, x, y_ref)))
+    xs = [inputs(shape, dtype) for shape in SHAPES]
+    ys, y_refs = each_shape(case.fn(self.impl))(xs), each_shape(case.reference())(xs)
+    if self.exact_tile_math():  # kernels compute 16-bit inputs in float32 and round once
+      y_tiles = each_shape(case.op.kernel_forward)(xs)
+    for i, (shape, x, y, y_ref) in enumerate(zip(SHAPES, xs, ys, y_refs)):
+      with self.subTest(shape=shape):
+        self.assertEqual(y.dtype, y_ref.dtype)
+        self.assertEqual(y.shape, y_ref.shape)
+        if self.IMPLEMENTATION == "xla":
+          np.testing.assert_array_equal(raw_bits(y), raw_bits(y_ref))
+        elif self.exact_tile_math():
+          self.assertLessEqual(float(np.max(ulp_diff(y, y_tiles[i], dtype), initial=0)), 1.0)
+        else:
+          # Compiled: the kernel's exp/tanh/log are Triton's (libdevice, ex2.approx), not
+          # XLA's (Triton's interpreter: NumPy's), so bits differ by a few ulp; it must be as
+          # accurate as jax.nn on this device.
+          self.assertLessEqual(forward_error(case, x, y),
+                               max(2.0, 2 * forward_error(case, x, y_ref)))
     if self.IMPLEMENTATION == "xla":
       return  # the residual bits below would be compared with themselves
     # The residual bits: the same as the XLA path's, bit for bit.
     op, impl = case.op, self.implementation()
-    _, m = jax.jit(lambda x: impl.forward(op, x))(x)
-    _, m_ref = jax.jit(lambda x: base.XLA.forward(op, x))(x)
-    if m_ref is None:
-      self.assertIsNone(m)
-    else:
-      np.testing.assert_array_equal(np.asarray(m), np.asarray(m_ref))
+    ms = each_shape(lambda x: impl.forward(op, x)[1])(xs)
+    m_refs = each_shape(lambda x: base.XLA.forward(op, x)[1])(xs)
+    for shape, m, m_ref in zip(SHAPES, ms, m_refs):
+      with self.subTest(shape=shape, residual="bits"):
+        if m_ref is None:
+          self.assertIsNone(m)
+        else:
+          np.testing.assert_array_equal(np.asarray(m), np.asarray(m_ref))
 
   def implementation(self):
     return api.resolve(self.impl, op="test")
@@ -144,26 +156,28 @@ class ActivationTestBase(ImplementationTestCase):
 
   # ----------------------------------------------------------------------- gradients
   # (a 1-D and a 3-D shape: the rank does not reach the math; forward_and_bits has them all)
-  @parameterized.product(name=tuple(CASES), dtype=DTYPES, shape=(SHAPES[2], SHAPES[4]))
-  def test_gradient_vs_float64(self, name, dtype, shape):
+  @parameterized.product(name=tuple(CASES), dtype=DTYPES)
+  def test_gradient_vs_float64(self, name, dtype):
     self.skip_interpreted_float16(dtype)
     case = self.case(name)
-    x = inputs(shape, dtype, seed=2)
-    dy = jnp.ones(shape, x.dtype)
-    g = jax.jit(lambda x: jax.vjp(case.fn(self.impl), x)[1](dy)[0])(x)
-    g_ref = jax.jit(lambda x: jax.vjp(case.reference(), x)[1](dy)[0])(x)
-    chex.assert_equal_shape([g, x])
-    self.assertEqual(g.dtype, x.dtype)
-    x64 = np.asarray(x, np.float64)
-    true = case.entry.derivative64(x64, **dict(case.params))
-    g64, gref64 = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
-    tol = grad_tolerance(case, dtype, true)
-    if case.entry.name == "leaky_relu":  # kink convention at -0.0 (see invact_jax.leaky_relu)
-      keep = x64 != 0
-      g64, gref64, true, tol = g64[keep], gref64[keep], true[keep], tol[keep]
-    np.testing.assert_array_less(np.abs(g64 - true), tol + 1e-30)
-    # Against jax.nn's own gradient: within our bound plus jax.nn's own error.
-    np.testing.assert_array_less(np.abs(g64 - gref64), tol + np.abs(gref64 - true) + 1e-30)
+    shapes = (SHAPES[2], SHAPES[4])
+    xs = [inputs(shape, dtype, seed=2) for shape in shapes]
+    dx = lambda f: lambda x: jax.vjp(f, x)[1](jnp.ones(x.shape, x.dtype))[0]  # noqa: E731
+    gs, g_refs = each_shape(dx(case.fn(self.impl)))(xs), each_shape(dx(case.reference()))(xs)
+    for shape, x, g, g_ref in zip(shapes, xs, gs, g_refs):
+      with self.subTest(shape=shape):
+        chex.assert_equal_shape([g, x])
+        self.assertEqual(g.dtype, x.dtype)
+        x64 = np.asarray(x, np.float64)
+        true = case.entry.derivative64(x64, **dict(case.params))
+        g64, gref64 = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
+        tol = grad_tolerance(case, dtype, true)
+        if case.entry.name == "leaky_relu":  # kink convention at -0.0 (see invact_jax.leaky_relu)
+          keep = x64 != 0
+          g64, gref64, true, tol = g64[keep], gref64[keep], true[keep], tol[keep]
+        np.testing.assert_array_less(np.abs(g64 - true), tol + 1e-30)
+        # Against jax.nn's own gradient: within our bound plus jax.nn's own error.
+        np.testing.assert_array_less(np.abs(g64 - gref64), tol + np.abs(gref64 - true) + 1e-30)
 
   @parameterized.parameters(*CASES)
   def test_transformations(self, name):
