@@ -47,8 +47,7 @@ def rows(stack: str, fields: dict, raw_dir: pathlib.Path, *, dtype: str = "bfloa
   for item in ROWS:
     if isinstance(item, TorchRow):
       spec = None
-      key = {"model": stack, "framework": "torch", "configuration": item.configuration,
-             "invact": False}
+      key = running.torch_key(stack, item.configuration)
     else:
       spec = running.jax_spec(stack, item, fields, dtype=dtype, repeats=repeats)
       key = model_stack.row_key(spec)

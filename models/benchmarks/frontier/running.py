@@ -49,6 +49,14 @@ def torch_head(configuration: str) -> str:
   return "liger" if frontier_torch.CONFIGURATIONS[configuration].liger else "plain"
 
 
+def torch_key(name: str, configuration: str) -> Row:
+  """The fields that name PyTorch row ``configuration`` of stack ``name`` (its head "" where
+  the stack has no vocabulary)."""
+  head = torch_head(configuration) if model_stack.STACKS[name].vocab else ""
+  return {"model": name, "framework": "torch", "configuration": configuration, "invact": False,
+          "head": head}
+
+
 def jax_spec(name: str, item: JaxRow, fields: dict, *, dtype: str, repeats: int) -> Spec:
   """The spec of :class:`JaxRow` ``item`` of stack ``name`` at ``fields`` (layers, batch)."""
   return {"stack": name, "policy": item.policy, "invact": item.invact, "dtype": dtype,
@@ -100,9 +108,7 @@ class _Rows:
             "repeats": self.repeats, **(extra or {}),
             "shape": dataclasses.asdict(dataclasses.replace(model_stack.STACKS[name], **fields))}
     res = child.run_child("models.benchmarks.frontier_torch", spec, self.deadline - time.time())
-    head = torch_head(configuration) if model_stack.STACKS[name].vocab else ""
-    return {"model": name, "framework": "torch", "configuration": configuration, "invact": False,
-            "head": head, "dtype": self.dtype, **fields, **res,
+    return {**torch_key(name, configuration), "dtype": self.dtype, **fields, **res,
             **({"date": self.date} if self.date else {})}
 
   def plan_rows(self, name, budgets):
@@ -256,8 +262,7 @@ def _lm_rows(name, fields, out, *, policies, torch_configurations, torch_ok, one
     if isinstance(item, TorchRow):
       if not torch_ok or item.configuration not in wanted:
         continue
-      key = {"model": name, "framework": "torch", "configuration": item.configuration,
-             "invact": False, "head": torch_head(item.configuration)}
+      key = torch_key(name, item.configuration)
     else:
       if item.policy not in policies:
         continue

@@ -50,9 +50,10 @@ def inputs(shape, dtype, seed=0):
   return jnp.asarray(x.astype(np_dtype(dtype)))
 
 
-def each_shape(f):
-  """``jax.jit`` of ``f`` mapped over a list of arrays: one program for several shapes."""
-  return jax.jit(lambda xs: [f(x) for x in xs])
+def jit_each(f, jit=jax.jit):
+  """``jit`` of ``f`` mapped over a list of arrays: one program for several shapes or dtypes
+  (a compile's fixed cost is most of a tiny one's)."""
+  return jit(lambda xs: [f(x) for x in xs])
 
 
 def ulp_diff(a, b, dt):
@@ -112,9 +113,9 @@ class ActivationTestBase(ImplementationTestCase):
     self.skip_interpreted_float16(dtype)
     case = self.case(name)
     xs = [inputs(shape, dtype) for shape in SHAPES]
-    ys, y_refs = each_shape(case.fn(self.impl))(xs), each_shape(case.reference())(xs)
+    ys, y_refs = jit_each(case.fn(self.impl))(xs), jit_each(case.reference())(xs)
     if self.exact_tile_math():  # kernels compute 16-bit inputs in float32 and round once
-      y_tiles = each_shape(case.op.kernel_forward)(xs)
+      y_tiles = jit_each(case.op.kernel_forward)(xs)
     for i, (shape, x, y, y_ref) in enumerate(zip(SHAPES, xs, ys, y_refs)):
       with self.subTest(shape=shape):
         self.assertEqual(y.dtype, y_ref.dtype)
@@ -133,8 +134,8 @@ class ActivationTestBase(ImplementationTestCase):
       return  # the residual bits below would be compared with themselves
     # The residual bits: the same as the XLA path's, bit for bit.
     op, impl = case.op, self.implementation()
-    ms = each_shape(lambda x: impl.forward(op, x)[1])(xs)
-    m_refs = each_shape(lambda x: base.XLA.forward(op, x)[1])(xs)
+    ms = jit_each(lambda x: impl.forward(op, x)[1])(xs)
+    m_refs = jit_each(lambda x: base.XLA.forward(op, x)[1])(xs)
     for shape, m, m_ref in zip(SHAPES, ms, m_refs):
       with self.subTest(shape=shape, residual="bits"):
         if m_ref is None:
@@ -163,7 +164,7 @@ class ActivationTestBase(ImplementationTestCase):
     shapes = (SHAPES[2], SHAPES[4])
     xs = [inputs(shape, dtype, seed=2) for shape in shapes]
     dx = lambda f: lambda x: jax.vjp(f, x)[1](jnp.ones(x.shape, x.dtype))[0]  # noqa: E731
-    gs, g_refs = each_shape(dx(case.fn(self.impl)))(xs), each_shape(dx(case.reference()))(xs)
+    gs, g_refs = jit_each(dx(case.fn(self.impl)))(xs), jit_each(dx(case.reference()))(xs)
     for shape, x, g, g_ref in zip(shapes, xs, gs, g_refs):
       with self.subTest(shape=shape):
         chex.assert_equal_shape([g, x])

@@ -51,7 +51,7 @@ class XlaActivationTest(test_base.ActivationTestBase):
     # claim is made; tests.DEFAULT_COMPILE — squareplus's cancellation for x < 0 shows -O0's
     # elemental code 1-2 ulp apart between the two programs)
     (_, ys), _ = tests.jit(jax.value_and_grad(loss, has_aux=True))(xs)
-    y_refs = tests.jit(lambda xs: [case.reference()(x) for x in xs])(xs)
+    y_refs = test_base.jit_each(case.reference(), jit=tests.jit)(xs)
     for dtype, y, y_ref in zip(test_base.DTYPES, ys, y_refs):
       with self.subTest(dtype=dtype):
         np.testing.assert_array_equal(test_base.raw_bits(y), test_base.raw_bits(y_ref))
